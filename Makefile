@@ -1,0 +1,25 @@
+# Two entry points for a fresh machine: `make train-mnist` and `make test`.
+# Each builds .venv on first use. torch is pinned to the build PyPI's torchvision
+# was compiled against: an unmatched torch (e.g. a local 2.13.0+cpu wheel) makes
+# torchvision fail to import ("operator torchvision::nms does not exist").
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.2
+
+.PHONY: venv train-mnist test clean
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q $(TORCH_PINS) -e '.[test]'
+	touch $@
+
+train-mnist: venv
+	$(VENV)/bin/ddpkit train --dataset mnist --model convnet --nproc 2 --epochs 2
+
+test: venv
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

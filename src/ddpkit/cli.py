@@ -1,0 +1,46 @@
+"""The ``ddpkit`` command line: parses, delegates, and turns user errors into one line.
+
+    ddpkit train --dataset mnist --nproc 2 --epochs 2
+    ddpkit eval RUN_DIR --nproc 2
+
+Each subcommand lives in ``ddpkit.commands`` and registers its own parser. ``train``
+flags are generated from :class:`ddpkit.config.TrainConfig`, so the flags and
+config.toml are two views of one dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import DdpkitError
+from .launch import WorkersFailed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .commands import COMMANDS
+
+    parser = argparse.ArgumentParser(prog="ddpkit", description="Data-parallel training with PyTorch DDP.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.register(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except DdpkitError as exc:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here; one reports
+            print(f"ddpkit: error: {exc}", file=sys.stderr)
+        return 2
+    except WorkersFailed as exc:
+        if not exc.reported:
+            print(f"ddpkit: error: {exc}; their output is above", file=sys.stderr)
+            return 1
+        return 2
+    except KeyboardInterrupt:
+        print("ddpkit: interrupted", file=sys.stderr)
+        return 130

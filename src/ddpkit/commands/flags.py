@@ -1,0 +1,49 @@
+"""``TrainConfig`` fields as argparse flags, and back.
+
+Flags default to SUPPRESS, so only what the user typed overrides the TOML file and
+the recipe; everything else stays ``None``/default and is resolved in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..config import TrainConfig
+
+
+def _parse_type(annotation: str):
+    if "bool" in annotation:
+        return bool
+    for name, typ in (("float", float), ("int", int)):
+        if name in annotation:
+            return typ
+    return str
+
+
+def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozenset()) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        section = f.metadata["section"]
+        group = groups.setdefault(section, parser.add_argument_group(section))
+        flag = "--" + f.name.replace("_", "-")
+        typ = _parse_type(str(f.type))
+        shown = "recipe" if f.default is None else f.default
+        text = f"{f.metadata['help']} (default: {shown})"
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
+    parser.add_argument("--config", dest="config_file", metavar="TOML", help="read config values from a TOML file; flags override it")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values: dict = {}
+    if getattr(args, "config_file", None):
+        values = TrainConfig.from_toml(args.config_file).to_dict()
+        values = {k: v for k, v in values.items() if v is not None}
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig.from_dict(values)

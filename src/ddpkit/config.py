@@ -1,0 +1,209 @@
+"""The run configuration: one frozen dataclass, shown as CLI flags and as TOML.
+
+Every field has a default, a section (for config.toml) and a one-line help text with
+units. ``None`` means "the recipe decides" (see :mod:`ddpkit.recipes`); ``resolved()``
+fills those in, checks every value once, and derives the run directory, so what is
+written to ``config.toml`` and into every snapshot is exactly what ran.
+
+    cfg = TrainConfig(dataset="mnist", epochs=2).resolved()
+    cfg.to_toml()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+
+def _f(default: Any, section: str, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"section": section, "help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # [data]
+    dataset: str = _f("mnist", "data", "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH")
+    data_dir: str = _f("data", "data", "where torchvision datasets are read from / downloaded to")
+    limit_train: int = _f(0, "data", "use only the first N training samples (0 = all)")
+    limit_test: int = _f(0, "data", "use only the first N test samples (0 = all)")
+    synthetic_shape: str = _f("3,32,32", "data", "C,H,W of the synthetic dataset's images")
+    synthetic_size: int = _f(50000, "data", "synthetic training samples (test set is a fifth of it)")
+    synthetic_classes: int = _f(10, "data", "synthetic class count")
+    image_size: int = _f(224, "data", "imagefolder: images are resized and centre-cropped to this many pixels")
+    num_workers: int = _f(2, "data", "DataLoader worker processes per rank (DataLoader path only)")
+    data_path: str = _f("auto", "data", "auto: device-resident when it fits, else host; or force device | host | loader",
+                        ("auto", "device", "host", "loader"))
+    device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
+    # [model]
+    model: Optional[str] = _f(None, "model", "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's)")
+    sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
+    channels_last: Optional[bool] = _f(None, "model", "NHWC activations (default: on for CUDA conv nets)")
+    compile: bool = _f(False, "model", "torch.compile the model; compile time is reported apart from train time")
+    compile_mode: str = _f("default", "model", "torch.compile mode",
+                           ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    ddp: bool = _f(True, "model", "wrap in DistributedDataParallel (only --no-ddp at world size 1, to measure the wrapper)")
+    # [optim]
+    recipe: str = _f("auto", "optim", "named preset filling every unset field below (auto: by dataset)")
+    optimizer: Optional[str] = _f(None, "optim", "sgd | adam | adamw", (None, "sgd", "adam", "adamw"))
+    lr: Optional[float] = _f(None, "optim", "peak learning rate (per global batch, not per sample)")
+    momentum: Optional[float] = _f(None, "optim", "SGD momentum / Adam beta1")
+    nesterov: Optional[bool] = _f(None, "optim", "Nesterov momentum (SGD only)")
+    weight_decay: Optional[float] = _f(None, "optim", "L2 weight decay (decoupled for adamw)")
+    schedule: Optional[str] = _f(None, "optim", "onecycle (linear up, linear down to 0) | cosine (linear warm-up) | constant",
+                                 (None, "onecycle", "cosine", "constant"))
+    warmup_frac: Optional[float] = _f(None, "optim", "fraction of all steps spent warming up (0..1)")
+    label_smoothing: Optional[float] = _f(None, "optim", "cross-entropy label smoothing (0..1)")
+    ema: Optional[float] = _f(None, "optim", "weight EMA decay per step, e.g. 0.999 (0 = off); eval uses the EMA")
+    tta: Optional[bool] = _f(None, "optim", "test-time augmentation: average logits over a horizontal flip")
+    # [train]
+    epochs: int = _f(2, "train", "passes over the training set")
+    batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
+    amp: str = _f("none", "train", "mixed precision: bf16 | fp16 (with GradScaler) | none", ("none", "bf16", "fp16"))
+    seed: int = _f(0, "train", "seed for weights, data order and augmentation")
+    log_every: int = _f(50, "train", "steps between metric logs (the only host syncs in an epoch)")
+    # [run]
+    run_dir: str = _f("", "run", "run directory (default: runs/<dataset>-<model>-<config hash>)")
+    device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
+    timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
+    progress: bool = _f(True, "run", "rich progress bar on rank 0")
+    # [launch]
+    nproc: str = _f("auto", "launch", "processes on this node: N, or auto (one per visible GPU, 1 on CPU)")
+
+    # ------------------------------------------------------------------ resolution
+    def resolved(self) -> "TrainConfig":
+        """Fill recipe fields, check every value, and fix the run directory."""
+        from . import recipes
+
+        cfg = recipes.apply(self)
+        cfg.validate()
+        if not cfg.run_dir:
+            cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / f"{_slug(cfg.dataset)}-{cfg.model}-{cfg.hash()[:8]}"))
+        return cfg
+
+    def validate(self) -> None:
+        from .data import check_dataset_name
+        from .models import MODELS
+
+        check_dataset_name(self.dataset)
+        if self.model not in MODELS and not str(self.model).startswith("custom:"):
+            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"--{_flag(f.name)} {getattr(self, f.name)!r} is not one of {[c for c in choices if c]}")
+        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every,
+                    "timeout_s": self.timeout_s, "synthetic_size": self.synthetic_size,
+                    "synthetic_classes": self.synthetic_classes, "image_size": self.image_size}
+        for name, value in positive.items():
+            if value is None or value <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if self.lr is None or not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        nonneg = {"limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
+                  "weight_decay": self.weight_decay, "momentum": self.momentum}
+        for name, value in nonneg.items():
+            if value < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {value}")
+        for name in ("warmup_frac", "label_smoothing", "ema"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.device_data_fraction <= 1:
+            raise ConfigError(f"--device-data-fraction must be in (0, 1], got {self.device_data_fraction}")
+        if self.nproc != "auto" and not (self.nproc.isdigit() and int(self.nproc) > 0):
+            raise ConfigError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
+        try:
+            shape = self.synthetic_shape_tuple
+        except ValueError:
+            shape = ()
+        if len(shape) != 3 or min(shape) <= 0:
+            raise ConfigError(f"--synthetic-shape must be C,H,W with positive ints, got {self.synthetic_shape!r}")
+
+    @property
+    def synthetic_shape_tuple(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.synthetic_shape.split(","))
+
+    # ------------------------------------------------------------------ identity
+    # Fields that change where or how verbosely a run happens, not what it computes:
+    # a run directory may be resumed with different values of these.
+    NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress",
+                              "nproc", "data_path", "device_data_fraction"})
+
+    def identity(self) -> dict:
+        return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
+
+    def hash(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def differing_keys(self, other: dict) -> list[str]:
+        """Identity keys whose values differ from ``other`` (a saved config dict)."""
+        mine = self.identity()
+        theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}
+        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        """Build from a flat or sectioned dict (as read from TOML); unknown keys are errors."""
+        flat: dict = {}
+        for key, value in values.items():
+            if isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(flat) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; see `ddpkit train --help` for the valid ones")
+        return cls(**flat)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "TrainConfig":
+        return cls.from_dict(read_toml(path))
+
+    def to_toml(self) -> str:
+        sections: dict[str, list[str]] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:  # TOML has no null; an unset field stays unset on reload
+                continue
+            sections.setdefault(f.metadata["section"], []).append(f"{f.name} = {_toml_value(value)}")
+        return "\n".join(f"[{name}]\n" + "\n".join(lines) + "\n" for name, lines in sections.items())
+
+
+def read_toml(path: str | Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string literal is a valid TOML basic string
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _slug(dataset: str) -> str:
+    if dataset.startswith("imagefolder:"):
+        return "imagefolder-" + (Path(dataset.split(":", 1)[1]).name or "data")
+    return dataset

@@ -1,0 +1,210 @@
+"""One rank's training run: the loop, and the only training loop in ddpkit.
+
+    with distributed(cfg.device, cfg.timeout_s) as ctx:
+        summary = Engine(cfg, ctx, model, splits).fit()
+
+The step (:meth:`Engine._step`) is free of host syncs: no ``.item()``, no print, no
+host copy. Loss and accuracy accumulate on the device and are all-reduced every
+``--log-every`` steps. The checkpointer, the logger and the run-dir writers are called
+on every rank and decide themselves that only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .checkpoint import Checkpointer, set_rng_state
+from .data import DataSplits, ImageData
+from .data.loader import Preprocess, make_train_source
+from .dist import DistContext
+from .evaluate import evaluate
+from .metrics import Accumulator, MetricLogger, peak_memory_mb
+from .models import uses_conv
+from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule
+from .rundir import write_config, write_model, write_summary
+from .syncbn import convert_sync_batchnorm
+
+
+class Engine:
+    def __init__(self, cfg, ctx: DistContext, model: nn.Module, splits: DataSplits, static_graph: bool = False):
+        self.cfg, self.ctx, self.meta = cfg, ctx, splits.meta
+        self.per_rank_batch = cfg.batch_size // ctx.world_size
+        self.train_src = make_train_source(splits.train, splits.meta, cfg, ctx, self.per_rank_batch)
+        self.test_data = splits.test
+        if getattr(self.train_src, "on_device", False) and isinstance(self.test_data, ImageData):
+            self.test_data = ImageData(self.test_data.images.to(ctx.device), self.test_data.labels.to(ctx.device))
+        self.raw, self.model = self._setup_model(model, static_graph)
+        self.opt = build_optimizer(self.raw, cfg, ctx.device)
+        self.total_steps = cfg.epochs * self.train_src.steps_per_epoch
+        self.sched = build_schedule(self.opt, cfg, self.total_steps)
+        self.scaler = build_scaler(cfg, ctx.device)
+        self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.autocast = autocast(cfg, ctx.device)
+        self.acc = Accumulator(ctx.device)
+        self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg)
+        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress)
+        # position and totals: part of every snapshot
+        self.epoch = self.step_in_epoch = self.global_step = 0
+        self.train_time_s = self.compile_time_s = 0.0
+        self.final_train_loss: float | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup_model(self, model: nn.Module, static_graph: bool) -> tuple[nn.Module, nn.Module]:
+        cfg, ctx = self.cfg, self.ctx
+        raw = model.to(ctx.device)
+        if cfg.sync_bn:
+            raw = convert_sync_batchnorm(raw)  # before the DDP wrap, so DDP sees the final modules
+        if cfg.channels_last and uses_conv(raw):
+            raw = raw.to(memory_format=torch.channels_last)
+        wrapped = raw
+        if cfg.ddp:
+            wrapped = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                          gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
+                          static_graph=static_graph)
+        if cfg.compile:
+            wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
+        torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
+        return raw, wrapped
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
+                "ema": self.ema.state_dict() if self.ema else None,
+                "position": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step},
+                "timing": {"train_time_s": self.train_time_s, "compile_time_s": self.compile_time_s,
+                           "final_train_loss": self.final_train_loss},
+                "rank_state": {"acc": self.acc.sums.clone()}}
+
+    def load_state_dict(self, snap: dict) -> None:
+        state = snap["trainer"]
+        self.raw.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.ema:
+            self.ema.load_state_dict(state["ema"])
+        pos = state["position"]
+        self.epoch, self.step_in_epoch, self.global_step = pos["epoch"], pos["step_in_epoch"], pos["global_step"]
+        self.train_time_s = state["timing"]["train_time_s"]
+        self.compile_time_s = state["timing"]["compile_time_s"]
+        self.final_train_loss = state["timing"]["final_train_loss"]
+        mine = snap["ranks"][self.ctx.rank]
+        self.acc.sums.copy_(mine["rank_state"]["acc"])
+        set_rng_state(mine["rng"], self.ctx.device)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        snap = self.ckpt.load_latest(warn=self.log.print)
+        if snap is not None:
+            self.load_state_dict(snap)
+        write_config(self.cfg, self.ctx)
+        self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
+                     device=str(self.ctx.device), data_path=self.train_src.path,
+                     steps_per_epoch=self.train_src.steps_per_epoch, per_rank_batch=self.per_rank_batch,
+                     resumed_at_step=self.global_step if snap else None)
+        try:
+            while self.epoch < self.cfg.epochs:
+                self._run_epoch()
+        finally:
+            self.log.close()
+        return self._finish()
+
+    def _run_epoch(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.model.train()
+        steps = self.train_src.steps_per_epoch
+        # After a mid-epoch resume the restored accumulator already holds the epoch's earlier
+        # samples; the first interval must count only new ones. (Same condition on every rank.)
+        sums = self.acc.global_sums(ctx) if self.step_in_epoch else (0.0, 0.0)
+        t0 = time.perf_counter()
+        self._interval_start(t0, sums)
+        for x, y in self.train_src.batches(self.epoch, self.step_in_epoch):
+            if cfg.compile and self.global_step == 0:
+                self._compile_step(x, y)
+                t0 += self.compile_time_s
+                self._interval_start(time.perf_counter(), sums)
+            else:
+                self._step(x, y)
+            self.step_in_epoch += 1
+            self.global_step += 1
+            if self.step_in_epoch % cfg.log_every == 0 or self.step_in_epoch == steps:
+                self._log_interval()
+        loss_sum, correct = self.acc.global_sums(ctx)  # syncs the device, so the time below is real
+        epoch_time = time.perf_counter() - t0
+        self.train_time_s += epoch_time
+        seen = steps * self.per_rank_batch * ctx.world_size
+        self._end_epoch(loss_sum / seen, correct / seen, epoch_time, seen)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One optimisation step. Hot path: no host sync of any kind."""
+        with self.autocast:
+            logits = self.model(x)
+            loss = self.criterion(logits, y)
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        if self.ema is not None:
+            self.ema.update(self.raw)
+        self.acc.add(loss, logits, y)
+
+    def _compile_step(self, x, y) -> None:
+        """The first step of a compiled run, timed apart: it includes compilation."""
+        t = time.perf_counter()
+        self._step(x, y)
+        self.acc.global_sums(self.ctx)  # sync
+        self.compile_time_s = time.perf_counter() - t
+
+    def _interval_start(self, now: float, sums: tuple[float, float]) -> None:
+        self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, sums
+
+    def _log_interval(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        loss_sum, correct = self.acc.global_sums(ctx)
+        now = time.perf_counter()
+        base_loss, _ = self._sums_last
+        n = (self.step_in_epoch - self._step_last) * self.per_rank_batch * ctx.world_size
+        self.log.log("step", epoch=self.epoch, step=self.global_step, loss=(loss_sum - base_loss) / max(1, n),
+                     lr=self.sched.get_last_lr()[0], samples_per_s=n / max(1e-9, now - self._t_last))
+        self.log.progress(self.global_step, f"epoch {self.epoch} loss {(loss_sum - base_loss) / max(1, n):.4f}")
+        self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, (loss_sum, correct)
+
+    def _end_epoch(self, train_loss: float, train_acc: float, epoch_time: float, seen: int) -> None:
+        result = self._evaluate()
+        self.log.log("epoch", epoch=self.epoch, train_loss=train_loss, train_accuracy=train_acc, **result,
+                     epoch_time_s=epoch_time, samples_per_s=seen / max(1e-9, epoch_time),
+                     peak_memory_mb=peak_memory_mb(self.ctx))
+        self.final_train_loss = train_loss
+        self.epoch += 1
+        self.step_in_epoch = 0
+        self.acc.reset()
+        self.ckpt.save(self.state_dict(), self.global_step)
+
+    def _evaluate(self) -> dict:
+        pre = Preprocess(self.meta, self.ctx.device, bool(self.cfg.channels_last))
+        model = self.ema.module if self.ema is not None else self.raw
+        return evaluate(model, self.test_data, pre, self.cfg, self.ctx, max(256, self.per_rank_batch))
+
+    def _finish(self) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        result = self._evaluate()
+        model = self.ema.module if self.ema is not None else self.raw
+        write_model(cfg.run_dir, model, ctx)
+        summary = {"world_size": ctx.world_size, "backend": ctx.backend, "device_type": ctx.device.type,
+                   "dataset": cfg.dataset, "model": cfg.model, "recipe": cfg.recipe, "epochs": cfg.epochs,
+                   "global_batch_size": self.per_rank_batch * ctx.world_size, "steps": self.global_step,
+                   "data_path": self.train_src.path, "train_time_s": round(self.train_time_s, 4),
+                   "compile_time_s": round(self.compile_time_s, 4),
+                   "samples_per_s": self.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.train_time_s),
+                   "final_train_loss": self.final_train_loss, **result,
+                   "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash()}
+        write_summary(cfg.run_dir, summary, ctx)
+        self.log.log("summary", **{k: summary[k] for k in ("test_accuracy", "test_samples", "train_time_s", "samples_per_s")})
+        return summary

@@ -1,0 +1,102 @@
+"""Metrics: device-side accumulation, interval all-reduces, and rank-0 output.
+
+The step only adds to a device tensor (:class:`Accumulator`); the loop reads it every
+``--log-every`` steps through one all-reduce and one host copy. :class:`MetricLogger`
+is called on every rank and decides itself that only global rank 0 writes
+``metrics.jsonl`` and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .dist import DistContext
+
+
+class Accumulator:
+    """Running [loss sum, correct count] of this rank's epoch, kept on the device."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        n = labels.shape[0]
+        correct = (logits.argmax(1) == labels).sum()
+        self.sums += torch.stack([loss.detach().double() * n, correct.double()])
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+    def global_sums(self, ctx: DistContext) -> tuple[float, float]:
+        """All-reduced (loss sum, correct); a collective and a host sync: call at intervals only."""
+        loss_sum, correct = ctx.all_reduce(self.sums.clone()).tolist()
+        return loss_sum, correct
+
+
+def peak_memory_mb(ctx: DistContext) -> float:
+    """Peak over ranks: CUDA max allocated, or the process's peak RSS on CPU (MiB). A collective."""
+    if ctx.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    else:
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    t = torch.tensor([mine], dtype=torch.float64, device=ctx.device)
+    return ctx.all_reduce(t, op=torch.distributed.ReduceOp.MAX).item()
+
+
+class MetricLogger:
+    """metrics.jsonl, console lines and a rich progress bar, all from global rank 0 only."""
+
+    def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True):
+        self.main = ctx.is_main
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.bar = None
+        if self.main and progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)
+            self.task = self.bar.add_task("train", total=total_steps, info="")
+            self.bar.start()
+
+    def log(self, event: str, **values) -> None:
+        if not self.main:
+            return
+        record = {"event": event, "time": round(time.time(), 3), **values}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if event != "step" or self.bar is None:  # with a bar, step figures go into the bar instead
+            self.print(_format(record))
+
+    def progress(self, global_step: int, info: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=global_step, info=info)
+
+    def print(self, line: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _format(record: dict) -> str:
+    skip = {"event", "time"}
+    parts = []
+    for key, value in record.items():
+        if key in skip:
+            continue
+        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return f"[{record['event']}] " + " ".join(parts)

@@ -1,0 +1,110 @@
+"""Models: a plain dict registry. Every builder takes (channels, height, width, classes).
+
+    model = MODELS["resnet9"](3, 32, 32, 10)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+
+def conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class ConvNet(nn.Module):
+    """The MNIST seed's ConvNet: two 5x5 conv+BN+ReLU+maxpool blocks and one linear layer."""
+
+    def __init__(self, channels: int = 1, height: int = 28, width: int = 28, classes: int = 10):
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Conv2d(channels, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear((height // 4) * (width // 4) * 32, classes)  # 7*7*32 for 28x28 inputs
+
+    def forward(self, x):
+        return self.fc(self.layer2(self.layer1(x)).flatten(1))
+
+
+class SimpleCNN(nn.Module):
+    """The CIFAR seed's SimpleCNN: three conv+BN blocks, fc 4096->512->classes, dropout 0.5."""
+
+    def __init__(self, channels: int = 3, height: int = 32, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(conv_bn(channels, 64), nn.MaxPool2d(2), conv_bn(64, 128), nn.MaxPool2d(2),
+                                      conv_bn(128, 256), nn.MaxPool2d(2))
+        flat = 256 * (height // 8) * (width // 8)  # 4096 for 32x32 inputs
+        self.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(flat, 512), nn.ReLU(inplace=True),
+                                        nn.Dropout(0.5), nn.Linear(512, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+class Residual(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.body = nn.Sequential(conv_bn(c, c), conv_bn(c, c))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class ResNet9(nn.Module):
+    """Page's DAWNBench ResNet-9: prep, three pooled stages (two residual), max-pool, scaled fc."""
+
+    def __init__(self, channels: int = 3, height: int = 32, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(
+            conv_bn(channels, 64),
+            conv_bn(64, 128), nn.MaxPool2d(2), Residual(128),
+            conv_bn(128, 256), nn.MaxPool2d(2),
+            conv_bn(256, 512), nn.MaxPool2d(2), Residual(512),
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(512, classes, bias=False))
+        self.scale = 0.125  # Page scales the logits down; it steadies the high-lr start
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def resnet18(channels: int, height: int, width: int, classes: int) -> nn.Module:
+    """torchvision's ResNet-18; small inputs (<= 64 px) get a 3x3 stride-1 stem and no max-pool."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=classes)
+    if min(height, width) <= 64:
+        model.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif channels != 3:
+        model.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
+    return model
+
+
+class MLP(nn.Module):
+    def __init__(self, channels: int, height: int, width: int, classes: int, hidden: int = 512):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(channels * height * width, hidden), nn.ReLU(inplace=True),
+                                 nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+MODELS: dict[str, Callable[[int, int, int, int], nn.Module]] = {
+    "convnet": ConvNet,
+    "cnn": SimpleCNN,
+    "resnet9": ResNet9,
+    "resnet18": resnet18,
+    "mlp": MLP,
+}
+
+
+def build_model(name: str, channels: int, height: int, width: int, classes: int) -> nn.Module:
+    return MODELS[name](channels, height, width, classes)
+
+
+def uses_conv(model: nn.Module) -> bool:
+    """channels_last only pays off for convolutional nets."""
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+

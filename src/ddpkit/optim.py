@@ -1,0 +1,99 @@
+"""Optimizer, learning-rate schedule, mixed precision and weight EMA, built from the config.
+
+All schedules are per step (not per epoch) and are plain LambdaLR factors, so their
+state is two integers and a resumed run continues on exactly the same curve.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        kwargs = dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                      weight_decay=cfg.weight_decay)
+    else:
+        kwargs = dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+    # fused kernels on CUDA (one launch for all params), foreach elsewhere; both are exact re-orderings
+    # of the same per-parameter update, so results match the for-loop version to rounding.
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    try:
+        return OPTIMIZERS[cfg.optimizer](params, **kwargs, **impl)
+    except (RuntimeError, TypeError):  # older torch without fused support for this optimizer
+        return OPTIMIZERS[cfg.optimizer](params, **kwargs, foreach=True)
+
+
+class ScheduleFactor:
+    """lr multiplier at a step. A callable object (not a lambda) so LambdaLR can save it."""
+
+    def __init__(self, kind: str, total_steps: int, warmup_frac: float):
+        self.kind, self.total = kind, max(1, total_steps)
+        self.warmup = int(round(warmup_frac * self.total))
+
+    def __call__(self, step: int) -> float:
+        if self.kind == "constant":
+            return 1.0
+        if step < self.warmup:  # onecycle starts at lr/25 like torch's OneCycleLR; cosine at 0
+            start = 1 / 25 if self.kind == "onecycle" else 0.0
+            return start + (1 - start) * step / self.warmup
+        frac = (step - self.warmup) / max(1, self.total - self.warmup)
+        if self.kind == "onecycle":
+            return max(0.0, 1.0 - frac)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def build_schedule(opt: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, ScheduleFactor(cfg.schedule, total_steps, cfg.warmup_frac))
+
+
+def autocast(cfg, device: torch.device):
+    if cfg.amp == "none":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
+
+
+def build_scaler(cfg, device: torch.device):
+    """GradScaler for fp16 only: bf16 has fp32's exponent range and needs no loss scaling."""
+    enabled = cfg.amp == "fp16"
+    try:
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    except AttributeError:  # torch < 2.3
+        return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+
+
+class EMA:
+    """Exponential moving average of the weights (and a copy of the buffers), updated per step."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.module = _clone(model)
+        self.params = [p for p in self.module.parameters()]
+        self.src = [p for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        torch._foreach_lerp_(self.params, [p.detach() for p in self.src], 1 - self.decay)
+        for b_ema, b in zip(self.module.buffers(), model.buffers()):
+            b_ema.copy_(b)
+
+    def state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)
+
+
+def _clone(model: nn.Module) -> nn.Module:
+    import copy
+
+    clone = copy.deepcopy(model)
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone
