@@ -44,6 +44,12 @@ class DistContext:
             dist.all_reduce(tensor, op=op)
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from global rank ``src``; every rank must call it."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
+        return tensor
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -58,7 +58,7 @@ class Engine:
         cfg, ctx = self.cfg, self.ctx
         raw = model.to(ctx.device)
         if cfg.sync_bn:
-            raw = convert_sync_batchnorm(raw)  # before the DDP wrap, so DDP sees the final modules
+            raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
         if cfg.channels_last and uses_conv(raw):
             raw = raw.to(memory_format=torch.channels_last)
         wrapped = raw
@@ -190,6 +190,10 @@ class Engine:
     def _evaluate(self) -> dict:
         pre = Preprocess(self.meta, self.ctx.device, bool(self.cfg.channels_last))
         model = self.ema.module if self.ema is not None else self.raw
+        # DDP broadcasts rank 0's buffers (BN running stats) at the start of each forward, so after
+        # the last step every other rank still holds its own. Evaluate what model.pt will hold.
+        for buf in model.buffers():
+            self.ctx.broadcast(buf)
         return evaluate(model, self.test_data, pre, self.cfg, self.ctx, max(256, self.per_rank_batch))
 
     def _finish(self) -> dict:
@@ -206,5 +210,6 @@ class Engine:
                    "final_train_loss": self.final_train_loss, **result,
                    "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash()}
         write_summary(cfg.run_dir, summary, ctx)
-        self.log.log("summary", **{k: summary[k] for k in ("test_accuracy", "test_samples", "train_time_s", "samples_per_s")})
+        self.log.log("summary", **{k: summary[k] for k in ("test_accuracy", "test_samples", "train_time_s",
+                                                          "samples_per_s", "run_dir")})
         return summary

@@ -15,8 +15,5 @@ def register(parser) -> None:
 def run(args) -> int:
     from ..trainer import Trainer
 
-    summary = Trainer(config_from_args(args)).fit()
-    if summary is not None:
-        print(f"ddpkit: test_accuracy={summary['test_accuracy']:.4f} over {summary['test_samples']} samples; "
-              f"run dir {summary['run_dir']}")
+    Trainer(config_from_args(args)).fit()  # rank 0 prints the summary and where it was written
     return 0

@@ -1,0 +1,58 @@
+"""Bad input through the real CLI: one line, non-zero exit, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import cli_env, run_cli
+from test_data_formats import write_fashion
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--dataset", "imagenet"], ["unknown dataset 'imagenet'"]),
+    (["--model", "vgg"], ["unknown model 'vgg'", "convnet"]),
+    (["--batch-size", "255", "--nproc", "2"], ["not divisible by the world size 2", "254 or 256"]),
+    (["--epochs", "0"], ["--epochs must be positive"]),
+    (["--lr", "-0.1"], ["--lr must be positive"]),
+])
+def test_bad_flags(tmp_path, args, fragments):
+    proc = run_cli("train", "--run-dir", str(tmp_path / "run"), *args)
+    assert_one_line_error(proc, *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_dataset_offline_names_directory(tmp_path):
+    proc = run_cli("train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, f"dataset files missing in {tmp_path}/d/cifar-10-batches-py", "data_batch_1")
+
+
+def test_corrupt_idx_names_the_file(tmp_path):
+    folder = write_fashion(tmp_path, np.random.default_rng(0))
+    path = folder / "t10k-labels-idx1-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-5])
+    proc = run_cli("train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(proc, str(path))
+
+
+def test_under_torchrun_an_error_is_reported_once(tmp_path):
+    proc = run_cli("--nproc-per-node", "2", "-m", "ddpkit", "train", "--model", "vgg", module="torch.distributed.run")
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("ddpkit: error: unknown model 'vgg'") == 1
+
+
+def test_help_lists_the_subcommands():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "train" in proc.stdout and "eval" in proc.stdout
+    assert sys.executable and cli_env()["PYTHONPATH"]

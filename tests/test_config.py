@@ -1,0 +1,81 @@
+"""The frozen config: recipes, validation, TOML round trip, identity, and the flags generated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddpkit.cli import build_parser
+from ddpkit.commands.flags import config_from_args
+from ddpkit.config import TrainConfig
+from ddpkit.errors import ConfigError
+
+
+def test_recipe_fills_unset_fields_and_flags_win():
+    cfg = TrainConfig(dataset="mnist").resolved()
+    assert cfg.recipe == "mnist" and cfg.model == "convnet" and cfg.lr == 0.1 and cfg.batch_size == 128
+    cfg = TrainConfig(dataset="mnist", lr=0.3, model="mlp").resolved()
+    assert cfg.lr == 0.3 and cfg.model == "mlp"
+    assert TrainConfig(dataset="cifar10").resolved().model == "resnet9"
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainConfig().epochs = 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dataset="nope"), "unknown dataset 'nope'"),
+    (dict(model="nope"), "unknown model 'nope'"),
+    (dict(epochs=0), "--epochs must be positive"),
+    (dict(lr=-0.1), "--lr must be positive"),
+    (dict(amp="fp8"), "--amp 'fp8' is not one of"),
+    (dict(nproc="two"), "--nproc must be a positive integer or 'auto'"),
+    (dict(recipe="fast"), "unknown recipe 'fast'"),
+])
+def test_invalid_values_name_the_flag(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs).resolved()
+
+
+def test_toml_round_trip_and_identity(tmp_path):
+    cfg = TrainConfig(dataset="synthetic", synthetic_shape="3,16,16", epochs=3).resolved()
+    (tmp_path / "c.toml").write_text(cfg.to_toml())
+    again = TrainConfig.from_toml(tmp_path / "c.toml")
+    assert again == cfg and again.hash() == cfg.hash()
+    assert "[optim]" in cfg.to_toml() and "lr = 0.4" in cfg.to_toml()
+    moved = dataclasses.replace(cfg, run_dir="elsewhere", log_every=7)
+    assert moved.hash() == cfg.hash()  # where and how verbosely a run happens is not its identity
+    assert cfg.differing_keys(dataclasses.replace(cfg, seed=9, lr=1.0).to_dict()) == ["lr", "seed"]
+
+
+def test_default_run_dir_is_stable_per_config():
+    a, b = TrainConfig(seed=1).resolved(), TrainConfig(seed=1).resolved()
+    assert a.run_dir == b.run_dir and a.run_dir.startswith("runs/mnist-convnet-")
+    assert TrainConfig(seed=2).resolved().run_dir != a.run_dir
+
+
+def test_unknown_toml_key(tmp_path):
+    (tmp_path / "c.toml").write_text("[train]\nepoch = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['epoch'\]"):
+        TrainConfig.from_toml(tmp_path / "c.toml")
+
+
+def test_flags_are_the_dataclass_fields_and_override_toml(tmp_path):
+    (tmp_path / "c.toml").write_text("[train]\nepochs = 5\nseed = 4\n")
+    args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--epochs", "2",
+                                      "--no-progress", "--sync-bn", "--lr", "0.2"])
+    cfg = config_from_args(args)
+    assert (cfg.epochs, cfg.seed, cfg.progress, cfg.sync_bn, cfg.lr) == (2, 4, False, True, 0.2)
+    assert cfg.momentum is None  # untyped flags stay unset for the recipe
+
+
+def test_cli_surface_is_frozen():
+    """Every config field is a flag; renaming one is a breaking change and must be deliberate."""
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    flags = {opt for action in train._actions for opt in action.option_strings}
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in flags
+    assert {"--config", "--nproc", "--batch-size", "--amp", "--sync-bn", "--epochs"} <= flags

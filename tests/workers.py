@@ -1,0 +1,65 @@
+"""Worker functions for multi-process tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.data import ImageData, Meta
+from ddpkit.data.loader import Preprocess
+from ddpkit.dist import distributed
+from ddpkit.evaluate import evaluate
+
+
+class CountingModel(nn.Module):
+    """Predicts class 0 for every sample: correct count == number of label-0 samples."""
+
+    def forward(self, x):
+        out = torch.zeros(len(x), 10)
+        out[:, 0] = 1
+        return out
+
+
+def eval_counts(n: int) -> dict:
+    with distributed("cpu") as ctx:
+        labels = torch.arange(n) % 10
+        data = ImageData(torch.zeros(n, 1, 4, 4, dtype=torch.uint8), labels)
+        pre = Preprocess(Meta(1, 4, 4, 10, (0.0,), (1.0,)), ctx.device, False)
+        cfg = SimpleNamespace(amp="none", tta=False, num_workers=0)
+        result = evaluate(CountingModel(), data, pre, cfg, ctx, batch=16)
+        return {**result, "world": ctx.world_size, "expected_correct": int((labels == 0).sum())}
+
+
+def syncbn_vs_bn(seed: int) -> dict:
+    """2 ranks with SyncBatchNorm on half a batch each vs plain BN on the whole batch (rank 0 compares)."""
+    from ddpkit.syncbn import convert_sync_batchnorm
+
+    with distributed("cpu") as ctx:
+        torch.manual_seed(seed)
+        full = torch.randn(8, 3, 5, 5) * 3 + 1
+        bn = nn.BatchNorm2d(3)
+        sync = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ctx.device)
+        sync.load_state_dict(nn.Sequential(bn).state_dict())
+        mine = full.chunk(ctx.world_size)[ctx.rank].clone().requires_grad_(True)
+        out = sync(mine)
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()  # a non-trivial upstream gradient
+        ref_in = full.clone().requires_grad_(True)
+        ref_out = bn(ref_in)
+        pattern = torch.cat([torch.arange(out.numel()).view_as(out)] * ctx.world_size)  # every rank's upstream grad
+        (ref_out * pattern).sum().backward()
+        grads = sync[0].weight.grad.clone()
+        dist.all_reduce(grads)  # DDP would sum the per-rank parameter grads likewise
+        checks = {
+            "out": torch.allclose(out, ref_out.chunk(ctx.world_size)[ctx.rank], atol=1e-5),
+            "input_grad": torch.allclose(mine.grad, ref_in.grad.chunk(ctx.world_size)[ctx.rank], atol=1e-4),
+            "weight_grad": torch.allclose(grads, bn.weight.grad * 1.0, atol=1e-3) if ctx.world_size > 1 else None,
+            "running_var": torch.allclose(sync[0].running_var, bn.running_var, atol=1e-5),
+            "running_mean": torch.allclose(sync[0].running_mean, bn.running_mean, atol=1e-5),
+        }
+        flags = torch.tensor([float(all(v for v in checks.values() if v is not None))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return {"all_ranks_ok": bool(flags.item()), "rank0": {k: bool(v) for k, v in checks.items() if v is not None},
+                "type": type(sync[0]).__name__}
