@@ -74,7 +74,7 @@ class Checkpointer:
         path = self.dir / f"snapshot-{global_step:09d}.pt"
         if self.ctx.is_main:
             snapshot = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
-                        "world_size": self.ctx.world_size, "versions": {"ddpkit": __version__, "torch": torch.__version__},
+                        "world_size": self.ctx.world_size, "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
                         "global_step": global_step, "trainer": trainer_state, "ranks": gathered}
             atomic_write(path, torch_bytes(snapshot))
             for old in self.snapshots()[self.keep:]:
