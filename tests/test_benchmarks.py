@@ -1,0 +1,21 @@
+"""The pipelines harness runs end to end in a tiny configuration (its figures are not asserted)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, cli_env
+
+
+def test_pipelines_harness_runs(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipelines.py"), "--limit-train", "800",
+                           "--batch-size", "100", "--json", str(out)], env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    for key in ("seed_samples_per_s", "ddpkit_samples_per_s", "speedup", "world1_ddp_samples_per_s",
+                "world1_no_ddp_samples_per_s", "ddp_wrapper_overhead"):
+        assert figures[key] == figures[key] and key in figures  # present and not NaN
+    assert figures["seed_samples_per_s"] > 0 and figures["ddpkit_samples_per_s"] > 0
+    assert "(a) seed-style pipeline" in proc.stdout and "ratio" in proc.stdout
