@@ -99,7 +99,15 @@ def distributed(device: str = "auto", timeout_s: float = 600.0) -> Iterator[Dist
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    ok = False
     try:
         yield DistContext(rank, local_rank, world, local_world, dev, backend)
+        ok = True
     finally:
+        if ok and world > 1:
+            # Let every rank's last collective finish before any rank tears down its gloo/NCCL
+            # threads: a rank that exits while a peer is mid-collective can abort
+            # ("terminate called without an active exception"). Skipped on error: a dead peer
+            # would make it wait for the full timeout.
+            dist.barrier()
         dist.destroy_process_group()
