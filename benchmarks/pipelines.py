@@ -10,7 +10,9 @@
 (c) ddpkit at world size 1 with and without the DDP wrapper, for the wrapper's overhead.
 
 Both throughputs count training-loop time only (no process start or data decoding
-before the loop). Prints a table and, with --json, writes the figures.
+before the loop). With --repeats N the four runs go round N times, interleaved so that a
+slow spell on a shared machine hits every pipeline alike, and each figure is the median.
+Prints a table and, with --json, writes the figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import gzip
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -93,35 +96,44 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--limit-train", type=int, default=0, help="first N training samples (0 = all 60000)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all four runs; figures are medians")
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
 
     root = torchvision_mnist_root()
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-runs-"))
+    rounds = []
     try:
         common = dict(dataset="mnist", model="convnet", batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                       limit_train=args.limit_train, device="cpu")
-        seed = launch(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train), args.nproc)
-        ours = ddpkit_run(work / "ddp", nproc=str(args.nproc), **common)
-        one_ddp = ddpkit_run(work / "w1-ddp", nproc="1", **common)
-        one_raw = ddpkit_run(work / "w1-noddp", nproc="1", ddp=False, **common)
+        for r in range(args.repeats):
+            seed = launch(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train), args.nproc)
+            ours = ddpkit_run(work / f"ddp-{r}", nproc=str(args.nproc), **common)
+            one_ddp = ddpkit_run(work / f"w1-ddp-{r}", nproc="1", **common)
+            one_raw = ddpkit_run(work / f"w1-noddp-{r}", nproc="1", ddp=False, **common)
+            rounds.append({"seed": seed["samples_per_s"], "ddpkit": ours["samples_per_s"],
+                           "w1_ddp": one_ddp["samples_per_s"], "w1_raw": one_raw["samples_per_s"],
+                           "ddpkit_test_accuracy": ours["test_accuracy"]})
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     figures = {
         "config": {**vars(args), "json": None, "torch": str(torch.__version__)},
-        "seed_samples_per_s": seed["samples_per_s"],
-        "ddpkit_samples_per_s": ours["samples_per_s"],
-        "speedup": ours["samples_per_s"] / seed["samples_per_s"],
-        "ddpkit_test_accuracy": ours["test_accuracy"],
-        "world1_ddp_samples_per_s": one_ddp["samples_per_s"],
-        "world1_no_ddp_samples_per_s": one_raw["samples_per_s"],
-        "ddp_wrapper_overhead": 1 - one_ddp["samples_per_s"] / one_raw["samples_per_s"],
+        "seed_samples_per_s": med["seed"],
+        "ddpkit_samples_per_s": med["ddpkit"],
+        "speedup": med["ddpkit"] / med["seed"],
+        "ddpkit_test_accuracy": med["ddpkit_test_accuracy"],
+        "world1_ddp_samples_per_s": med["w1_ddp"],
+        "world1_no_ddp_samples_per_s": med["w1_raw"],
+        "ddp_wrapper_overhead": 1 - med["w1_ddp"] / med["w1_raw"],
+        "rounds": rounds,
     }
-    print(f"world {args.nproc}, global batch {args.batch_size}, {args.epochs} epoch(s), ConvNet on MNIST, CPU")
+    print(f"world {args.nproc}, global batch {args.batch_size}, {args.epochs} epoch(s), ConvNet on MNIST, CPU, "
+          f"median of {args.repeats} round(s)")
     print(f"  (a) seed-style pipeline : {figures['seed_samples_per_s']:9.0f} samples/s")
     print(f"  (b) ddpkit              : {figures['ddpkit_samples_per_s']:9.0f} samples/s   "
-          f"ratio {figures['speedup']:.2f}x   test acc {ours['test_accuracy']:.4f}")
+          f"ratio {figures['speedup']:.2f}x   test acc {figures['ddpkit_test_accuracy']:.4f}")
     print(f"  (c) world 1, DDP        : {figures['world1_ddp_samples_per_s']:9.0f} samples/s")
     print(f"      world 1, no DDP     : {figures['world1_no_ddp_samples_per_s']:9.0f} samples/s   "
           f"wrapper overhead {100 * figures['ddp_wrapper_overhead']:.1f}%")

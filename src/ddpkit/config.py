@@ -44,7 +44,7 @@ class TrainConfig:
     # [model]
     model: Optional[str] = _f(None, "model", "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's)")
     sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
-    channels_last: Optional[bool] = _f(None, "model", "NHWC activations (default: on for CUDA conv nets)")
+    channels_last: Optional[bool] = _f(None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)")
     compile: bool = _f(False, "model", "torch.compile the model; compile time is reported apart from train time")
     compile_mode: str = _f("default", "model", "torch.compile mode",
                            ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))

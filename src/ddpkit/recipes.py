@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from .dist import resolve_device_type
 from .errors import ConfigError
 
 # Fallbacks for anything no recipe sets.
@@ -49,7 +48,9 @@ def apply(cfg):
         raise ConfigError(f"unknown recipe {name!r}; choose one of: auto, {', '.join(RECIPES)}")
     values = {**BASE, **RECIPES[name]}
     if cfg.channels_last is None:
-        # NHWC pays off with cuDNN/tensor cores; on CPU the seed nets run as fast or faster in NCHW.
-        values["channels_last"] = resolve_device_type(cfg.device) == "cuda"
+        # NHWC pays off on both engines: cuDNN/tensor cores on CUDA, and oneDNN's NHWC kernels on
+        # CPU (seed ConvNet fwd+bwd+step, batch 100, one thread: 29.3 ms NCHW vs 23.2 ms NHWC;
+        # resnet9 batch 32: 582 vs 481 ms). The engine ignores it for models without convolutions.
+        values["channels_last"] = True
     filled = {k: v for k, v in values.items() if getattr(cfg, k, 0) is None}
     return dataclasses.replace(cfg, recipe=name, **filled)
