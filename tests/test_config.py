@@ -33,6 +33,11 @@ def test_frozen():
     (dict(amp="fp8"), "--amp 'fp8' is not one of"),
     (dict(nproc="two"), "--nproc must be a positive integer or 'auto'"),
     (dict(recipe="fast"), "unknown recipe 'fast'"),
+    (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (dict(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint must be HOST:PORT, got 'node0'"),
+    (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
+    (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
+    (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
 ])
 def test_invalid_values_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,3 +84,11 @@ def test_cli_surface_is_frozen():
     for f in dataclasses.fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in flags
     assert {"--config", "--nproc", "--batch-size", "--amp", "--sync-bn", "--epochs"} <= flags
+
+
+def test_fault_tolerance_and_launch_flags_do_not_change_the_run_identity():
+    """A run may be resumed with other snapshot/restart/rendezvous settings: same hash, same run."""
+    base = TrainConfig(dataset="mnist").resolved()
+    other = TrainConfig(dataset="mnist", save_every_steps=10, keep_snapshots=5, max_restarts=3, on_nan="warn",
+                        nnodes=2, rdzv_endpoint="h:1", rdzv_id="x", local_addr="10.0.0.2").resolved()
+    assert base.hash() == other.hash()

@@ -1,7 +1,11 @@
-"""--nproc resolution and the CPU thread budget."""
+"""--nproc resolution, the CPU thread budget, launch specs and the agent's configuration."""
+
+import dataclasses
 
 import pytest
 import torch
+
+from ddpkit.config import TrainConfig
 
 from ddpkit import dist, launch
 from ddpkit.errors import ConfigError
@@ -31,5 +35,37 @@ def test_under_torchrun_nothing_is_relaunched(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert launch.resolve_nproc("auto", "cpu") == 2 and launch.world_size(2) == 4
-    assert launch.launch(lambda x: x + 1, (1,), nproc=2) == 2  # ran here, in this process
+    assert launch.resolve_nproc("auto", "cpu") == 2 and launch.LaunchSpec(nproc=2).world_size == 4
+    assert launch.launch(lambda x: x + 1, (1,), 2) == 2  # ran here, in this process
+
+
+def test_under_torchrun_launch_flags_belong_to_torchrun(monkeypatch):
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="started by torchrun, which owns --max-restarts"):
+        launch.LaunchSpec.from_config(TrainConfig(max_restarts=2))
+
+
+def test_single_node_launch_needs_no_agent_unless_restarts_are_asked_for():
+    assert launch.LaunchSpec(nproc=1).in_process
+    assert not launch.LaunchSpec(nproc=1, max_restarts=1).in_process  # the agent does the restarting
+    assert launch.LaunchSpec(nproc=2, nnodes=3).world_size == 6
+
+
+def test_multi_node_run_id_is_the_same_for_the_same_command_on_every_node():
+    cfg = TrainConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29500", nproc="1")
+    a, b = launch.LaunchSpec.from_config(cfg), launch.LaunchSpec.from_config(dataclasses.replace(cfg))
+    assert a.rdzv_id == b.rdzv_id and a.rdzv_id.startswith("ddpkit-")
+    assert launch.LaunchSpec.from_config(dataclasses.replace(cfg, epochs=3)).rdzv_id != a.rdzv_id
+
+
+def test_agent_config_for_restarts_and_nodes():
+    config, env = launch._launch_config(launch.LaunchSpec(nproc=2, max_restarts=2))
+    assert config.max_restarts == 2 and config.rdzv_endpoint == "localhost:0"
+    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
+    config, env = launch._launch_config(launch.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500",
+                                                          rdzv_id="job"))
+    assert (config.min_nodes, config.max_nodes, config.run_id) == (2, 2, "job")
+    assert config.rdzv_endpoint == "127.0.0.1:29500" and "is_host" not in config.rdzv_configs  # loopback: torch's own
+    assert getattr(config, "local_addr", "127.0.0.1") == "127.0.0.1"
+    assert env.get("GLOO_SOCKET_IFNAME") in ("lo", None)

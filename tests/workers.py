@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
@@ -63,3 +64,30 @@ def syncbn_vs_bn(seed: int) -> dict:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return {"all_ranks_ok": bool(flags.item()), "rank0": {k: bool(v) for k, v in checks.items() if v is not None},
                 "type": type(sync[0]).__name__}
+
+
+# ---------------------------------------------------------------- fault-injection models
+# Test-only models for the fault-tolerance tests: the seed ConvNet, plus a fault at a chosen
+# training step (counted in training-mode forwards, 1-based, on this process).
+class FaultyConvNet(nn.Module):
+    def __init__(self, fault: str = "none", at_step: int = 0, rank: int = -1, seconds: float = 0.0):
+        super().__init__()
+        from ddpkit.models import ConvNet
+
+        self.net = ConvNet()
+        self.fault, self.at_step, self.rank, self.seconds = fault, at_step, rank, seconds
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if not self.training:
+            return out
+        self.calls += 1
+        mine = self.rank < 0 or self.rank == dist.get_rank()
+        if self.fault == "slow":  # every step, so a test can act between steps
+            time.sleep(self.seconds)
+        elif self.fault == "nan" and mine and self.calls == self.at_step:
+            out = out * float("nan")
+        elif self.fault == "stall" and mine and self.calls == self.at_step:
+            time.sleep(self.seconds)
+        return out

@@ -73,6 +73,8 @@ class Checkpointer:
             gathered = [per_rank]
         path = self.dir / f"snapshot-{global_step:09d}.pt"
         if self.ctx.is_main:
+            for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
+                stale.unlink(missing_ok=True)
             snapshot = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
                         "world_size": self.ctx.world_size, "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
                         "global_step": global_step, "trainer": trainer_state, "ranks": gathered}

@@ -30,17 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_reporting_errors(lambda: args.run(args))
+
+
+def run_reporting_errors(fn) -> int:
+    """Call ``fn``; a user error becomes one line on stderr and its exit status, never a traceback."""
     try:
-        return args.run(args) or 0
+        return fn() or 0
     except DdpkitError as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here; one reports
             print(f"ddpkit: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except WorkersFailed as exc:
         if not exc.reported:
             print(f"ddpkit: error: {exc}; their output is above", file=sys.stderr)
-            return 1
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return 130

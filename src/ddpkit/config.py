@@ -67,14 +67,27 @@ class TrainConfig:
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
     amp: str = _f("none", "train", "mixed precision: bf16 | fp16 (with GradScaler) | none", ("none", "bf16", "fp16"))
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
-    log_every: int = _f(50, "train", "steps between metric logs (the only host syncs in an epoch)")
+    log_every: int = _f(50, "train", "steps between metric logs, NaN checks and SIGTERM checks (the only host syncs in an epoch)")
     # [run]
     run_dir: str = _f("", "run", "run directory (default: runs/<dataset>-<model>-<config hash>)")
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
+    on_nan: str = _f("stop", "run", "non-finite loss or weights, checked at log intervals and before each snapshot: "
+                     "stop (keep the last good snapshot) | warn", ("stop", "warn"))
+    # [checkpoint]
+    save_every_steps: int = _f(0, "checkpoint", "also snapshot every N optimizer steps (0 = at epoch ends only)")
+    keep_snapshots: int = _f(2, "checkpoint", "how many of the newest snapshots to keep")
     # [launch]
     nproc: str = _f("auto", "launch", "processes on this node: N, or auto (one per visible GPU, 1 on CPU)")
+    nnodes: int = _f(1, "launch", "nodes in the job; run the same command on each (needs --rdzv-endpoint when > 1)")
+    rdzv_endpoint: str = _f("", "launch", "HOST:PORT of the c10d rendezvous, reachable from every node")
+    rdzv_id: str = _f("", "launch", "job id shared by all nodes (default: derived from the config, so the same "
+                      "command on every node agrees)")
+    local_addr: str = _f("", "launch", "this node's address as the other nodes reach it (default: the local "
+                         "address that routes to --rdzv-endpoint)")
+    max_restarts: int = _f(0, "launch", "times the elastic agent restarts all workers after a failure; "
+                           "each restart resumes from the newest snapshot")
 
     # ------------------------------------------------------------------ resolution
     def resolved(self) -> "TrainConfig":
@@ -99,6 +112,7 @@ class TrainConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"--{_flag(f.name)} {getattr(self, f.name)!r} is not one of {[c for c in choices if c]}")
         positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every,
+                    "keep_snapshots": self.keep_snapshots, "nnodes": self.nnodes,
                     "timeout_s": self.timeout_s, "synthetic_size": self.synthetic_size,
                     "synthetic_classes": self.synthetic_classes, "image_size": self.image_size}
         for name, value in positive.items():
@@ -107,6 +121,7 @@ class TrainConfig:
         if self.lr is None or not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         nonneg = {"limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
+                  "save_every_steps": self.save_every_steps, "max_restarts": self.max_restarts,
                   "weight_decay": self.weight_decay, "momentum": self.momentum}
         for name, value in nonneg.items():
             if value < 0:
@@ -118,6 +133,13 @@ class TrainConfig:
             raise ConfigError(f"--device-data-fraction must be in (0, 1], got {self.device_data_fraction}")
         if self.nproc != "auto" and not (self.nproc.isdigit() and int(self.nproc) > 0):
             raise ConfigError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
+                              f"that every node can reach, with a free port), the same on every node")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}")
         try:
             shape = self.synthetic_shape_tuple
         except ValueError:
@@ -133,7 +155,8 @@ class TrainConfig:
     # Fields that change where or how verbosely a run happens, not what it computes:
     # a run directory may be resumed with different values of these.
     NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress",
-                              "nproc", "data_path", "device_data_fraction"})
+                              "nproc", "data_path", "device_data_fraction", "on_nan", "save_every_steps",
+                              "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts"})
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}

@@ -11,6 +11,7 @@ otherwise this is a world of one, still with a real process group so every code 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import CollectiveTimeout, ConfigError, PeerLost
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -103,6 +104,11 @@ def distributed(device: str = "auto", timeout_s: float = 600.0) -> Iterator[Dist
     try:
         yield DistContext(rank, local_rank, world, local_world, dev, backend)
         ok = True
+    except RuntimeError as exc:  # gloo/NCCL/store errors are RuntimeError subclasses
+        user_error = _comm_failure(exc, timeout_s)
+        if user_error is None:
+            raise
+        raise user_error from exc
     finally:
         if ok and world > 1:
             # Let every rank's last collective finish before any rank tears down its gloo/NCCL
@@ -111,3 +117,26 @@ def distributed(device: str = "auto", timeout_s: float = 600.0) -> Iterator[Dist
             # would make it wait for the full timeout.
             dist.barrier()
         dist.destroy_process_group()
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_COMM = re.compile(r"gloo|nccl|store|collective|process ?group", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused", re.IGNORECASE)
+
+
+def _comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
+    """A collective's failure, said in the user's terms; None for any other error."""
+    text = str(exc)
+    comm = isinstance(exc, getattr(dist, "DistError", ())) or _COMM.search(text)
+    if not comm:
+        return None
+    first = text.strip().splitlines()[0][:240] if text.strip() else type(exc).__name__
+    if _TIMEOUT.search(text):
+        return CollectiveTimeout(
+            f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
+            f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
+            f"that long, raise --timeout-s. ({first})")
+    if _PEER_GONE.search(text):
+        return PeerLost(f"another rank left mid-collective (it died or was stopped; its own output says why). "
+                        f"({first})")
+    return None

@@ -11,7 +11,9 @@ on every rank and decide themselves that only global rank 0 writes.
 
 from __future__ import annotations
 
+import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,11 +23,13 @@ from .checkpoint import Checkpointer, set_rng_state
 from .data import DataSplits, ImageData
 from .data.loader import Preprocess, make_train_source
 from .dist import DistContext
+from .errors import NonFiniteLoss, Stopped
 from .evaluate import evaluate
 from .metrics import Accumulator, MetricLogger, peak_memory_mb
 from .models import uses_conv
 from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule
 from .rundir import write_config, write_model, write_summary
+from .signals import StopSignal
 from .syncbn import convert_sync_batchnorm
 
 
@@ -46,12 +50,16 @@ class Engine:
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.autocast = autocast(cfg, ctx.device)
         self.acc = Accumulator(ctx.device)
-        self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg)
+        self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots)
         self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress)
         # position and totals: part of every snapshot
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.train_time_s = self.compile_time_s = 0.0
+        self.epoch_elapsed_s = 0.0  # time already spent in the current epoch before a resume
+        self._epoch_t0 = 0.0
         self.final_train_loss: float | None = None
+        self._stop = StopSignal()
+        self._nan_warned = False
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, static_graph: bool) -> tuple[nn.Module, nn.Module]:
@@ -78,7 +86,8 @@ class Engine:
                 "ema": self.ema.state_dict() if self.ema else None,
                 "position": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step},
                 "timing": {"train_time_s": self.train_time_s, "compile_time_s": self.compile_time_s,
-                           "final_train_loss": self.final_train_loss},
+                           "final_train_loss": self.final_train_loss,
+                           "epoch_elapsed_s": time.perf_counter() - self._epoch_t0 if self.step_in_epoch else 0.0},
                 "rank_state": {"acc": self.acc.sums.clone()}}
 
     def load_state_dict(self, snap: dict) -> None:
@@ -94,6 +103,7 @@ class Engine:
         self.train_time_s = state["timing"]["train_time_s"]
         self.compile_time_s = state["timing"]["compile_time_s"]
         self.final_train_loss = state["timing"]["final_train_loss"]
+        self.epoch_elapsed_s = state["timing"].get("epoch_elapsed_s", 0.0)
         mine = snap["ranks"][self.ctx.rank]
         self.acc.sums.copy_(mine["rank_state"]["acc"])
         set_rng_state(mine["rng"], self.ctx.device)
@@ -103,14 +113,16 @@ class Engine:
         snap = self.ckpt.load_latest(warn=self.log.print)
         if snap is not None:
             self.load_state_dict(snap)
+            self.log.rewind(self.global_step, self.epoch)  # the steps after the snapshot run again
         write_config(self.cfg, self.ctx)
         self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
                      device=str(self.ctx.device), data_path=self.train_src.path,
                      steps_per_epoch=self.train_src.steps_per_epoch, per_rank_batch=self.per_rank_batch,
                      resumed_at_step=self.global_step if snap else None)
         try:
-            while self.epoch < self.cfg.epochs:
-                self._run_epoch()
+            with self._stop:
+                while self.epoch < self.cfg.epochs:
+                    self._run_epoch()
         finally:
             self.log.close()
         return self._finish()
@@ -122,21 +134,25 @@ class Engine:
         # After a mid-epoch resume the restored accumulator already holds the epoch's earlier
         # samples; the first interval must count only new ones. (Same condition on every rank.)
         sums = self.acc.global_sums(ctx) if self.step_in_epoch else (0.0, 0.0)
-        t0 = time.perf_counter()
-        self._interval_start(t0, sums)
+        self._epoch_t0 = time.perf_counter() - self.epoch_elapsed_s
+        self._interval_start(time.perf_counter(), sums)
         for x, y in self.train_src.batches(self.epoch, self.step_in_epoch):
             if cfg.compile and self.global_step == 0:
                 self._compile_step(x, y)
-                t0 += self.compile_time_s
+                self._epoch_t0 += self.compile_time_s
                 self._interval_start(time.perf_counter(), sums)
             else:
                 self._step(x, y)
             self.step_in_epoch += 1
             self.global_step += 1
-            if self.step_in_epoch % cfg.log_every == 0 or self.step_in_epoch == steps:
+            last = self.step_in_epoch == steps
+            if self.step_in_epoch % cfg.log_every == 0 or last:
                 self._log_interval()
+            if not last and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0:
+                self._snapshot()  # the epoch's last step is saved by _end_epoch, after eval
         loss_sum, correct = self.acc.global_sums(ctx)  # syncs the device, so the time below is real
-        epoch_time = time.perf_counter() - t0
+        epoch_time = time.perf_counter() - self._epoch_t0
+        self.epoch_elapsed_s = 0.0
         self.train_time_s += epoch_time
         seen = steps * self.per_rank_batch * ctx.world_size
         self._end_epoch(loss_sum / seen, correct / seen, epoch_time, seen)
@@ -165,9 +181,43 @@ class Engine:
     def _interval_start(self, now: float, sums: tuple[float, float]) -> None:
         self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, sums
 
+    def _sync(self, check_weights: bool = False) -> tuple[float, float, bool, bool]:
+        """One all-reduce and host copy, at log intervals and snapshots only: this epoch's
+        (loss sum, correct), whether any rank was sent SIGTERM, and (if asked) whether any
+        rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
+        flags = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        flags[0] = float(self._stop.received is not None)
+        if check_weights:
+            flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
+        loss_sum, correct, stop, bad = self.ctx.all_reduce(torch.cat([self.acc.sums, flags])).tolist()
+        return loss_sum, correct, stop > 0, bad > 0
+
+    def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
+        """``--on-nan``: stop (same decision on every rank: the inputs are all-reduced), or warn once."""
+        if math.isfinite(loss_sum) and not bad_weights:
+            return
+        what = "the weights" if bad_weights else "the training loss"
+        msg = f"{what} became NaN or Inf by step {self.global_step} (epoch {self.epoch})"
+        if self.cfg.on_nan == "warn":
+            if not self._nan_warned:
+                self.log.print(f"ddpkit: warning: {msg}; training on (--on-nan warn)")
+                self._nan_warned = True
+            return
+        last = self.ckpt.snapshots()
+        self.log.log("stopped", reason="non-finite", step=self.global_step)
+        raise NonFiniteLoss(f"{msg}. Stopped without saving it: the last good snapshot is "
+                            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
+                            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless.")
+
+    def _snapshot(self) -> Path:
+        """Save on every rank's call (rank 0 writes), after checking there is nothing non-finite to keep."""
+        loss_sum, _, _, bad = self._sync(check_weights=True)
+        self._check_finite(loss_sum, bad)
+        return self.ckpt.save(self.state_dict(), self.global_step)
+
     def _log_interval(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        loss_sum, correct = self.acc.global_sums(ctx)
+        loss_sum, correct, stop, _ = self._sync()
         now = time.perf_counter()
         base_loss, _ = self._sums_last
         n = (self.step_in_epoch - self._step_last) * self.per_rank_batch * ctx.world_size
@@ -175,6 +225,12 @@ class Engine:
                      lr=self.sched.get_last_lr()[0], samples_per_s=n / max(1e-9, now - self._t_last))
         self.log.progress(self.global_step, f"epoch {self.epoch} loss {(loss_sum - base_loss) / max(1, n):.4f}")
         self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, (loss_sum, correct)
+        self._check_finite(loss_sum)
+        if stop:
+            path = self._snapshot()
+            self.log.log("stopped", reason="signal", step=self.global_step)
+            raise Stopped(f"stopped on SIGTERM at step {self.global_step} (epoch {self.epoch}); saved {path}; "
+                          f"run the same command again to resume from it")
 
     def _end_epoch(self, train_loss: float, train_acc: float, epoch_time: float, seen: int) -> None:
         result = self._evaluate()
@@ -185,7 +241,7 @@ class Engine:
         self.epoch += 1
         self.step_in_epoch = 0
         self.acc.reset()
-        self.ckpt.save(self.state_dict(), self.global_step)
+        self._snapshot()
 
     def _evaluate(self) -> dict:
         pre = Preprocess(self.meta, self.ctx.device, bool(self.cfg.channels_last))

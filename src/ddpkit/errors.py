@@ -1,14 +1,25 @@
 """User-facing errors.
 
-A :class:`DdpkitError` is a mistake the user can fix (bad flag, missing file, corrupt
-data, conflicting run dir). The CLI prints its message on one line and exits with
-status 2; it never shows a traceback for these. Anything else is a bug and keeps its
-traceback.
+A :class:`DdpkitError` is a problem the user can act on (bad flag, missing file, corrupt
+data, conflicting run dir, a stalled rank, a diverged loss). The CLI prints its message
+on one line and exits with its ``exit_code``; it never shows a traceback for these.
+Anything else is a bug and keeps its traceback.
+
+Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.launch._guarded`):
+
+* ``True``: every rank raises it at the same step from the same all-reduced facts. The
+  workers hand it back to the launcher, which reports it once; the elastic agent does
+  not restart them, since a restart would meet the same error again.
+* ``False``: raised where one rank saw it. That rank reports it and exits non-zero, so
+  the agent stops the others (and restarts the group if ``--max-restarts`` allows).
 """
 
 
 class DdpkitError(Exception):
-    """A problem with the user's input, reported as one line and exit status 2."""
+    """A problem with the user's input or run, reported as one line."""
+
+    exit_code = 2
+    all_ranks = False
 
 
 class ConfigError(DdpkitError):
@@ -21,3 +32,30 @@ class DataError(DdpkitError):
 
 class RunDirError(DdpkitError):
     """A run directory that cannot be used as asked (e.g. it holds another config)."""
+
+    all_ranks = True  # workers meet it while every rank loads the same snapshot
+
+
+class NonFiniteLoss(DdpkitError):
+    """The training loss or weights became NaN/Inf (``--on-nan stop``)."""
+
+    all_ranks = True  # decided on an all-reduced value
+
+
+class Stopped(DdpkitError):
+    """A rank received SIGTERM; every rank saved a snapshot and stopped."""
+
+    exit_code = 143  # 128 + SIGTERM, as a shell reports a process ended by it
+    all_ranks = True  # decided on an all-reduced flag
+
+
+class CollectiveTimeout(DdpkitError):
+    """A collective did not complete within ``--timeout-s``: a peer stalled or vanished."""
+
+    exit_code = 3
+
+
+class PeerLost(DdpkitError):
+    """A peer rank closed its connection mid-collective (it died or was stopped)."""
+
+    exit_code = 4

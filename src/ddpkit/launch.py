@@ -1,34 +1,94 @@
 """Process launch: hand off to torch's elastic agent, never manage processes ourselves.
 
-    result = launch(fn, args, nproc=2)   # rank 0's return value
+    spec = LaunchSpec.from_config(cfg)        # nproc, nnodes, rendezvous, max restarts
+    result = launch(fn, args, spec)           # rank 0's return value
 
-* Already under torchrun (RANK/LOCAL_RANK/WORLD_SIZE set): run ``fn`` here, no relaunch.
-* One process: run ``fn`` here.
-* Otherwise: ``elastic_launch`` starts ``nproc`` workers with c10d rendezvous on
-  ``localhost:0``, i.e. a free port the store picks itself (as ``torchrun --standalone``).
+* Already under torchrun (RANK/LOCAL_RANK/WORLD_SIZE set): run ``fn`` here, no relaunch;
+  torchrun's own flags decide nodes and restarts.
+* One process, one node, no restarts: run ``fn`` here.
+* Otherwise ``elastic_launch`` starts ``nproc`` workers on this node with c10d rendezvous:
+  on ``localhost:0`` (a free port, as ``torchrun --standalone``) for one node, or on
+  ``--rdzv-endpoint`` where ``--nnodes`` agents meet. ``--max-restarts`` is the agent's:
+  after a worker fails it restarts the whole group, which resumes from the newest snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import os
+import signal
 import sys
+import traceback
 import uuid
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .dist import resolve_device_type, under_launcher
-from .errors import ConfigError, DdpkitError
+from .errors import ConfigError, DdpkitError, Stopped
+from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
-USER_ERROR_EXIT = 2  # a worker that already printed a DdpkitError exits with this
+# Exit codes of workers that already printed their one-line reason (see errors.py).
+REPORTED_EXITS = frozenset({2, 3, 4, 143})
 
 
 class WorkersFailed(Exception):
-    """Workers exited non-zero. ``reported`` is True when they already printed why."""
+    """Workers failed or stopped. ``reported``: they already printed why."""
 
-    def __init__(self, message: str, reported: bool):
+    def __init__(self, message: str, reported: bool, exit_code: int = 1):
         super().__init__(message)
-        self.reported = reported
+        self.reported, self.exit_code = reported, exit_code
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a worker returns, instead of exiting non-zero, for an error every rank met alike."""
+
+    message: str
+    exit_code: int
+    printed: bool
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    local_addr: str = ""
+    max_restarts: int = 0
+    join_timeout_s: float = 600.0  # how long an agent waits at rendezvous for the other nodes
+
+    @classmethod
+    def from_config(cls, cfg) -> "LaunchSpec":
+        if under_launcher():
+            defaults = type(cfg)()
+            set_here = [f"--{n.replace('_', '-')}" for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
+                                                             "max_restarts")
+                        if getattr(cfg, n) != getattr(defaults, n)]
+            if set_here:
+                raise ConfigError(f"this process was started by torchrun, which owns {', '.join(set_here)}: "
+                                  f"give them to torchrun instead (or launch with ddpkit alone)")
+        run_id = cfg.rdzv_id
+        if not run_id and cfg.nnodes > 1:
+            # Every node runs the same command, so a hash of the config is an id they all agree on.
+            blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
+            run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
+        return cls(resolve_nproc(cfg.nproc, cfg.device), cfg.nnodes, cfg.rdzv_endpoint, run_id, cfg.local_addr,
+                   cfg.max_restarts, cfg.timeout_s)
+
+    @property
+    def in_process(self) -> bool:
+        return under_launcher() or (self.nproc == 1 and self.nnodes == 1 and self.max_restarts == 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ["WORLD_SIZE"]) if under_launcher() else self.nproc * self.nnodes
 
 
 def resolve_nproc(nproc: str, device: str) -> int:
@@ -45,34 +105,127 @@ def resolve_nproc(nproc: str, device: str) -> int:
     return n
 
 
-def world_size(nproc: int) -> int:
-    return int(os.environ["WORLD_SIZE"]) if under_launcher() else nproc
-
-
-def launch(fn: Callable, args: tuple, nproc: int) -> Any:
-    if under_launcher() or nproc == 1:
+def launch(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
+    """Run ``fn(*args)`` on every rank; return global rank 0's result (on another node, that
+    node's lowest rank's). An int ``spec`` is ``nproc``."""
+    if isinstance(spec, int):
+        spec = LaunchSpec(nproc=spec)
+    if spec.in_process:
         return fn(*args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="spawn")
+    config, env = _launch_config(spec)
     try:
-        results = elastic_launch(config, _guarded)(fn, *args)
+        with _environ(env), _quiet_agent_tracebacks():
+            results = elastic_launch(config, _guarded)(fn, *args)
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
-        reported = all(code == USER_ERROR_EXIT for code in codes.values())
+        reported = all(code in REPORTED_EXITS for code in codes.values())
+        first = next(iter(codes.values()))
         raise WorkersFailed(f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
-                            reported) from None
-    return results[0]
+                            reported, first if reported else 1) from None
+    except SignalException as exc:
+        sig = signal.Signals(exc.sigval)
+        raise WorkersFailed(f"the launcher received {sig.name} and stopped the workers; they save a snapshot "
+                            f"at their next log interval if it comes within the agent's grace period; run the "
+                            f"same command again to resume", False, 128 + sig.value) from None
+    result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
+    if isinstance(result, Failure):
+        if result.printed:
+            raise WorkersFailed(result.message, True, result.exit_code)
+        raise _Reported(result.message, result.exit_code)
+    return result
+
+
+class _Reported(DdpkitError):
+    """A worker's all-ranks error, re-raised in the launcher so it is printed exactly once."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the agent and the workers it starts, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _quiet_agent_tracebacks() -> Iterator[None]:
+    """The agent logs each failed worker with the traceback of its own ``join``, which says
+    nothing about the failure. Workers report theirs (see :func:`_guarded`), so mute it."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _launch_config(spec: LaunchSpec):
+    """The agent's LaunchConfig, and the environment variables it and the workers need."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
+    if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # With the agent's TCPStore shared into the workers (torch >= 2.5's default), restarted
+        # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
+        # (pytorch/pytorch#135712). A store per rendezvous round avoids that.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if spec.nnodes > 1:
+        endpoint = spec.rdzv_endpoint
+        host, _ = split_endpoint(endpoint)
+        local_addr = spec.local_addr or route_addr(host)
+        rdzv_configs["join_timeout"] = max(60, int(spec.join_timeout_s))
+        if not is_loopback(host) and is_local(host):
+            # torch recognises its store host by hostname; an address on a secondary interface
+            # (or in a network namespace) is missed, and then no node would host the store.
+            rdzv_configs["is_host"] = True
+        if "local_addr" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+            extra["local_addr"] = local_addr
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo binds to whatever the hostname resolves to unless told; use the interface
+            # that reaches the other nodes. (NCCL picks its interface itself.)
+            iface = interface_of(local_addr)
+            if iface:
+                env["GLOO_SOCKET_IFNAME"] = iface
+    config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
+                        run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
+                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method="spawn", **extra)
+    return config, env
 
 
 def _guarded(fn: Callable, *args) -> Any:
-    """Worker entry: a user error is printed once (by global rank 0) and ends the worker with exit 2."""
+    """Worker entry: turn a DdpkitError into one line, printed once, and the right exit."""
     try:
         return fn(*args)
     except DdpkitError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"ddpkit: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT)
+        rank = int(os.environ.get("RANK", "0"))
+        if exc.all_ranks:
+            # Every rank has it; returning (exit 0) keeps the agent from restarting into it
+            # again. A stop is printed here too: a launcher that is itself shutting down
+            # never reads return values.
+            printed = isinstance(exc, Stopped) and rank == 0
+            if printed:
+                print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+            return Failure(str(exc), exc.exit_code, printed)
+        where = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except Exception:
+        traceback.print_exc()  # a bug keeps its traceback, printed by the rank that hit it
+        sys.stderr.flush()
+        sys.exit(1)

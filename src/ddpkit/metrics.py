@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .dist import DistContext
+from .rundir import atomic_write
 
 
 class Accumulator:
@@ -73,6 +74,27 @@ class MetricLogger:
             fh.write(json.dumps(record) + "\n")
         if event != "step" or self.bar is None:  # with a bar, step figures go into the bar instead
             self.print(_format(record))
+
+    def rewind(self, global_step: int, epoch: int) -> None:
+        """On resume: drop the records of steps and epochs after the snapshot, which run again.
+
+        Without this a resumed run's metrics.jsonl would hold those steps twice. Other
+        events (each attempt's ``start``, ``stopped``) stay, as the run's history.
+        """
+        if not self.main or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if record.get("event") == "step" and record.get("step", 0) > global_step:
+                continue
+            if record.get("event") == "epoch" and record.get("epoch", 0) >= epoch:
+                continue
+            kept.append(line)
+        atomic_write(self.path, "".join(f"{line}\n" for line in kept).encode())
 
     def progress(self, global_step: int, info: str = "") -> None:
         if self.bar is not None:

@@ -13,6 +13,7 @@ with ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .data import DataSplits, ImageData, Meta, load_dataset
 from .dist import distributed
 from .engine import Engine
 from .errors import ConfigError
-from .launch import launch, resolve_nproc, world_size
+from .launch import LaunchSpec, launch
 from .models import build_model
 from .rundir import check_run_dir
 
@@ -56,21 +57,20 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train (resuming from the run dir when it holds a snapshot); return rank 0's summary."""
-        cfg, nproc, splits, finished = preflight(self.config, self.splits, self.model is not None)
+        cfg, spec, splits, finished = preflight(self.config, self.splits, self.model is not None)
         if finished is not None:
             print(f"ddpkit: {cfg.run_dir} already holds this finished run; pass a new --run-dir to train again")
             return finished
         # Spawned workers load the registry data themselves rather than receive it pickled.
-        in_process = nproc == 1 or world_size(nproc) != nproc or "RANK" in os.environ
-        job_splits = self.splits if self.splits is not None else (splits if in_process else None)
-        return launch(train_worker, (Job(cfg, self.model, job_splits),), nproc)
+        job_splits = self.splits if self.splits is not None else (splits if spec.in_process else None)
+        return launch(train_worker, (Job(cfg, self.model, job_splits),), spec)
 
 
 def preflight(config: TrainConfig, splits: DataSplits | None, custom_model: bool):
-    """Every check that can fail before launch. Returns (cfg, nproc, splits, finished summary)."""
+    """Every check that can fail before launch. Returns (cfg, launch spec, splits, finished summary)."""
     cfg = config.resolved()
-    nproc = resolve_nproc(cfg.nproc, cfg.device)
-    world = world_size(nproc)
+    spec = LaunchSpec.from_config(cfg)
+    world = spec.world_size
     if not cfg.ddp and world > 1:
         raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
     if cfg.batch_size % world:
@@ -86,7 +86,7 @@ def preflight(config: TrainConfig, splits: DataSplits | None, custom_model: bool
     if per_rank < cfg.batch_size // world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
                           f"allow at world size {world}")
-    return cfg, nproc, splits, check_run_dir(cfg)
+    return cfg, spec, splits, check_run_dir(cfg)
 
 
 def infer_meta(data: Dataset) -> Meta | None:
@@ -105,7 +105,9 @@ def train_worker(job: Job) -> dict:
     with distributed(cfg.device, cfg.timeout_s) as ctx:
         splits = job.splits or load_dataset(cfg, download=False)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = job.model
+        # torch.multiprocessing hands tensors to spawned workers in shared memory, so every
+        # rank on the node would otherwise train the very same parameter and buffer storage.
+        model = copy.deepcopy(job.model)
         if model is None:
             m = splits.meta
             model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)

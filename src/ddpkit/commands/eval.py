@@ -28,7 +28,9 @@ def run(args) -> int:
         if not (run_dir / name).exists():
             raise RunDirError(f"{run_dir / name} not found; is {run_dir} a finished ddpkit run?")
     cfg = TrainConfig.from_toml(run_dir / "config.toml")
-    cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device)
+    # Evaluation runs on this node alone, whatever launched the training.
+    cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device,
+                              nnodes=1, rdzv_endpoint="", rdzv_id="", local_addr="", max_restarts=0)
     cfg.validate()
     result = launch(eval_worker, (cfg,), resolve_nproc(cfg.nproc, cfg.device))
     print(json.dumps(result))

@@ -1,0 +1,38 @@
+"""SIGTERM as a request to stop at the next safe point, not a kill.
+
+    with StopSignal() as stop:
+        ...
+        if stop.received: ...   # checked by the engine at log intervals, on an all-reduced flag
+
+The handler only records the signal: a snapshot needs every rank at the same step, so
+the engine decides when (see ``Engine._sync``). Schedulers (SLURM preemption, Kubernetes,
+torch's elastic agent shutting down) send SIGTERM and wait a grace period before
+SIGKILL; the agent's is 30 s, so a log interval should take less than that.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+class StopSignal:
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignal":
+        # Handlers can only be set from the main thread; elsewhere the default stays.
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()

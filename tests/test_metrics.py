@@ -1,0 +1,38 @@
+"""metrics.jsonl after a resume: the steps that run again are not recorded twice."""
+
+from types import SimpleNamespace
+
+from ddpkit.metrics import MetricLogger
+from conftest import read_jsonl
+
+
+def test_rewind_drops_records_after_the_snapshot(tmp_path):
+    ctx = SimpleNamespace(is_main=True)
+    log = MetricLogger(ctx, tmp_path, total_steps=40, progress=False)
+    log.log("start", resumed_at_step=None)
+    for step in range(1, 31):
+        log.log("step", epoch=(step - 1) // 20, step=step)
+        if step == 20:
+            log.log("epoch", epoch=0)
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"event": "step", "ep')  # the line a SIGKILL cut short
+    log.rewind(global_step=25, epoch=1)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, 26))
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [0]
+    assert records[0]["event"] == "start"
+
+
+def test_rewind_into_an_earlier_epoch_drops_that_epochs_record(tmp_path):
+    ctx = SimpleNamespace(is_main=True)
+    log = MetricLogger(ctx, tmp_path, total_steps=40, progress=False)
+    log.log("step", epoch=0, step=20)
+    log.log("epoch", epoch=0)
+    log.rewind(global_step=15, epoch=0)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+
+
+def test_other_ranks_never_touch_the_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 99}\n')
+    MetricLogger(SimpleNamespace(is_main=False), tmp_path, 10, False).rewind(1, 0)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"event": "step", "step": 99}]
