@@ -150,7 +150,8 @@ class Engine:
                 self._log_interval()
             if not last and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0:
                 self._snapshot()  # the epoch's last step is saved by _end_epoch, after eval
-        loss_sum, correct = self.acc.global_sums(ctx)  # syncs the device, so the time below is real
+        # The epoch's last step always logs, and that all-reduce synced the device: reuse its sums.
+        loss_sum, correct = self._sums_last
         epoch_time = time.perf_counter() - self._epoch_t0
         self.epoch_elapsed_s = 0.0
         self.train_time_s += epoch_time

@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .dist import resolve_device_type, under_launcher
-from .errors import ConfigError, DdpkitError, Stopped
+from .errors import CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
 # Exit codes of workers that already printed their one-line reason (see errors.py).
-REPORTED_EXITS = frozenset({2, 3, 4, 143})
+REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
 
 
 class WorkersFailed(Exception):
