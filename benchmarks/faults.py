@@ -65,19 +65,18 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def restart_to_first_step_s(kill_after_step: int) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-restart-"))
-    run_dir = work / "run"
-    cmd = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--nproc", "2", "--epochs", "1",
-           "--lr", "0.05", "--log-every", "1", "--save-every-steps", "10", "--max-restarts", "1", "--no-progress",
-           "--device", "cpu", "--run-dir", str(run_dir)]
+def train_killing_one_worker(args: list[str], run_dir: Path, kill_after_step: int) -> tuple[int, float]:
+    """``ddpkit train ARGS --run-dir RUN_DIR`` (with restarts allowed in ARGS); SIGKILL the newest
+    worker once a step record at or after ``kill_after_step`` is logged. Returns (exit code, kill time)."""
+    cmd = [sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"
         while True:
             assert proc.poll() is None, "the run ended before the kill"
-            steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            steps = [json.loads(line) for line in lines if line.endswith("}")]
             if any(r.get("event") == "step" and r["step"] >= kill_after_step for r in steps):
                 break
             time.sleep(0.01)
@@ -85,16 +84,26 @@ def restart_to_first_step_s(kill_after_step: int) -> dict:
                                                   capture_output=True, text=True).stdout.split()]
         killed_at = time.time()
         os.kill(max(workers), signal.SIGKILL)
-        proc.wait(timeout=300)
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        restart = next(i for i, r in enumerate(records) if r["event"] == "start" and r.get("resumed_at_step"))
-        first = next(r for r in records[restart:] if r["event"] == "step")
-        return {"exit_code": proc.returncode, "resumed_at_step": records[restart]["resumed_at_step"],
-                "restart_to_first_step_s": first["time"] - killed_at,
-                "restart_to_start_event_s": records[restart]["time"] - killed_at}
+        return proc.wait(timeout=600), killed_at
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def restart_to_first_step_s(kill_after_step: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-restart-"))
+    run_dir = work / "run"
+    args = ["--dataset", "mnist", "--nproc", "2", "--epochs", "1", "--lr", "0.05", "--log-every", "1",
+            "--save-every-steps", "10", "--max-restarts", "1", "--no-progress", "--device", "cpu"]
+    try:
+        exit_code, killed_at = train_killing_one_worker(args, run_dir, kill_after_step)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        restart = next(i for i, r in enumerate(records) if r["event"] == "start" and r.get("resumed_at_step"))
+        first = next(r for r in records[restart:] if r["event"] == "step")
+        return {"exit_code": exit_code, "resumed_at_step": records[restart]["resumed_at_step"],
+                "restart_to_first_step_s": first["time"] - killed_at,
+                "restart_to_start_event_s": records[restart]["time"] - killed_at}
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
 

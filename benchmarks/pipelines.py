@@ -53,12 +53,14 @@ def torchvision_mnist_root() -> Path:
     return root
 
 
-def seed_worker(root: str, global_batch: int, epochs: int, lr: float, limit: int) -> dict:
-    """The seed program's loop, kept as the tutorial writes it."""
+def seed_worker(root: str, global_batch: int, epochs: int, lr: float, limit: int, device: str = "cpu") -> dict:
+    """The seed program's loop, kept as the tutorial writes it (on ``device``: cpu or cuda)."""
     from torchvision import datasets, transforms
 
-    torch.set_num_threads(1)  # torchrun's default OMP_NUM_THREADS=1 for multi-process jobs
-    with distributed("cpu") as ctx:
+    with distributed(device) as ctx:
+        if ctx.local_world_size > 1:
+            torch.set_num_threads(1)  # torchrun's default OMP_NUM_THREADS=1 for multi-process jobs
+        dev = ctx.device
         tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
         data = datasets.MNIST(root, train=True, transform=tf, download=False)
         if limit:
@@ -66,18 +68,19 @@ def seed_worker(root: str, global_batch: int, epochs: int, lr: float, limit: int
         sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, drop_last=True)
         loader = DataLoader(data, batch_size=global_batch // ctx.world_size, sampler=sampler, drop_last=True)
         torch.manual_seed(0)
-        model = DDP(ConvNet())
+        model = DDP(ConvNet().to(dev), device_ids=[dev] if dev.type == "cuda" else None)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         seen, start = 0, time.perf_counter()
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for x, y in loader:
+                x, y = x.to(dev), y.to(dev)
                 opt.zero_grad()
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 opt.step()
-                total = torch.tensor([loss.item()])  # the seed's per-step host sync and loss all-reduce
+                total = torch.tensor([loss.item()], device=dev)  # the seed's per-step host sync and loss all-reduce
                 dist.all_reduce(total)
                 seen += len(x) * ctx.world_size
         elapsed = time.perf_counter() - start

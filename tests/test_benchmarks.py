@@ -19,3 +19,17 @@ def test_pipelines_harness_runs(tmp_path):
         assert figures[key] == figures[key] and key in figures  # present and not NaN
     assert figures["seed_samples_per_s"] > 0 and figures["ddpkit_samples_per_s"] > 0
     assert "(a) seed-style pipeline" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
+    """benchmarks/gpu_acceptance.py --tiny: every procedure runs on CPU, CUDA-only checks are skipped,
+    and the CPU kill-and-resume under --deterministic is bitwise exact."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--tiny", "--out",
+                           str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    verdicts = {c["name"].split(",")[0]: c["verdict"] for c in report["checks"]}
+    assert len(verdicts) == 8 and not [v for v in verdicts.values() if v.startswith(("error", "skipped: out"))]
+    assert verdicts["SIGKILL mid-epoch"] == "met"
+    assert sum(v.startswith("skipped: needs") for v in verdicts.values()) == 2  # the two CUDA-only ones
+    assert "| check | target | measured | verdict |" in (tmp_path / "acceptance.md").read_text()

@@ -73,3 +73,23 @@ def test_rng_states_restore_exactly():
     set_rng_state(state, torch.device("cpu"))
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+
+def test_resume_on_a_gpu_loads_the_snapshot_onto_the_cpu(tmp_path):
+    """Regression: snapshots were loaded with map_location=<training device>, which put the
+    numpy RNG key tensor on the GPU, and ``.numpy()`` raised on every CUDA resume. ``meta``
+    stands in for CUDA here: it raises on ``.numpy()`` the same way."""
+    cfg = TrainConfig(run_dir=str(tmp_path)).resolved()
+    Checkpointer(tmp_path, CTX, cfg).save({"rank_state": {"acc": [1.0, 2.0]}}, 5)
+    gpu_like = DistContext(0, 0, 1, 1, torch.device("meta"), "nccl")
+    snap = Checkpointer(tmp_path, gpu_like, cfg).load_latest()
+    assert snap["global_step"] == 5
+    set_rng_state(snap["ranks"][0]["rng"], gpu_like.device)  # raised "Cannot copy out of meta tensor" before
+
+
+def test_per_rank_state_must_be_host_data_before_it_is_gathered(tmp_path):
+    """all_gather_object pickles; a CUDA tensor would be rebuilt on the sender's GPU in every rank."""
+    ckpt, _ = make(tmp_path)
+    with pytest.raises(ValueError, match="per-rank snapshot state holds a tensor on meta"):
+        ckpt.save({"rank_state": {"acc": torch.zeros(2, device="meta")}}, 1)
+    assert not ckpt.snapshots()

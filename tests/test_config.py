@@ -38,6 +38,9 @@ def test_frozen():
     (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
     (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
     (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
+    # CUDA-graph modes break with BatchNorm under DDP (pytorch/pytorch#139207, #161302)
+    (dict(compile_mode="reduce-overhead"), "--compile-mode 'reduce-overhead' is not one of"),
+    (dict(compile_mode="max-autotune"), "--compile-mode 'max-autotune' is not one of"),
 ])
 def test_invalid_values_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -107,3 +107,19 @@ def test_normalisation_values():
     norm = Normalize((0.5,), (0.25,), torch.device("cpu"))
     out = norm(torch.tensor([0, 255, 128], dtype=torch.uint8).view(1, 1, 1, 3))
     assert torch.allclose(out.flatten(), torch.tensor([-2.0, 2.0, (128 / 255 - 0.5) / 0.25]), atol=1e-5)
+
+
+def test_the_host_staged_path_gives_the_device_paths_batches_from_two_reused_buffers():
+    d = data()
+    images_ptr = d.images.data_ptr()
+    device = ResidentSource(d, META, cfg(), ctx(1, 2), per_rank_batch=8, on_device=True)
+    host = ResidentSource(d, META, cfg(), ctx(1, 2), per_rank_batch=8, on_device=False)
+    assert host.path == "host-staged" and device.path == "device-resident"
+    assert host.images.data_ptr() == images_ptr  # the train set is neither copied nor pinned
+    buffers = [b.data_ptr() for pair in host.stager.buffers for b in pair]
+    for epoch, start in ((0, 0), (1, 3)):
+        pairs = list(zip(device.batches(epoch, start), host.batches(epoch, start)))
+        assert len(pairs) == device.steps_per_epoch - start
+        for (xa, ya), (xb, yb) in pairs:
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert [b.data_ptr() for pair in host.stager.buffers for b in pair] == buffers

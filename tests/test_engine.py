@@ -48,3 +48,10 @@ def test_step_trains(engine):
     engine._step(x, y)
     assert any(not torch.equal(a, b) for a, b in zip(before, engine.raw.parameters()))
     assert engine.sched.last_epoch == 1
+
+
+def test_the_per_rank_snapshot_state_is_plain_floats(engine):
+    x, y = next(engine.train_src.batches(0))
+    engine._step(x, y)
+    acc = engine.state_dict()["rank_state"]["acc"]
+    assert isinstance(acc, list) and all(type(v) is float for v in acc) and acc[0] > 0

@@ -17,3 +17,25 @@ def test_each_rank_trains_its_own_copy_of_a_passed_model(tmp_path):
     assert summary["steps"] == 8 and summary["world_size"] == 2
     assert state["layer1.1.num_batches_tracked"].item() == 8
     assert state["layer2.1.num_batches_tracked"].item() == 8
+
+
+def test_a_model_on_a_gpu_is_moved_to_the_cpu_before_workers_are_spawned():
+    """Spawned workers would rebuild CUDA tensors on the parent's GPU 0 via CUDA IPC."""
+    from ddpkit.trainer import move_to_cpu
+
+    class OnGPU(torch.nn.Module):  # reports a CUDA parameter; records where it is moved
+        def __init__(self):
+            super().__init__()
+            self.moves = []
+            self.fake = torch.nn.Parameter(torch.zeros(1))
+
+        def parameters(self, recurse=True):
+            yield type("P", (), {"device": torch.device("cuda", 3)})()
+
+        def to(self, *args, **kwargs):
+            self.moves.append(args)
+            return self
+
+    model = OnGPU()
+    assert move_to_cpu(model) == torch.device("cuda", 3) and model.moves == [("cpu",)]
+    assert move_to_cpu(ConvNet()) is None

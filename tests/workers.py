@@ -91,3 +91,46 @@ class FaultyConvNet(nn.Module):
         elif self.fault == "stall" and mine and self.calls == self.at_step:
             time.sleep(self.seconds)
         return out
+
+
+def abort_on(rank: int) -> None:
+    """Rank ``rank`` dies of SIGABRT, as NCCL's watchdog ends a process; the others wait in a collective."""
+    import os
+
+    with distributed("cpu", timeout_s=30) as ctx:
+        if ctx.rank == rank:
+            os.abort()
+        dist.all_reduce(torch.ones(1))
+
+
+def precision_matrix(run_dir: str) -> dict:
+    """Two training steps of the ConvNet at world size 2 for every --amp x --sync-bn x
+    --channels-last combination; returns, per combination, whether the loss and the BN
+    running statistics stayed finite on every rank, and the BN module types."""
+    import itertools
+
+    from ddpkit.config import TrainConfig
+    from ddpkit.data import load_dataset
+    from ddpkit.engine import Engine
+    from ddpkit.models import build_model
+
+    results = {}
+    with distributed("cpu") as ctx:
+        for amp, sync_bn, channels_last in itertools.product(("none", "bf16", "fp16"), (False, True), (False, True)):
+            cfg = TrainConfig(dataset="synthetic", synthetic_shape="1,12,12", synthetic_size=64, batch_size=16,
+                              model="convnet", amp=amp, sync_bn=sync_bn, channels_last=channels_last, epochs=1,
+                              progress=False, run_dir=run_dir).resolved()
+            splits = load_dataset(cfg)
+            torch.manual_seed(0)
+            engine = Engine(cfg, ctx, build_model("convnet", 1, 12, 12, 10), splits, static_graph=True)
+            batches = engine.train_src.batches(0)
+            for _ in range(2):
+                engine._step(*next(batches))
+            bn = [m for m in engine.raw.modules() if "BatchNorm" in type(m).__name__]
+            finite = torch.tensor([float(torch.isfinite(engine.acc.sums).all()
+                                         and all(torch.isfinite(m.running_mean).all() and m.num_batches_tracked == 2
+                                                 and m.running_mean.dtype == torch.float32 for m in bn))])
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            results[f"{amp}/{'sync' if sync_bn else 'local'}/{'nhwc' if channels_last else 'nchw'}"] = {
+                "ok": bool(finite.item()), "bn": sorted({type(m).__name__ for m in bn})}
+    return results

@@ -10,6 +10,12 @@ rank's RNG states, the resolved config and its hash, and the ddpkit/torch versio
 is written to a temporary file, fsynced and renamed, so a kill during a save leaves
 the previous snapshot intact; a truncated or corrupt one is reported by name and the
 one before it is used.
+
+Snapshots are loaded onto the CPU whatever the training device: ``load_state_dict``
+copies each tensor to the device anyway, and the RNG states must be CPU tensors
+(``.numpy()`` raises on any other device). Per-rank state travels to rank 0 through
+``all_gather_object`` (pickle), which would rebuild a CUDA tensor on the *sender's* GPU
+index in every receiver; so it must hold CPU tensors and plain numbers only.
 """
 
 from __future__ import annotations
@@ -53,6 +59,19 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def check_host_only(tree, what: str) -> None:
+    """Raise unless every tensor in ``tree`` (dicts, lists, tuples) is on the CPU."""
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type != "cpu":
+            raise ValueError(f"{what} holds a tensor on {tree.device}; copy it to the CPU (or a float) first")
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            check_host_only(value, what)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            check_host_only(value, what)
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, ctx: DistContext, cfg, keep: int = 2):
         self.dir = Path(run_dir) / "checkpoints"
@@ -66,6 +85,7 @@ class Checkpointer:
     def save(self, trainer_state: dict, global_step: int) -> Path:
         """Call on every rank. Gathers per-rank state, then rank 0 writes; all ranks wait for it."""
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
+        check_host_only(per_rank, "per-rank snapshot state")
         gathered = [None] * self.ctx.world_size
         if self.ctx.world_size > 1:
             dist.all_gather_object(gathered, per_rank)  # a collective: outside any rank-0 branch
@@ -88,7 +108,7 @@ class Checkpointer:
         """The newest loadable snapshot for this config, or None. Every rank calls this."""
         for path in self.snapshots():
             try:
-                snap = torch.load(path, map_location=self.ctx.device, weights_only=True)
+                snap = torch.load(path, map_location="cpu", weights_only=True)
                 if snap.get("format") != FORMAT:
                     raise ValueError(f"unknown snapshot format {snap.get('format')!r}")
             except Exception as exc:  # truncated zip, bad pickle, wrong layout

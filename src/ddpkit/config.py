@@ -46,8 +46,10 @@ class TrainConfig:
     sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
     channels_last: Optional[bool] = _f(None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)")
     compile: bool = _f(False, "model", "torch.compile the model; compile time is reported apart from train time")
-    compile_mode: str = _f("default", "model", "torch.compile mode",
-                           ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    # reduce-overhead and max-autotune use CUDA graphs, which are skipped or broken with
+    # BatchNorm under DDP (pytorch/pytorch#139207, #161302): not offered until a GPU run shows otherwise.
+    compile_mode: str = _f("default", "model", "torch.compile mode (modes with CUDA graphs are not offered: "
+                           "they break with BatchNorm under DDP)", ("default", "max-autotune-no-cudagraphs"))
     ddp: bool = _f(True, "model", "wrap in DistributedDataParallel (only --no-ddp at world size 1, to measure the wrapper)")
     # [optim]
     recipe: str = _f("auto", "optim", "named preset filling every unset field below (auto: by dataset)")
@@ -67,6 +69,8 @@ class TrainConfig:
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
     amp: str = _f("none", "train", "mixed precision: bf16 | fp16 (with GradScaler) | none", ("none", "bf16", "fp16"))
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
+    deterministic: bool = _f(False, "train", "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
+                             "and resumes on CUDA too, at some speed cost")
     log_every: int = _f(50, "train", "steps between metric logs, NaN checks and SIGTERM checks (the only host syncs in an epoch)")
     # [run]
     run_dir: str = _f("", "run", "run directory (default: runs/<dataset>-<model>-<config hash>)")

@@ -1,4 +1,5 @@
-"""The distributed context: process-group setup and teardown, and nothing else.
+"""The distributed context: process setup (device, threads, determinism), the process
+group's setup and teardown, and nothing else.
 
     with distributed(device="auto", timeout_s=600) as ctx:
         ctx.rank, ctx.world_size, ctx.device   # an explicit value, passed to whoever needs it
@@ -6,6 +7,24 @@
 Under torchrun (or ddpkit's own elastic launch) the ranks come from the environment;
 otherwise this is a world of one, still with a real process group so every code path
 (all-reduce, DDP) is the same at any size. The group is destroyed even on error.
+
+The CUDA-only branches in ddpkit, and why each cannot be shared with the CPU path:
+
+* here: ``torch.cuda.set_device`` before ``init_process_group`` (NCCL binds the current
+  device), and NCCL barriers name the rank's GPU (``device_ids``; otherwise torch guesses
+  it from the global rank). ``device_id=`` is not passed to ``init_process_group``: it
+  makes NCCL initialise eagerly, which has been reported to hang at random
+  (pytorch/pytorch#153960) and to slow training (NVIDIA-NeMo/RL#3073).
+* ``data/loader.py``: the host-staged path pins its two staging buffers and copies on a
+  side stream with events; CPU has no asynchronous copy engine to overlap with.
+* ``data/loader.py``: ``--data-path auto`` asks CUDA for free memory; on CPU the data is
+  already in the only memory there is.
+* ``optim.py``: fused optimizer kernels on CUDA, foreach on CPU (no fused CPU SGD in
+  older torch).
+* ``syncbn.py``: torch's ``nn.SyncBatchNorm`` on CUDA by default (see there).
+* ``checkpoint.py``: the CUDA generator's state joins the CPU ones.
+* ``metrics.py``: peak memory is CUDA's allocator peak, or the process's peak RSS on CPU.
+* ``engine.py``: DDP gets ``device_ids`` on CUDA, as DDP requires for single-device modules.
 """
 
 from __future__ import annotations
@@ -15,7 +34,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,6 +42,7 @@ import torch.distributed as dist
 from .errors import CollectiveTimeout, ConfigError, PeerLost
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
 
 
 @dataclass(frozen=True)
@@ -53,21 +73,24 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
 
 
-def under_launcher() -> bool:
+def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
     """True inside torchrun / an elastic agent's worker (the ranks come from the env)."""
-    return all(k in os.environ for k in LAUNCH_VARS)
+    return all(k in env for k in LAUNCH_VARS)
 
 
 def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def cpu_threads(local_world_size: int) -> int:
+def cpu_threads(local_world_size: int, cores: int | None = None) -> int:
     """Intra-op threads per process, so N processes on a node never oversubscribe its cores."""
-    return max(1, cpu_cores() // max(1, local_world_size))
+    return max(1, (cpu_cores() if cores is None else cores) // max(1, local_world_size))
 
 
 def resolve_device_type(pref: str) -> str:
@@ -78,31 +101,73 @@ def resolve_device_type(pref: str) -> str:
     return pref
 
 
-@contextmanager
-def distributed(device: str = "auto", timeout_s: float = 600.0) -> Iterator[DistContext]:
-    env = os.environ
-    if under_launcher():
+def plan(env: Mapping[str, str], device_type: str, gpu_count: int, cores: int) -> tuple[DistContext, int]:
+    """This process's place in the job, and its intra-op thread count. Pure: no device is touched.
+
+    The thread rule holds on CUDA too: ``elastic_launch``, unlike torchrun, leaves
+    OMP_NUM_THREADS unset, and 8 ranks each using every core for host work (data
+    indexing, kernel launches, the optimizer's Python) slow each other down.
+    """
+    if under_launcher(env):
         rank, local_rank, world = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     else:
         rank, local_rank, world, local_world = 0, 0, 1, 1
-    dev_type = resolve_device_type(device)
-    if dev_type == "cuda":
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)  # before init_process_group, so NCCL binds this rank's GPU
-        backend = "nccl"
+    if device_type == "cuda":
+        # Checked on the node's process count, not this rank's index, so every rank of the
+        # node fails alike and the error is printed once (by rank 0), not "invalid device ordinal".
+        if local_world > gpu_count:
+            raise ConfigError(f"this node runs {local_world} processes but sees {gpu_count} GPU(s); start at most "
+                              f"{gpu_count} per node (torchrun --nproc-per-node {gpu_count}), or check "
+                              f"CUDA_VISIBLE_DEVICES")
+        device, backend = torch.device("cuda", local_rank), "nccl"
     else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(local_world))
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"
+    ctx = DistContext(rank, local_rank, world, local_world, device, backend)
+    return ctx, cpu_threads(local_world, cores)
+
+
+@contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    """``--deterministic``: reproducible kernels on every device, restored on exit.
+
+    Bitwise-identical resume on CUDA needs it: cuDNN's algorithm search, atomics in some
+    backward kernels and cuBLAS's split-K reductions otherwise differ from run to run.
+    """
+    if not on:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)  # read at the first cuBLAS call
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+@contextmanager
+def distributed(device: str = "auto", timeout_s: float = 600.0, deterministic_algorithms: bool = False
+                ) -> Iterator[DistContext]:
+    dev_type = resolve_device_type(device)
+    ctx, threads = plan(os.environ, dev_type, torch.cuda.device_count() if dev_type == "cuda" else 0, cpu_cores())
+    torch.set_num_threads(threads)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)  # before init_process_group, so NCCL binds this rank's GPU
     timeout = timedelta(seconds=timeout_s)
     if under_launcher():
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=ctx.backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
     ok = False
     try:
-        yield DistContext(rank, local_rank, world, local_world, dev, backend)
+        with deterministic(deterministic_algorithms):
+            yield ctx
         ok = True
     except RuntimeError as exc:  # gloo/NCCL/store errors are RuntimeError subclasses
         user_error = _comm_failure(exc, timeout_s)
@@ -110,18 +175,25 @@ def distributed(device: str = "auto", timeout_s: float = 600.0) -> Iterator[Dist
             raise
         raise user_error from exc
     finally:
-        if ok and world > 1:
+        if ok:
             # Let every rank's last collective finish before any rank tears down its gloo/NCCL
             # threads: a rank that exits while a peer is mid-collective can abort
             # ("terminate called without an active exception"). Skipped on error: a dead peer
             # would make it wait for the full timeout.
-            dist.barrier()
+            ctx.barrier()
         dist.destroy_process_group()
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _COMM = re.compile(r"gloo|nccl|store|collective|process ?group", re.IGNORECASE)
 _PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused", re.IGNORECASE)
+
+
+def timeout_message(timeout_s: float, detail: str = "") -> str:
+    """What a collective timeout means and what to do, for gloo errors and NCCL aborts alike."""
+    return (f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
+            f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
+            f"that long, raise --timeout-s.{f' ({detail})' if detail else ''}")
 
 
 def _comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
@@ -132,10 +204,7 @@ def _comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
         return None
     first = text.strip().splitlines()[0][:240] if text.strip() else type(exc).__name__
     if _TIMEOUT.search(text):
-        return CollectiveTimeout(
-            f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
-            f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
-            f"that long, raise --timeout-s. ({first})")
+        return CollectiveTimeout(timeout_message(timeout_s, first))
     if _PEER_GONE.search(text):
         return PeerLost(f"another rank left mid-collective (it died or was stopped; its own output says why). "
                         f"({first})")

@@ -88,7 +88,9 @@ class Engine:
                 "timing": {"train_time_s": self.train_time_s, "compile_time_s": self.compile_time_s,
                            "final_train_loss": self.final_train_loss,
                            "epoch_elapsed_s": time.perf_counter() - self._epoch_t0 if self.step_in_epoch else 0.0},
-                "rank_state": {"acc": self.acc.sums.clone()}}
+                # Plain floats: this travels through all_gather_object, which would rebuild a
+                # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
+                "rank_state": {"acc": self.acc.sums.tolist()}}
 
     def load_state_dict(self, snap: dict) -> None:
         state = snap["trainer"]
@@ -105,7 +107,7 @@ class Engine:
         self.final_train_loss = state["timing"]["final_train_loss"]
         self.epoch_elapsed_s = state["timing"].get("epoch_elapsed_s", 0.0)
         mine = snap["ranks"][self.ctx.rank]
-        self.acc.sums.copy_(mine["rank_state"]["acc"])
+        self.acc.sums.copy_(torch.as_tensor(mine["rank_state"]["acc"], dtype=torch.float64))
         set_rng_state(mine["rng"], self.ctx.device)
 
     # ------------------------------------------------------------------ loop

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .dist import resolve_device_type, under_launcher
+from .dist import cpu_threads, resolve_device_type, timeout_message, under_launcher
 from .errors import CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
@@ -62,7 +62,7 @@ class LaunchSpec:
     rdzv_id: str = ""
     local_addr: str = ""
     max_restarts: int = 0
-    join_timeout_s: float = 600.0  # how long an agent waits at rendezvous for the other nodes
+    timeout_s: float = 600.0  # --timeout-s: collectives, and how long an agent waits at rendezvous for the other nodes
 
     @classmethod
     def from_config(cls, cfg) -> "LaunchSpec":
@@ -122,6 +122,9 @@ def launch(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
             results = elastic_launch(config, _guarded)(fn, *args)
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        killed = signal_failure(codes, spec.timeout_s)
+        if killed is not None:
+            raise killed from None
         reported = all(code in REPORTED_EXITS for code in codes.values())
         first = next(iter(codes.values()))
         raise WorkersFailed(f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
@@ -137,6 +140,32 @@ def launch(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
             raise WorkersFailed(result.message, True, result.exit_code)
         raise _Reported(result.message, result.exit_code)
     return result
+
+
+def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
+    """Workers ended by a signal (negative exit codes), said in the user's terms; None otherwise.
+
+    NCCL's watchdog aborts its process (SIGABRT) when a collective times out or a peer's
+    connection breaks, instead of raising in Python as gloo does; so a SIGABRT is most
+    often that. NCCL's own lines above the error name which (``NCCL_DEBUG=WARN`` for more).
+    """
+    signalled = {rank: -code for rank, code in codes.items() if code < 0}
+    if not signalled:
+        return None
+    rank, signum = min(signalled.items())
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == signal.SIGABRT:
+        return CollectiveTimeout(f"rank {rank} was aborted (SIGABRT). On GPUs this is NCCL's watchdog: "
+                                 + timeout_message(timeout_s) + " A peer that died first is named by its own "
+                                 "error above; NCCL_DEBUG=WARN shows NCCL's reason.")
+    if signum == signal.SIGKILL:
+        return PeerLost(f"rank {rank} was killed (SIGKILL): most often by the kernel's out-of-memory killer "
+                        f"(see `dmesg`; lower --batch-size or --nproc), or from outside the job")
+    return PeerLost(f"rank {rank} died of {name}; if nothing above explains it, it is a crash in native code "
+                    f"(set TORCH_SHOW_CPP_STACKTRACES=1 and rerun to see where)")
 
 
 class _Reported(DdpkitError):
@@ -180,6 +209,10 @@ def _launch_config(spec: LaunchSpec):
     from torch.distributed.launcher.api import LaunchConfig
 
     endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # What torchrun sets and elastic_launch does not: each worker's share of the cores,
+        # read by torch and by numpy's BLAS when they load.
+        env["OMP_NUM_THREADS"] = str(cpu_threads(spec.nproc))
     if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # With the agent's TCPStore shared into the workers (torch >= 2.5's default), restarted
         # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
@@ -189,19 +222,20 @@ def _launch_config(spec: LaunchSpec):
         endpoint = spec.rdzv_endpoint
         host, _ = split_endpoint(endpoint)
         local_addr = spec.local_addr or route_addr(host)
-        rdzv_configs["join_timeout"] = max(60, int(spec.join_timeout_s))
+        rdzv_configs["join_timeout"] = max(60, int(spec.timeout_s))
         if not is_loopback(host) and is_local(host):
             # torch recognises its store host by hostname; an address on a secondary interface
             # (or in a network namespace) is missed, and then no node would host the store.
             rdzv_configs["is_host"] = True
         if "local_addr" in {f.name for f in dataclasses.fields(LaunchConfig)}:
             extra["local_addr"] = local_addr
-        if "GLOO_SOCKET_IFNAME" not in os.environ:
-            # gloo binds to whatever the hostname resolves to unless told; use the interface
-            # that reaches the other nodes. (NCCL picks its interface itself.)
-            iface = interface_of(local_addr)
-            if iface:
-                env["GLOO_SOCKET_IFNAME"] = iface
+        # gloo binds to whatever the hostname resolves to unless told, and NCCL's bootstrap
+        # may pick a docker or virtual bridge: use the interface that reaches the other nodes.
+        # (NCCL's data path over InfiniBand is chosen by NCCL itself and not affected.)
+        iface = interface_of(local_addr)
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if iface and var not in os.environ:
+                env[var] = iface
     config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
                         run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
                         rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method="spawn", **extra)

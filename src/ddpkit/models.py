@@ -42,6 +42,22 @@ class SimpleCNN(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+class GlobalPool(nn.Module):
+    """Global max or mean pooling to [B, C, 1, 1], with a deterministic backward on every device.
+
+    ``AdaptiveMaxPool2d``/``AdaptiveAvgPool2d`` backward on CUDA use atomics, and raise under
+    ``--deterministic``; ``amax``/``mean`` give the same forward values with plain reductions.
+    It holds no parameters, so the models' state_dict keys are unchanged.
+    """
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x):
+        return x.amax((2, 3), keepdim=True) if self.mode == "max" else x.mean((2, 3), keepdim=True)
+
+
 class Residual(nn.Module):
     def __init__(self, c: int):
         super().__init__()
@@ -61,7 +77,7 @@ class ResNet9(nn.Module):
             conv_bn(64, 128), nn.MaxPool2d(2), Residual(128),
             conv_bn(128, 256), nn.MaxPool2d(2),
             conv_bn(256, 512), nn.MaxPool2d(2), Residual(512),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(512, classes, bias=False))
+            GlobalPool("max"), nn.Flatten(), nn.Linear(512, classes, bias=False))
         self.scale = 0.125  # Page scales the logits down; it steadies the high-lr start
 
     def forward(self, x):
@@ -73,6 +89,7 @@ def resnet18(channels: int, height: int, width: int, classes: int) -> nn.Module:
     import torchvision
 
     model = torchvision.models.resnet18(num_classes=classes)
+    model.avgpool = GlobalPool("mean")
     if min(height, width) <= 64:
         model.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()

@@ -21,13 +21,11 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
                       weight_decay=cfg.weight_decay)
     else:
         kwargs = dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
-    # fused kernels on CUDA (one launch for all params), foreach elsewhere; both are exact re-orderings
-    # of the same per-parameter update, so results match the for-loop version to rounding.
+    # fused kernels on CUDA (one launch for all params; SGD, Adam and AdamW have them since torch
+    # 2.4), foreach elsewhere; both are exact re-orderings of the same per-parameter update, so
+    # results match the for-loop version to rounding.
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    try:
-        return OPTIMIZERS[cfg.optimizer](params, **kwargs, **impl)
-    except (RuntimeError, TypeError):  # older torch without fused support for this optimizer
-        return OPTIMIZERS[cfg.optimizer](params, **kwargs, foreach=True)
+    return OPTIMIZERS[cfg.optimizer](params, **kwargs, **impl)
 
 
 class ScheduleFactor:
@@ -61,11 +59,7 @@ def autocast(cfg, device: torch.device):
 
 def build_scaler(cfg, device: torch.device):
     """GradScaler for fp16 only: bf16 has fp32's exponent range and needs no loss scaling."""
-    enabled = cfg.amp == "fp16"
-    try:
-        return torch.amp.GradScaler(device.type, enabled=enabled)
-    except AttributeError:  # torch < 2.3
-        return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+    return torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
 
 
 class EMA:

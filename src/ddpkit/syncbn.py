@@ -1,10 +1,21 @@
-"""SyncBatchNorm that also runs on CPU (gloo), so CPU runs and CI exercise it.
+"""SyncBatchNorm built from plain tensor ops and one autograd-aware all-reduce.
 
 torch's ``nn.SyncBatchNorm`` computes its statistics with CUDA-only kernels, raises on
-CPU input, and DDP refuses it in CPU modules. On CPU, :class:`CPUSyncBatchNorm` computes
-the per-channel sum, sum of squares and count locally and all-reduces them through
-:class:`_AllReduceSum`, whose backward all-reduces the gradient, so autograd gives the
-same gradients as the CUDA kernels. On CUDA it is torch's own implementation unchanged.
+CPU input, and DDP refuses it in CPU modules. :class:`AllReduceBatchNorm` computes the
+per-channel sum, sum of squares and count locally, in float32 on the input's device,
+and all-reduces them through :class:`_AllReduceSum`, whose backward all-reduces the
+gradient, so autograd gives the same gradients as torch's kernels. Under autocast
+(``--amp bf16|fp16``) the statistics stay in float32 and the output takes the input's
+dtype, as torch's BatchNorm does.
+
+Which implementation runs (``convert_sync_batchnorm``):
+
+* CPU: :class:`AllReduceBatchNorm` (torch's cannot run there).
+* CUDA: torch's ``nn.SyncBatchNorm`` by default. It drops empty ranks' statistics with a
+  boolean mask, which syncs the host once per BN layer per step (torch's
+  ``_functions.py`` says so); ``impl="allreduce"`` selects this module instead, which
+  makes no host sync but is not fused. ``benchmarks/gpu_acceptance.py`` times both, so
+  the default is chosen by measurement on the first GPU.
 """
 
 from __future__ import annotations
@@ -31,8 +42,8 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
-class CPUSyncBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics span all ranks, for CPU tensors.
+class AllReduceBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics span all ranks, on any device.
 
     It deliberately is not an ``nn.SyncBatchNorm``: DDP refuses those on CPU modules.
     """
@@ -44,9 +55,11 @@ class CPUSyncBatchNorm(_BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or not dist.is_initialized() or dist.get_world_size() == 1:
             return super().forward(x)
+        xf = x.float()  # statistics in float32 whatever autocast made the activations
         dims = [0] + list(range(2, x.dim()))
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype)
-        local = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        # Built on x's device in float32: exact up to 2**24 samples per channel over all ranks.
+        count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float32, device=x.device)
+        local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
         total = _AllReduceSum.apply(local)  # [sum (C), sum of squares (C), samples per channel (1)]
         c = x.shape[1]
         n = total[-1]
@@ -56,24 +69,29 @@ class CPUSyncBatchNorm(_BatchNorm):
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.lerp_(mean.detach(), m)
-                self.running_var.lerp_(var.detach() * n / (n - 1), m)  # unbiased, as torch's BN stores
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
+                unbiased = var.detach() * n / (n - 1)  # as torch's BN stores it
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
         shape = [1, c] + [1] * (x.dim() - 2)
-        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+        return y.to(x.dtype)
 
 
-def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm*d -> torch's SyncBatchNorm on CUDA, or :class:`CPUSyncBatchNorm` on CPU."""
-    if device.type != "cpu":
+def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "auto") -> nn.Module:
+    """Every BatchNorm*d -> a synchronised one: ``impl`` auto (torch's on CUDA, ours elsewhere),
+    ``torch`` or ``allreduce``."""
+    if impl == "auto":
+        impl = "torch" if device.type == "cuda" else "allreduce"
+    if impl == "torch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if isinstance(model, _BatchNorm) and not isinstance(model, CPUSyncBatchNorm):
-        new = CPUSyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
+    if isinstance(model, _BatchNorm) and not isinstance(model, AllReduceBatchNorm):
+        new = AllReduceBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
+                                 model.track_running_stats)
         new.load_state_dict(model.state_dict())
         new.train(model.training)
-        return new
+        return new.to(device)
     for name, child in model.named_children():
-        model.add_module(name, convert_sync_batchnorm(child, device))
+        model.add_module(name, convert_sync_batchnorm(child, device, impl))
     return model

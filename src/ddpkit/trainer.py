@@ -63,7 +63,29 @@ class Trainer:
             return finished
         # Spawned workers load the registry data themselves rather than receive it pickled.
         job_splits = self.splits if self.splits is not None else (splits if spec.in_process else None)
-        return launch(train_worker, (Job(cfg, self.model, job_splits),), spec)
+        home = None if spec.in_process else move_to_cpu(self.model)
+        try:
+            return launch(train_worker, (Job(cfg, self.model, job_splits),), spec)
+        finally:
+            if home is not None:
+                self.model.to(home)
+
+
+def move_to_cpu(model: nn.Module | None) -> torch.device | None:
+    """Move a model that is on a GPU to the CPU, returning where it was (None if it was on the CPU).
+
+    Spawned workers receive the model pickled; CUDA tensors travel as CUDA IPC handles and
+    are rebuilt on the parent's GPU in every worker, opening a context there per rank
+    (and failing outright in EXCLUSIVE_PROCESS mode). Each worker moves its copy to its
+    own GPU anyway.
+    """
+    if model is None:
+        return None
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    home = next((d for d in devices if d.type != "cpu"), None)
+    if home is not None:
+        model.to("cpu")
+    return home
 
 
 def preflight(config: TrainConfig, splits: DataSplits | None, custom_model: bool):
@@ -102,7 +124,7 @@ def infer_meta(data: Dataset) -> Meta | None:
 def train_worker(job: Job) -> dict:
     """One rank, start to finish; the process group is destroyed even on error."""
     cfg = job.cfg
-    with distributed(cfg.device, cfg.timeout_s) as ctx:
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         splits = job.splits or load_dataset(cfg, download=False)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         # torch.multiprocessing hands tensors to spawned workers in shared memory, so every
@@ -122,7 +144,7 @@ def eval_worker(cfg: TrainConfig) -> dict:
     from .data.loader import Preprocess
     from .evaluate import evaluate
 
-    with distributed(cfg.device, cfg.timeout_s) as ctx:
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         splits = load_dataset(cfg, download=False)
         m = splits.meta
         model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)

@@ -1,8 +1,10 @@
 """Batch sources: the same epoch order and augmentation on every path.
 
-* :class:`ResidentSource` holds the uint8 train set in memory, on the device when it
-  fits (``--data-path device``) or in pinned host memory with non-blocking copies and
-  one batch of prefetch (``host``), and makes batches by indexing.
+* :class:`ResidentSource` holds the uint8 train set in memory and makes batches by
+  indexing: on the device when it fits (``--data-path device``), or in host memory
+  (``host``), where :class:`HostStager` gathers each batch into one of two reused
+  staging buffers and copies it to the device, the next batch's copy overlapping the
+  current step on CUDA.
 * :class:`LoaderSource` is the classic DataLoader + DistributedSampler (``loader``), for
   datasets that do not fit in memory (imagefolder) or the user's own Dataset.
 
@@ -72,39 +74,83 @@ class _Source:
         return offsets.to(self.ctx.device), flips.to(self.ctx.device)
 
 
+class HostStager:
+    """Batches gathered from host memory into two reused staging buffers, then copied to the device.
+
+    The train set itself stays in pageable memory: pinning it all would double it in
+    page-locked RAM on every rank for nothing, since indexing a pinned tensor returns
+    pageable memory anyway. On CUDA the two staging buffers are pinned and each copy runs on
+    a side stream, so batch k+1's transfer overlaps step k's compute; the compute stream
+    waits on that copy's event alone, and a buffer is refilled only once its previous copy
+    (two batches back) has finished. On CPU the same code gathers and copies, so CI runs it.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch: int, device: torch.device):
+        self.images, self.labels, self.device = images, labels, device
+        cuda = device.type == "cuda"
+        self.buffers = [(torch.empty((batch, *images.shape[1:]), dtype=images.dtype, pin_memory=cuda),
+                         torch.empty((batch,), dtype=labels.dtype, pin_memory=cuda)) for _ in range(2)]
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.copied: list = [None, None]  # per buffer: the CUDA event of its last copy
+        self.slot = 0
+
+    def copy(self, idx: torch.Tensor) -> tuple:
+        """Gather samples ``idx`` and start their copy to the device; hand the result to :meth:`ready`."""
+        slot, self.slot = self.slot, self.slot ^ 1
+        xb, yb = self.buffers[slot]
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()  # never overwrite a buffer the copy engine is still reading
+        torch.index_select(self.images, 0, idx, out=xb)
+        torch.index_select(self.labels, 0, idx, out=yb)
+        if self.stream is None:
+            return xb.clone(), yb.clone(), None  # the buffer is refilled two batches on
+        with torch.cuda.stream(self.stream):
+            x, y = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.copied[slot] = event
+        return x, y, event
+
+    def ready(self, handle: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch, safe to use on the current stream."""
+        x, y, event = handle
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            # x and y were allocated on the side stream: keep the allocator from reusing them early.
+            x.record_stream(stream)
+            y.record_stream(stream)
+        return x, y
+
+
 class ResidentSource(_Source):
     def __init__(self, data: ImageData, meta: Meta, cfg, ctx, per_rank_batch: int, on_device: bool):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch)
-        cuda = ctx.device.type == "cuda"
-        self.on_device = on_device or not cuda  # on CPU, host memory *is* the device
-        self.path = "device-resident" if self.on_device else "pinned-host"
-        if self.on_device:
+        self.on_device = on_device
+        self.path = "device-resident" if on_device else "host-staged"
+        if on_device:
             self.images, self.labels = data.images.to(ctx.device), data.labels.to(ctx.device)
         else:
-            self.images, self.labels = data.images.pin_memory(), data.labels.pin_memory()
+            self.images, self.labels = data.images, data.labels
+            self.stager = HostStager(data.images, data.labels, per_rank_batch, ctx.device)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)
         offsets, flips = self._params(epoch)
+        b, steps = self.batch, self.steps_per_epoch
         if self.on_device:
             order = order.to(self.ctx.device)  # one small copy per epoch; every batch after is on-device indexing
-        fetch = self._fetch_device if self.on_device else self._fetch_host
-        nxt = fetch(order, start_step)
-        for step in range(start_step, self.steps_per_epoch):
-            x, y = nxt
-            if step + 1 < self.steps_per_epoch:
-                nxt = fetch(order, step + 1)  # host path: the next copy overlaps this step's compute
-            sl = slice(step * self.batch, (step + 1) * self.batch)
-            yield self.pre.train(x, offsets[sl], flips[sl]), y
-
-    def _fetch_device(self, order, step):
-        idx = order[step * self.batch:(step + 1) * self.batch]
-        return self.images[idx], self.labels[idx]
-
-    def _fetch_host(self, order, step):
-        idx = order[step * self.batch:(step + 1) * self.batch]
-        x, y = self.images[idx].pin_memory(), self.labels[idx].pin_memory()
-        return x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+            for step in range(start_step, steps):
+                idx = order[step * b:(step + 1) * b]
+                yield self.pre.train(self.images[idx], offsets[step * b:(step + 1) * b],
+                                     flips[step * b:(step + 1) * b]), self.labels[idx]
+            return
+        pending = self.stager.copy(order[start_step * b:(start_step + 1) * b]) if start_step < steps else None
+        for step in range(start_step, steps):
+            x, y = self.stager.ready(pending)
+            if step + 1 < steps:
+                pending = self.stager.copy(order[(step + 1) * b:(step + 2) * b])  # overlaps this step's compute
+            yield self.pre.train(x, offsets[step * b:(step + 1) * b], flips[step * b:(step + 1) * b]), y
 
 
 class _From(Sampler):
