@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
 
 from ddpkit import TrainConfig, Trainer  # noqa: E402
-from ddpkit.launch import launch  # noqa: E402
+from ddpkit.launcher import run_workers  # noqa: E402
 from ddpkit.models import ResNet9  # noqa: E402
 from ddpkit.syncbn import convert_sync_batchnorm  # noqa: E402
 from faults import ROOT, train_killing_one_worker  # noqa: E402
@@ -105,7 +105,7 @@ def seed_vs_ddpkit(env: Env) -> Check:
     root = torchvision_mnist_root()
     batch, limit = (100, 2000) if env.tiny else (128, 0)
     try:
-        seed = launch(seed_worker, (str(root), batch, 1, 0.05, limit, env.device), 1)
+        seed = run_workers(seed_worker, (str(root), batch, 1, 0.05, limit, env.device), 1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ours = env.train(epochs=1, batch_size=batch, lr=0.05, limit_train=limit)

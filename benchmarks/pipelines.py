@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ddpkit import TrainConfig, Trainer  # noqa: E402
 from ddpkit.data import MNIST_DIR  # noqa: E402
 from ddpkit.dist import distributed  # noqa: E402
-from ddpkit.launch import launch  # noqa: E402
+from ddpkit.launcher import run_workers  # noqa: E402
 from ddpkit.models import ConvNet  # noqa: E402
 
 
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
         common = dict(dataset="mnist", model="convnet", batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                       limit_train=args.limit_train, device="cpu")
         for r in range(args.repeats):
-            seed = launch(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train), args.nproc)
+            seed = run_workers(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train),
+                               args.nproc)
             ours = ddpkit_run(work / f"ddp-{r}", nproc=str(args.nproc), **common)
             one_ddp = ddpkit_run(work / f"w1-ddp-{r}", nproc="1", **common)
             one_raw = ddpkit_run(work / f"w1-noddp-{r}", nproc="1", ddp=False, **common)

@@ -85,7 +85,7 @@ def test_cli_surface_is_frozen():
     train = parser._subparsers._group_actions[0].choices["train"]
     flags = {opt for action in train._actions for opt in action.option_strings}
     for f in dataclasses.fields(TrainConfig):
-        assert "--" + f.name.replace("_", "-") in flags
+        assert ("--" + f.name.replace("_", "-") in flags) == f.metadata["cli"], f.name
     assert {"--config", "--nproc", "--batch-size", "--amp", "--sync-bn", "--epochs"} <= flags
 
 

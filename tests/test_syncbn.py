@@ -4,13 +4,13 @@ every precision and memory-format combination at world size 2."""
 import torch
 from torch import nn
 
-from ddpkit.launch import launch
+from ddpkit.launcher import run_workers
 from ddpkit.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 from workers import precision_matrix, syncbn_vs_bn
 
 
 def test_two_rank_syncbn_equals_full_batch_bn():
-    result = launch(syncbn_vs_bn, (0,), 2)
+    result = run_workers(syncbn_vs_bn, (0,), 2)
     assert result["type"] == "AllReduceBatchNorm"
     assert result["rank0"] == {"out": True, "input_grad": True, "weight_grad": True, "running_var": True,
                                "running_mean": True}
@@ -19,7 +19,7 @@ def test_two_rank_syncbn_equals_full_batch_bn():
 
 def test_every_amp_sync_bn_and_memory_format_combination_trains_at_world_2(tmp_path):
     """Regression: --amp bf16 --sync-bn raised a dtype error in syncbn.py (each flag worked alone)."""
-    results = launch(precision_matrix, (str(tmp_path),), 2)
+    results = run_workers(precision_matrix, (str(tmp_path),), 2)
     assert len(results) == 12
     failed = [combo for combo, r in results.items() if not r["ok"]]
     assert not failed, failed

@@ -13,6 +13,7 @@ from ddpkit.data import ImageData, Meta
 from ddpkit.data.loader import Preprocess
 from ddpkit.dist import distributed
 from ddpkit.evaluate import evaluate
+from ddpkit.task import Classification
 
 
 class CountingModel(nn.Module):
@@ -30,7 +31,7 @@ def eval_counts(n: int) -> dict:
         data = ImageData(torch.zeros(n, 1, 4, 4, dtype=torch.uint8), labels)
         pre = Preprocess(Meta(1, 4, 4, 10, (0.0,), (1.0,)), ctx.device, False)
         cfg = SimpleNamespace(amp="none", tta=False, num_workers=0)
-        result = evaluate(CountingModel(), data, pre, cfg, ctx, batch=16)
+        result, _ = evaluate(CountingModel(), data, Classification(), pre, cfg, ctx, batch=16)
         return {**result, "world": ctx.world_size, "expected_correct": int((labels == 0).sum())}
 
 
@@ -122,10 +123,11 @@ def precision_matrix(run_dir: str) -> dict:
                               progress=False, run_dir=run_dir).resolved()
             splits = load_dataset(cfg)
             torch.manual_seed(0)
-            engine = Engine(cfg, ctx, build_model("convnet", 1, 12, 12, 10), splits, static_graph=True)
+            engine = Engine(cfg, ctx, build_model("convnet", 1, 12, 12, 10), splits, Classification(),
+                            static_graph=True)
             batches = engine.train_src.batches(0)
             for _ in range(2):
-                engine._step(*next(batches))
+                engine._step((next(batches),))
             bn = [m for m in engine.raw.modules() if "BatchNorm" in type(m).__name__]
             finite = torch.tensor([float(torch.isfinite(engine.acc.sums).all()
                                          and all(torch.isfinite(m.running_mean).all() and m.num_batches_tracked == 2

@@ -72,6 +72,25 @@ def check_host_only(tree, what: str) -> None:
             check_host_only(value, what)
 
 
+def read_weights(path: str | Path) -> dict:
+    """Model weights from a model.pt (a plain state_dict) or a ddpkit snapshot, onto the CPU.
+
+    A ``module.`` prefix (a state_dict saved from a DDP wrapper) is dropped.
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise RunDirError(f"--init-from {path}: no such file") from None
+    except Exception as exc:  # truncated zip, not a torch file, pickled code
+        raise RunDirError(f"--init-from {path}: not a loadable weights file ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("trainer"), dict) and "model" in obj["trainer"]:
+        obj = obj["trainer"]["model"]  # a snapshot
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise RunDirError(f"--init-from {path}: expected a state_dict (name -> tensor), as model.pt holds")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, ctx: DistContext, cfg, keep: int = 2):
         self.dir = Path(run_dir) / "checkpoints"

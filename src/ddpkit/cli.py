@@ -15,7 +15,7 @@ import os
 import sys
 
 from .errors import DdpkitError
-from .launch import WorkersFailed
+from .launcher import WorkersFailed
 
 
 def build_parser() -> argparse.ArgumentParser:

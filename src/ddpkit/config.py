@@ -22,8 +22,10 @@ from typing import Any, Optional
 from .errors import ConfigError
 
 
-def _f(default: Any, section: str, help: str, choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"section": section, "help": help, "choices": choices})
+def _f(default: Any, section: str, help: str, choices: tuple | None = None, cli: bool = True) -> Any:
+    """A config field: default, TOML section, help with units, allowed values; ``cli=False`` for a
+    field that only the Python API sets (it is still written to config.toml)."""
+    return field(default=default, metadata={"section": section, "help": help, "choices": choices, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,10 @@ class TrainConfig:
     device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
     # [model]
     model: Optional[str] = _f(None, "model", "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's)")
+    task: str = _f("classification", "model", "what the loop optimises: classification; the Python API records "
+                   "model-loss or custom:<loss_fn> here", cli=False)
+    init_from: str = _f("", "model", "start from these weights: a model.pt or a snapshot, for fine-tuning "
+                        "(a resumed run continues from its own snapshot instead)")
     sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
     channels_last: Optional[bool] = _f(None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)")
     compile: bool = _f(False, "model", "torch.compile the model; compile time is reported apart from train time")
@@ -63,10 +69,14 @@ class TrainConfig:
     warmup_frac: Optional[float] = _f(None, "optim", "fraction of all steps spent warming up (0..1)")
     label_smoothing: Optional[float] = _f(None, "optim", "cross-entropy label smoothing (0..1)")
     ema: Optional[float] = _f(None, "optim", "weight EMA decay per step, e.g. 0.999 (0 = off); eval uses the EMA")
+    clip_grad_norm: float = _f(0.0, "optim", "clip the gradients' global L2 norm to this (0 = off); the norm before "
+                               "clipping is logged as grad_norm")
     tta: Optional[bool] = _f(None, "optim", "test-time augmentation: average logits over a horizontal flip")
     # [train]
     epochs: int = _f(2, "train", "passes over the training set")
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
+    grad_accum: int = _f(1, "train", "micro-batches per optimizer step: each rank runs batch_size // world_size "
+                         "// grad_accum samples at a time and all-reduces once per step")
     amp: str = _f("none", "train", "mixed precision: bf16 | fp16 (with GradScaler) | none", ("none", "bf16", "fp16"))
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
     deterministic: bool = _f(False, "train", "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
@@ -77,6 +87,8 @@ class TrainConfig:
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
+    resume: str = _f("auto", "run", "auto: continue from the run dir's newest snapshot (or return its result if "
+                     "finished) | never: refuse a run dir that already holds a run", ("auto", "never"))
     on_nan: str = _f("stop", "run", "non-finite loss or weights, checked at log intervals and before each snapshot: "
                      "stop (keep the last good snapshot) | warn", ("stop", "warn"))
     # [checkpoint]
@@ -101,7 +113,8 @@ class TrainConfig:
         cfg = recipes.apply(self)
         cfg.validate()
         if not cfg.run_dir:
-            cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / f"{_slug(cfg.dataset)}-{cfg.model}-{cfg.hash()[:8]}"))
+            name = f"{_slug(cfg.dataset)}-{_slug(cfg.model)}-{cfg.hash()[:8]}"
+            cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / name))
         return cfg
 
     def validate(self) -> None:
@@ -111,27 +124,35 @@ class TrainConfig:
         check_dataset_name(self.dataset)
         if self.model not in MODELS and not str(self.model).startswith("custom:"):
             raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
+        if self.task != "classification" and not self.task.startswith(("custom:", "model-loss", "classification+")):
+            raise ConfigError(f"--task {self.task!r}: the CLI trains classification; a loss_fn is given from Python")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if isinstance(value, str) and value.startswith("custom:"):  # set by the Python API
+                continue
+            if choices and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)} {getattr(self, f.name)!r} is not one of {[c for c in choices if c]}")
         positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every,
+                    "grad_accum": self.grad_accum,
                     "keep_snapshots": self.keep_snapshots, "nnodes": self.nnodes,
                     "timeout_s": self.timeout_s, "synthetic_size": self.synthetic_size,
                     "synthetic_classes": self.synthetic_classes, "image_size": self.image_size}
         for name, value in positive.items():
             if value is None or value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
-        if self.lr is None or not self.lr > 0:
+        if not str(self.optimizer).startswith("custom:") and (self.lr is None or not self.lr > 0):
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.clip_grad_norm < float("inf"):
+            raise ConfigError(f"--clip-grad-norm must be >= 0 (0 = off), got {self.clip_grad_norm}")
         nonneg = {"limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
                   "save_every_steps": self.save_every_steps, "max_restarts": self.max_restarts,
                   "weight_decay": self.weight_decay, "momentum": self.momentum}
         for name, value in nonneg.items():
-            if value < 0:
+            if value is not None and value < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {value}")
         for name in ("warmup_frac", "label_smoothing", "ema"):
-            if not 0 <= getattr(self, name) < 1:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
         if not 0 < self.device_data_fraction <= 1:
             raise ConfigError(f"--device-data-fraction must be in (0, 1], got {self.device_data_fraction}")
@@ -158,7 +179,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ identity
     # Fields that change where or how verbosely a run happens, not what it computes:
     # a run directory may be resumed with different values of these.
-    NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress",
+    NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
                               "nproc", "data_path", "device_data_fraction", "on_nan", "save_every_steps",
                               "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts"})
 
@@ -230,7 +251,8 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _slug(dataset: str) -> str:
-    if dataset.startswith("imagefolder:"):
-        return "imagefolder-" + (Path(dataset.split(":", 1)[1]).name or "data")
-    return dataset
+def _slug(name: str) -> str:
+    """A dataset or model name as a directory-name part: ``custom:MLP#1a2b3c4d`` -> ``MLP-1a2b3c4d``."""
+    if name.startswith("imagefolder:"):
+        return "imagefolder-" + (Path(name.split(":", 1)[1]).name or "data")
+    return name.removeprefix("custom:").replace("#", "-")

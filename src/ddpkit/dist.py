@@ -71,6 +71,14 @@ class DistContext:
             dist.broadcast(tensor, src=src)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in rank order; every rank must call it."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             if self.backend == "nccl":

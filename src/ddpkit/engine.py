@@ -1,25 +1,27 @@
 """One rank's training run: the loop, and the only training loop in ddpkit.
 
     with distributed(cfg.device, cfg.timeout_s) as ctx:
-        summary = Engine(cfg, ctx, model, splits).fit()
+        summary = Engine(cfg, ctx, model, splits, task).fit()
 
-The step (:meth:`Engine._step`) is free of host syncs: no ``.item()``, no print, no
-host copy. Loss and accuracy accumulate on the device and are all-reduced every
-``--log-every`` steps. The checkpointer, the logger and the run-dir writers are called
-on every rank and decide themselves that only global rank 0 writes.
+The loop knows nothing of image classification: it asks ``task`` for the loss and the
+metrics (see :mod:`ddpkit.task`). The step (:meth:`Engine._step`) is free of host syncs:
+no ``.item()``, no print, no host copy. Metrics accumulate on the device and are
+all-reduced every ``--log-every`` steps. The checkpointer, the logger and the run-dir
+writers are called on every rank and decide themselves that only global rank 0 writes.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import Checkpointer, set_rng_state
+from .checkpoint import Checkpointer, read_weights, set_rng_state
 from .data import DataSplits, ImageData
 from .data.loader import Preprocess, make_train_source
 from .dist import DistContext
@@ -27,29 +29,40 @@ from .errors import NonFiniteLoss, Stopped
 from .evaluate import evaluate
 from .metrics import Accumulator, MetricLogger, peak_memory_mb
 from .models import uses_conv
-from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule
+from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule, user_optimizer, user_schedule
 from .rundir import write_config, write_model, write_summary
 from .signals import StopSignal
 from .syncbn import convert_sync_batchnorm
+from .task import Task
 
 
 class Engine:
-    def __init__(self, cfg, ctx: DistContext, model: nn.Module, splits: DataSplits, static_graph: bool = False):
-        self.cfg, self.ctx, self.meta = cfg, ctx, splits.meta
-        self.per_rank_batch = cfg.batch_size // ctx.world_size
-        self.train_src = make_train_source(splits.train, splits.meta, cfg, ctx, self.per_rank_batch)
-        self.test_data = splits.test
+    def __init__(self, cfg, ctx: DistContext, model: nn.Module, splits: DataSplits, task: Task,
+                 optimizer=None, scheduler=None, static_graph: bool = False):
+        self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
+        self.accum = cfg.grad_accum
+        self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
+        self.train_src = make_train_source(splits, cfg, ctx, self.per_rank_batch // self.accum, group=self.accum)
+        self.steps_per_epoch = self.train_src.steps_per_epoch // self.accum  # optimizer steps
+        self.test_data, self.collate_fn = splits.test, splits.collate_fn
         if getattr(self.train_src, "on_device", False) and isinstance(self.test_data, ImageData):
             self.test_data = ImageData(self.test_data.images.to(ctx.device), self.test_data.labels.to(ctx.device))
-        self.raw, self.model = self._setup_model(model, static_graph)
-        self.opt = build_optimizer(self.raw, cfg, ctx.device)
-        self.total_steps = cfg.epochs * self.train_src.steps_per_epoch
-        self.sched = build_schedule(self.opt, cfg, self.total_steps)
+        if cfg.init_from:
+            model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
+        # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
+        self.raw, self.ddp, self.model = self._setup_model(model, static_graph and self.accum == 1)
+        self.opt = user_optimizer(optimizer, self.raw) if optimizer is not None else \
+            build_optimizer(self.raw, cfg, ctx.device)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.sched = user_schedule(scheduler, self.opt, self.total_steps) if scheduler is not None else \
+            build_schedule(self.opt, cfg, self.total_steps)
         self.scaler = build_scaler(cfg, ctx.device)
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.autocast = autocast(cfg, ctx.device)
-        self.acc = Accumulator(ctx.device)
+        extra = ("grad_norm",) if cfg.clip_grad_norm else ()  # per optimizer step, count 1
+        self.acc = Accumulator(task.names + extra, ctx.device)
+        self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
+        self._no_norm = [(0.0, 0.0)] * len(extra)
         self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots)
         self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress)
         # position and totals: part of every snapshot
@@ -57,27 +70,29 @@ class Engine:
         self.train_time_s = self.compile_time_s = 0.0
         self.epoch_elapsed_s = 0.0  # time already spent in the current epoch before a resume
         self._epoch_t0 = 0.0
-        self.final_train_loss: float | None = None
+        self.final_train: dict = {}
+        self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
         self._stop = StopSignal()
         self._nan_warned = False
 
     # ------------------------------------------------------------------ setup
-    def _setup_model(self, model: nn.Module, static_graph: bool) -> tuple[nn.Module, nn.Module]:
+    def _setup_model(self, model: nn.Module, static_graph: bool) -> tuple[nn.Module, DDP | None, nn.Module]:
         cfg, ctx = self.cfg, self.ctx
         raw = model.to(ctx.device)
         if cfg.sync_bn:
             raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
         if cfg.channels_last and uses_conv(raw):
             raw = raw.to(memory_format=torch.channels_last)
-        wrapped = raw
+        ddp = None
         if cfg.ddp:
-            wrapped = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                          gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
-                          static_graph=static_graph)
+            ddp = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
+                      static_graph=static_graph)
+        wrapped = ddp or raw
         if cfg.compile:
             wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
         torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
-        return raw, wrapped
+        return raw, ddp, wrapped
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -86,11 +101,11 @@ class Engine:
                 "ema": self.ema.state_dict() if self.ema else None,
                 "position": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step},
                 "timing": {"train_time_s": self.train_time_s, "compile_time_s": self.compile_time_s,
-                           "final_train_loss": self.final_train_loss,
                            "epoch_elapsed_s": time.perf_counter() - self._epoch_t0 if self.step_in_epoch else 0.0},
+                "final_train": self.final_train,
                 # Plain floats: this travels through all_gather_object, which would rebuild a
                 # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
-                "rank_state": {"acc": self.acc.sums.tolist()}}
+                "rank_state": {"acc": self.acc.state()}}
 
     def load_state_dict(self, snap: dict) -> None:
         state = snap["trainer"]
@@ -104,10 +119,10 @@ class Engine:
         self.epoch, self.step_in_epoch, self.global_step = pos["epoch"], pos["step_in_epoch"], pos["global_step"]
         self.train_time_s = state["timing"]["train_time_s"]
         self.compile_time_s = state["timing"]["compile_time_s"]
-        self.final_train_loss = state["timing"]["final_train_loss"]
-        self.epoch_elapsed_s = state["timing"].get("epoch_elapsed_s", 0.0)
+        self.epoch_elapsed_s = state["timing"]["epoch_elapsed_s"]
+        self.final_train = state["final_train"]
         mine = snap["ranks"][self.ctx.rank]
-        self.acc.sums.copy_(torch.as_tensor(mine["rank_state"]["acc"], dtype=torch.float64))
+        self.acc.load(mine["rank_state"]["acc"])
         set_rng_state(mine["rng"], self.ctx.device)
 
     # ------------------------------------------------------------------ loop
@@ -118,9 +133,9 @@ class Engine:
             self.log.rewind(self.global_step, self.epoch)  # the steps after the snapshot run again
         write_config(self.cfg, self.ctx)
         self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
-                     device=str(self.ctx.device), data_path=self.train_src.path,
-                     steps_per_epoch=self.train_src.steps_per_epoch, per_rank_batch=self.per_rank_batch,
-                     resumed_at_step=self.global_step if snap else None)
+                     device=str(self.ctx.device), data_path=self.train_src.path, task=self.task.identity,
+                     steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
+                     grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
         try:
             with self._stop:
                 while self.epoch < self.cfg.epochs:
@@ -130,70 +145,76 @@ class Engine:
         return self._finish()
 
     def _run_epoch(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         self.model.train()
-        steps = self.train_src.steps_per_epoch
         # After a mid-epoch resume the restored accumulator already holds the epoch's earlier
         # samples; the first interval must count only new ones. (Same condition on every rank.)
-        sums = self.acc.global_sums(ctx) if self.step_in_epoch else (0.0, 0.0)
+        totals = self._sync()[0] if self.step_in_epoch else [0.0] * (2 * len(self.acc.names))
         self._epoch_t0 = time.perf_counter() - self.epoch_elapsed_s
-        self._interval_start(time.perf_counter(), sums)
-        for x, y in self.train_src.batches(self.epoch, self.step_in_epoch):
+        self._interval_start(time.perf_counter(), totals)
+        micro = self.train_src.batches(self.epoch, self.step_in_epoch * self.accum)
+        for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
             if cfg.compile and self.global_step == 0:
-                self._compile_step(x, y)
+                self._compile_step(group)
                 self._epoch_t0 += self.compile_time_s
-                self._interval_start(time.perf_counter(), sums)
+                self._interval_start(time.perf_counter(), totals)
             else:
-                self._step(x, y)
+                self._step(group)
             self.step_in_epoch += 1
             self.global_step += 1
-            last = self.step_in_epoch == steps
+            last = self.step_in_epoch == self.steps_per_epoch
             if self.step_in_epoch % cfg.log_every == 0 or last:
                 self._log_interval()
             if not last and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0:
                 self._snapshot()  # the epoch's last step is saved by _end_epoch, after eval
-        # The epoch's last step always logs, and that all-reduce synced the device: reuse its sums.
-        loss_sum, correct = self._sums_last
+        # The epoch's last step always logs, and that all-reduce synced the device: reuse its totals.
         epoch_time = time.perf_counter() - self._epoch_t0
         self.epoch_elapsed_s = 0.0
         self.train_time_s += epoch_time
-        seen = steps * self.per_rank_batch * ctx.world_size
-        self._end_epoch(loss_sum / seen, correct / seen, epoch_time, seen)
+        self._end_epoch(self.acc.means(self._totals_last, "train_"), epoch_time,
+                        self.steps_per_epoch * self.per_rank_batch * self.ctx.world_size)
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One optimisation step. Hot path: no host sync of any kind."""
-        with self.autocast:
-            logits = self.model(x)
-            loss = self.criterion(logits, y)
+    def _step(self, micro: tuple) -> None:
+        """One optimisation step over ``grad_accum`` micro-batches. Hot path: no host sync of any kind."""
         self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        k = len(micro)
+        for i, batch in enumerate(micro):
+            # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads.
+            with self.ddp.no_sync() if self.ddp is not None and i < k - 1 else nullcontext():
+                with self.autocast:
+                    loss, outputs = self.task.loss(self.model, batch)
+                self.scaler.scale(loss / k if k > 1 else loss).backward()
+            self.acc.add(self.task.measure(loss, outputs, batch) + self._no_norm)
+        if self.cfg.clip_grad_norm:
+            self.scaler.unscale_(self.opt)  # clip the true gradients, not the fp16-scaled ones
+            norm = nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.clip_grad_norm, foreach=True)
+            self.acc.add(self._no_metrics + [(norm, 1)])
         self.scaler.step(self.opt)
         self.scaler.update()
         self.sched.step()
         if self.ema is not None:
             self.ema.update(self.raw)
-        self.acc.add(loss, logits, y)
 
-    def _compile_step(self, x, y) -> None:
+    def _compile_step(self, micro: tuple) -> None:
         """The first step of a compiled run, timed apart: it includes compilation."""
         t = time.perf_counter()
-        self._step(x, y)
-        self.acc.global_sums(self.ctx)  # sync
+        self._step(micro)
+        self._sync()
         self.compile_time_s = time.perf_counter() - t
 
-    def _interval_start(self, now: float, sums: tuple[float, float]) -> None:
-        self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, sums
+    def _interval_start(self, now: float, totals: list[float]) -> None:
+        self._t_last, self._step_last, self._totals_last = now, self.step_in_epoch, totals
 
-    def _sync(self, check_weights: bool = False) -> tuple[float, float, bool, bool]:
-        """One all-reduce and host copy, at log intervals and snapshots only: this epoch's
-        (loss sum, correct), whether any rank was sent SIGTERM, and (if asked) whether any
+    def _sync(self, check_weights: bool = False) -> tuple[list[float], bool, bool]:
+        """One all-reduce and host copy, at log intervals and snapshots only: this epoch's metric
+        totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
         flags = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         flags[0] = float(self._stop.received is not None)
         if check_weights:
             flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
-        loss_sum, correct, stop, bad = self.ctx.all_reduce(torch.cat([self.acc.sums, flags])).tolist()
-        return loss_sum, correct, stop > 0, bad > 0
+        values = self.ctx.all_reduce(torch.cat([self.acc.local(), flags])).tolist()
+        return values[:-2], values[-2] > 0, values[-1] > 0
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
         """``--on-nan``: stop (same decision on every rank: the inputs are all-reduced), or warn once."""
@@ -214,61 +235,85 @@ class Engine:
 
     def _snapshot(self) -> Path:
         """Save on every rank's call (rank 0 writes), after checking there is nothing non-finite to keep."""
-        loss_sum, _, _, bad = self._sync(check_weights=True)
-        self._check_finite(loss_sum, bad)
+        totals, _, bad = self._sync(check_weights=True)
+        self._check_finite(totals[0], bad)
         return self.ckpt.save(self.state_dict(), self.global_step)
 
     def _log_interval(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        loss_sum, correct, stop, _ = self._sync()
+        totals, stop, _ = self._sync()
         now = time.perf_counter()
-        base_loss, _ = self._sums_last
-        n = (self.step_in_epoch - self._step_last) * self.per_rank_batch * ctx.world_size
-        self.log.log("step", epoch=self.epoch, step=self.global_step, loss=(loss_sum - base_loss) / max(1, n),
-                     lr=self.sched.get_last_lr()[0], samples_per_s=n / max(1e-9, now - self._t_last))
-        self.log.progress(self.global_step, f"epoch {self.epoch} loss {(loss_sum - base_loss) / max(1, n):.4f}")
-        self._t_last, self._step_last, self._sums_last = now, self.step_in_epoch, (loss_sum, correct)
-        self._check_finite(loss_sum)
+        interval = [a - b for a, b in zip(totals, self._totals_last)]
+        n = (self.step_in_epoch - self._step_last) * self.per_rank_batch * self.ctx.world_size
+        means = self.acc.means(interval)
+        self.log.log("step", epoch=self.epoch, step=self.global_step, **means, lr=self.sched.get_last_lr()[0],
+                     samples_per_s=n / max(1e-9, now - self._t_last))
+        loss = means["loss"]
+        self.log.progress(self.global_step, f"epoch {self.epoch} loss {loss:.4f}" if loss is not None else "")
+        self._interval_start(now, totals)
+        self._check_finite(totals[0])
         if stop:
             path = self._snapshot()
             self.log.log("stopped", reason="signal", step=self.global_step)
             raise Stopped(f"stopped on SIGTERM at step {self.global_step} (epoch {self.epoch}); saved {path}; "
                           f"run the same command again to resume from it")
 
-    def _end_epoch(self, train_loss: float, train_acc: float, epoch_time: float, seen: int) -> None:
-        result = self._evaluate()
-        self.log.log("epoch", epoch=self.epoch, train_loss=train_loss, train_accuracy=train_acc, **result,
-                     epoch_time_s=epoch_time, samples_per_s=seen / max(1e-9, epoch_time),
-                     peak_memory_mb=peak_memory_mb(self.ctx))
-        self.final_train_loss = train_loss
+    def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
+        result, _ = self._evaluate()
+        self.log.log("epoch", epoch=self.epoch, **train, **result, epoch_time_s=epoch_time,
+                     samples_per_s=seen / max(1e-9, epoch_time), peak_memory_mb=peak_memory_mb(self.ctx))
+        self.final_train = train
+        self._train_local = self.acc.local()
         self.epoch += 1
         self.step_in_epoch = 0
         self.acc.reset()
         self._snapshot()
 
-    def _evaluate(self) -> dict:
+    def _evaluate(self) -> tuple[dict, torch.Tensor]:
         pre = Preprocess(self.meta, self.ctx.device, bool(self.cfg.channels_last))
         model = self.ema.module if self.ema is not None else self.raw
         # DDP broadcasts rank 0's buffers (BN running stats) at the start of each forward, so after
         # the last step every other rank still holds its own. Evaluate what model.pt will hold.
         for buf in model.buffers():
             self.ctx.broadcast(buf)
-        return evaluate(model, self.test_data, pre, self.cfg, self.ctx, max(256, self.per_rank_batch))
+        return evaluate(model, self.test_data, self.task, pre, self.cfg, self.ctx, max(256, self.per_rank_batch),
+                        self.collate_fn)
+
+    def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
+        """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
+        k = len(self.acc.names)
+        train_local = self._train_local if self._train_local is not None else torch.full((2 * k,), math.nan,
+                                                                                          dtype=torch.float64,
+                                                                                          device=self.ctx.device)
+        rows = self.ctx.all_gather(torch.cat([train_local, test_local])).tolist()
+        test_names = self.task.names
+        out = []
+        for rank, row in enumerate(rows):
+            train, test = row[:2 * k], row[2 * k:]
+            figures = {"rank": rank, **self.acc.means(train, "train_")}
+            m = len(test_names)
+            figures.update({f"test_{name}": (test[i] / test[m + i] if test[m + i] else None)
+                            for i, name in enumerate(test_names)})
+            figures["test_samples"] = int(test[-1])
+            out.append(figures)
+        return out
 
     def _finish(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
-        result = self._evaluate()
+        result, test_local = self._evaluate()
+        per_rank = self._per_rank(test_local)
         model = self.ema.module if self.ema is not None else self.raw
         write_model(cfg.run_dir, model, ctx)
         summary = {"world_size": ctx.world_size, "backend": ctx.backend, "device_type": ctx.device.type,
-                   "dataset": cfg.dataset, "model": cfg.model, "recipe": cfg.recipe, "epochs": cfg.epochs,
-                   "global_batch_size": self.per_rank_batch * ctx.world_size, "steps": self.global_step,
-                   "data_path": self.train_src.path, "train_time_s": round(self.train_time_s, 4),
-                   "compile_time_s": round(self.compile_time_s, 4),
+                   "dataset": cfg.dataset, "model": cfg.model, "task": self.task.identity, "recipe": cfg.recipe,
+                   "epochs": cfg.epochs, "global_batch_size": self.per_rank_batch * ctx.world_size,
+                   "grad_accum": self.accum, "steps": self.global_step, "data_path": self.train_src.path,
+                   "train_time_s": round(self.train_time_s, 4), "compile_time_s": round(self.compile_time_s, 4),
                    "samples_per_s": self.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.train_time_s),
-                   "final_train_loss": self.final_train_loss, **result,
-                   "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash()}
+                   **{f"final_{k}": v for k, v in self.final_train.items()}, **result,
+                   "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
+                   "per_rank": per_rank}
         write_summary(cfg.run_dir, summary, ctx)
-        self.log.log("summary", **{k: summary[k] for k in ("test_accuracy", "test_samples", "train_time_s",
-                                                          "samples_per_s", "run_dir")})
+        self.log.log("summary", **{k: summary.get(k) for k in ("test_loss", "test_accuracy", "test_samples",
+                                                               "train_time_s", "samples_per_s", "run_dir")
+                                   if summary.get(k) is not None})
         return summary

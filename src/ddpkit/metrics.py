@@ -21,24 +21,69 @@ from .rundir import atomic_write
 
 
 class Accumulator:
-    """Running [loss sum, correct count] of this rank's epoch, kept on the device."""
+    """This rank's running (sum, count) per metric: tensors add up on the device, numbers on the host.
 
-    def __init__(self, device: torch.device):
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+    A metric's sum is usually a device tensor (a loss times its batch size, a correct count)
+    and its count a Python int (the batch size), so a step costs one stack and one add on
+    the device and nothing on the host. :meth:`local` joins both halves, at intervals only.
+    """
+
+    def __init__(self, names: tuple[str, ...], device: torch.device):
+        self.names, self.device = tuple(names), device
+        k = len(self.names)
+        self.sums = torch.zeros(k, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(k, dtype=torch.float64, device=device)
+        self.host_sums, self.host_counts = [0.0] * k, [0.0] * k
+        self._index: dict[tuple, torch.Tensor] = {}
 
     @torch.no_grad()
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        n = labels.shape[0]
-        correct = (logits.argmax(1) == labels).sum()
-        self.sums += torch.stack([loss.detach().double() * n, correct.double()])
+    def add(self, values: list[tuple]) -> None:
+        """``values``: one (sum, count) per name, each a tensor or a number. No host sync."""
+        self._add(self.sums, self.host_sums, [v[0] for v in values])
+        self._add(self.counts, self.host_counts, [v[1] for v in values])
+
+    def _add(self, dev: torch.Tensor, host: list, parts: list) -> None:
+        tensors, where = [], []
+        for i, part in enumerate(parts):
+            if isinstance(part, torch.Tensor):
+                tensors.append(part.detach().to(device=self.device, dtype=torch.float64).reshape(()))
+                where.append(i)
+            else:
+                host[i] += float(part)
+        if len(tensors) == len(parts):
+            dev += torch.stack(tensors)
+        elif tensors:
+            key = tuple(where)
+            if key not in self._index:
+                self._index[key] = torch.tensor(where, device=self.device)
+            dev.index_add_(0, self._index[key], torch.stack(tensors))
+
+    def local(self) -> torch.Tensor:
+        """[sums..., counts...] of this rank, on the device: one small host-to-device copy."""
+        host = torch.tensor(self.host_sums + self.host_counts, dtype=torch.float64).to(self.device)
+        return torch.cat([self.sums, self.counts]) + host
 
     def reset(self) -> None:
         self.sums.zero_()
+        self.counts.zero_()
+        self.host_sums, self.host_counts = [0.0] * len(self.names), [0.0] * len(self.names)
 
-    def global_sums(self, ctx: DistContext) -> tuple[float, float]:
-        """All-reduced (loss sum, correct); a collective and a host sync: call at intervals only."""
-        loss_sum, correct = ctx.all_reduce(self.sums.clone()).tolist()
-        return loss_sum, correct
+    def state(self) -> list[float]:
+        """For a snapshot: plain floats (float64 -> Python float is exact)."""
+        return self.local().tolist()
+
+    def load(self, values) -> None:
+        values = torch.as_tensor(values, dtype=torch.float64)
+        k = len(self.names)
+        self.reset()
+        self.sums.copy_(values[:k])
+        self.counts.copy_(values[k:])
+
+    def means(self, totals: list[float], prefix: str = "") -> dict[str, float | None]:
+        """{prefix+name: sum/count} from a [sums..., counts...] list (None where nothing was counted)."""
+        k = len(self.names)
+        return {prefix + name: (totals[i] / totals[k + i] if totals[k + i] else None)
+                for i, name in enumerate(self.names)}
 
 
 def peak_memory_mb(ctx: DistContext) -> float:

@@ -6,10 +6,13 @@ state is two integers and a resumed run continues on exactly the same curve.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import nn
+
+from .errors import ConfigError
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -26,6 +29,34 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
     # results match the for-loop version to rounding.
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return OPTIMIZERS[cfg.optimizer](params, **kwargs, **impl)
+
+
+def user_optimizer(spec, model: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer: a factory ``fn(model)``, or an optimizer built on (a copy of) this
+    model's parameters. A factory is called on the worker's final model (moved, converted)."""
+    if isinstance(spec, torch.optim.Optimizer):
+        owned = {id(p) for p in model.parameters()}
+        if not all(id(p) in owned for group in spec.param_groups for p in group["params"]):
+            raise ConfigError("the optimizer passed to Trainer holds parameters that are not the model's; build it "
+                              "on model.parameters() of the model you pass, or pass a factory: optimizer=lambda model: ...")
+        return spec
+    opt = spec(model)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer=... must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    return opt
+
+
+def user_schedule(spec, opt: torch.optim.Optimizer, total_steps: int):
+    """The user's LR schedule, stepped once per optimizer step: a factory ``fn(optimizer)`` or
+    ``fn(optimizer, total_steps)``, or a scheduler built on the optimizer passed with it."""
+    if hasattr(spec, "step") and hasattr(spec, "state_dict"):
+        if getattr(spec, "optimizer", opt) is not opt:
+            raise ConfigError("the scheduler passed to Trainer is not built on the optimizer passed with it; "
+                              "pass both, or a factory: scheduler=lambda opt, total_steps: ...")
+        return spec
+    params = [p for p in inspect.signature(spec).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return spec(opt, total_steps) if len(params) >= 2 else spec(opt)
 
 
 class ScheduleFactor:

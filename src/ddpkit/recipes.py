@@ -52,5 +52,11 @@ def apply(cfg):
         # CPU (seed ConvNet fwd+bwd+step, batch 100, one thread: 29.3 ms NCHW vs 23.2 ms NHWC;
         # resnet9 batch 32: 582 vs 481 ms). The engine ignores it for models without convolutions.
         values["channels_last"] = True
+    # The user's own optimizer or schedule (Python API) takes none of the built-in one's settings.
+    if str(cfg.optimizer).startswith("custom:"):
+        for key in ("lr", "momentum", "nesterov", "weight_decay"):
+            values.pop(key, None)
+    if str(cfg.schedule).startswith("custom:"):
+        values.pop("warmup_frac", None)
     filled = {k: v for k, v in values.items() if getattr(cfg, k, 0) is None}
     return dataclasses.replace(cfg, recipe=name, **filled)

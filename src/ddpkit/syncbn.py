@@ -88,10 +88,13 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if isinstance(model, _BatchNorm) and not isinstance(model, AllReduceBatchNorm):
         new = AllReduceBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
-                                 model.track_running_stats)
-        new.load_state_dict(model.state_dict())
+                                 model.track_running_stats, device="meta")
+        # The very same Parameter and buffer objects, as torch's conversion does: an optimizer
+        # already built on the model keeps pointing at what trains.
+        for name, value in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]:
+            setattr(new, name, value)
         new.train(model.training)
-        return new.to(device)
+        return new
     for name, child in model.named_children():
         model.add_module(name, convert_sync_batchnorm(child, device, impl))
     return model

@@ -1,36 +1,69 @@
 """The public API: ``Trainer(config, model=..., train_data=..., test_data=...).fit()``.
 
     from ddpkit import Trainer, TrainConfig
-    summary = Trainer(TrainConfig(dataset="mnist", nproc="2", epochs=2)).fit()
+    result = Trainer(TrainConfig(dataset="mnist", nproc="2", epochs=2)).fit()
+    result.summary["test_accuracy"], result.per_rank, result.run_dir
+
+    # your own model, data, loss and metrics (see ddpkit.task for the contract):
+    Trainer(TrainConfig(nproc="2"), model=net, train_data=train, test_data=test,
+            loss_fn=lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
+            metrics={"mae": lambda out, batch: ((out - batch[1]).abs().sum(), batch[1].numel())}).fit()
 
 ``fit`` checks everything it can before any worker starts (config values, world size,
-batch divisibility, dataset files, the run directory), so a mistake is reported once,
-then hands the run to :func:`ddpkit.launch.launch`. Each worker builds an
-:class:`ddpkit.engine.Engine` and trains. With N > 1 processes the model and datasets
-are pickled to the workers, so a script that passes its own must guard its entry point
-with ``if __name__ == "__main__":``.
+batch divisibility, dataset files, one real batch through the model and the task, the
+run directory), so a mistake is reported once, then hands the run to
+:func:`ddpkit.launcher.run_workers`. Each worker builds an :class:`ddpkit.engine.Engine`
+and trains. Afterwards the model object passed in holds the trained weights
+(``model.pt``). With N > 1 processes the model and datasets are pickled to the workers,
+so a script that passes its own must guard its entry point with
+``if __name__ == "__main__":`` (a notebook needs nothing: its workers are forked).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
+from .checkpoint import read_weights
 from .config import TrainConfig
 from .data import DataSplits, ImageData, Meta, load_dataset
+from .data.batch import first_tensor, structure
+from .data.loader import Preprocess
 from .dist import distributed
 from .engine import Engine
-from .errors import ConfigError
-from .launch import LaunchSpec, launch
+from .errors import ConfigError, DataError, DdpkitError, RunDirError
+from .evaluate import evaluate
+from .launcher import LaunchSpec, run_workers
 from .models import build_model
 from .rundir import check_run_dir
+from .task import Task, resolve_task
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What ``fit`` returns: ``summary`` (summary.json), ``per_rank`` (each rank's own train
+    figures of the last epoch and test figures on its shard) and ``run_dir``.
+    ``result["test_accuracy"]`` reads the summary."""
+
+    summary: dict
+    per_rank: list
+    run_dir: Path
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+    def keys(self):
+        return self.summary.keys()
 
 
 @dataclass
@@ -38,37 +71,233 @@ class Job:
     """What one worker needs. Model and splits are None when they come from the registries."""
 
     cfg: TrainConfig
+    task: Task
     model: Optional[nn.Module] = None
     splits: Optional[DataSplits] = None
+    optimizer: Any = None  # None: built from the config; else a factory or an optimizer on ``model``
+    scheduler: Any = None
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig | None = None, model: nn.Module | None = None,
-                 train_data: Dataset | None = None, test_data: Dataset | None = None, meta: Meta | None = None):
-        self.config = config or TrainConfig()
-        self.model = model
-        if (train_data is None) != (test_data is None):
-            raise ConfigError("pass both train_data and test_data, or neither")
-        self.splits = DataSplits(train_data, test_data, meta or infer_meta(train_data)) if train_data is not None else None
-        if model is not None:
-            self.config = dataclasses.replace(self.config, model=f"custom:{type(model).__name__}")
-        if self.splits is not None:
-            self.config = dataclasses.replace(self.config, dataset=f"custom:{type(train_data).__name__}")
+    """Train (and evaluate) a model with DDP; see the module docstring and README's "Python API".
 
-    def fit(self) -> dict:
-        """Train (resuming from the run dir when it holds a snapshot); return rank 0's summary."""
-        cfg, spec, splits, finished = preflight(self.config, self.splits, self.model is not None)
+    ``loss_fn(model, batch) -> loss | (loss, outputs)`` and ``metrics={name: fn(outputs, batch)
+    -> (sum, count)}`` define the workload (default: classification). ``optimizer`` is a factory
+    ``fn(model)`` or an optimizer built on ``model.parameters()``; ``scheduler`` a factory
+    ``fn(optimizer[, total_steps])`` or a scheduler on that optimizer, stepped every optimizer step.
+    ``collate_fn`` is given to the DataLoader for ``train_data`` and ``test_data``.
+    """
+
+    def __init__(self, config: TrainConfig | None = None, model: nn.Module | None = None,
+                 train_data: Dataset | None = None, test_data: Dataset | None = None, meta: Meta | None = None, *,
+                 loss_fn: Callable | None = None, metrics: Mapping[str, Callable] | None = None,
+                 optimizer: Any = None, scheduler: Any = None, collate_fn: Callable | None = None):
+        cfg = config or TrainConfig()
+        self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.splits = None
+        if train_data is not None or test_data is not None:
+            meta = meta or infer_meta(train_data if train_data is not None else test_data)
+            self.splits = DataSplits(train_data, test_data, meta, collate_fn)
+            cfg = dataclasses.replace(cfg, dataset=f"custom:{data_fingerprint(train_data, test_data)}")
+        if model is not None:
+            cfg = dataclasses.replace(cfg, model=f"custom:{model_fingerprint(model)}")
+        for given, what, unused in ((optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
+                                    (scheduler, "schedule", ("schedule", "warmup_frac"))):
+            if given is None:
+                continue
+            clash = [k for k in unused if getattr(cfg, k) is not None]
+            if clash:
+                raise ConfigError(f"you pass your own {what}, so the config's {', '.join(clash)} would be ignored; "
+                                  f"leave {'it' if len(clash) == 1 else 'them'} unset")
+            cfg = dataclasses.replace(cfg, **{what: f"custom:{_name(given)}"})
+        self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
+
+    def _task(self, cfg: TrainConfig) -> Task:
+        sample = None
+        if self.splits is not None:
+            data = self.splits.train if self.splits.train is not None else self.splits.test
+            sample = data[0] if data is not None and len(data) else None
+        classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
+        return resolve_task(cfg, self.loss_fn, self.metrics, sample, classes)
+
+    # ------------------------------------------------------------------ fit
+    def fit(self) -> FitResult:
+        """Train (resuming from the run dir when it holds a snapshot); afterwards the model object
+        passed in holds the trained weights."""
+        if self.splits is not None and self.splits.train is None:
+            raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
+        cfg, spec, splits, task, finished = preflight(self.config, self.splits, self.model, self._task,
+                                                      self.optimizer)
         if finished is not None:
-            print(f"ddpkit: {cfg.run_dir} already holds this finished run; pass a new --run-dir to train again")
-            return finished
-        # Spawned workers load the registry data themselves rather than receive it pickled.
-        job_splits = self.splits if self.splits is not None else (splits if spec.in_process else None)
+            print(f"ddpkit: {cfg.run_dir} already holds this finished run; pass a new --run-dir (or --resume never) "
+                  f"to train again")
+            summary = finished
+        else:
+            # Spawned workers load the registry data themselves rather than receive it pickled.
+            job_splits = self.splits if self.splits is not None else (splits if spec.in_process else None)
+            job = Job(cfg, task, self.model, job_splits, self.optimizer, self.scheduler)
+            home = None if spec.in_process else move_to_cpu(self.model)
+            try:
+                summary = run_workers(train_worker, (job,), spec)
+            finally:
+                if home is not None:
+                    self.model.to(home)
+        if self.model is not None:
+            self.model.load_state_dict(read_weights(Path(cfg.run_dir) / "model.pt"))
+        return FitResult(summary, summary.get("per_rank", []), Path(cfg.run_dir))
+
+    # ------------------------------------------------------------------ evaluate
+    def evaluate(self) -> dict:
+        """Evaluate the model as it is now (after ``fit``: the trained weights) on the test set,
+        with the same task and metrics, distributed over ``nproc`` processes; returns
+        ``{test_<metric>: mean, test_samples: n, world_size}``."""
+        if self.model is None:
+            raise ConfigError("evaluate() needs model=...; to re-evaluate a CLI run, use `ddpkit eval RUN_DIR`")
+        cfg = self.config.resolved()
+        splits = self.splits if self.splits is not None else load_dataset(cfg)
+        if splits.test is None or len(splits.test) == 0:
+            raise DataError("evaluate() needs a non-empty test_data")
+        spec = LaunchSpec.from_config(cfg)
         home = None if spec.in_process else move_to_cpu(self.model)
         try:
-            return launch(train_worker, (Job(cfg, self.model, job_splits),), spec)
+            return run_workers(eval_worker, (Job(cfg, self._task(cfg), self.model, splits),), spec)
         finally:
             if home is not None:
                 self.model.to(home)
+
+
+# ---------------------------------------------------------------------- preflight
+def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable,
+              optimizer: Any = None):
+    """Every check that can fail before launch. Returns (cfg, launch spec, splits, task, finished summary)."""
+    cfg = config.resolved()
+    spec = LaunchSpec.from_config(cfg)
+    world = spec.world_size
+    if not cfg.ddp and world > 1:
+        raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
+    if cfg.batch_size % world:
+        lo, hi = (cfg.batch_size // world) * world, (cfg.batch_size // world + 1) * world
+        near = " or ".join(str(v) for v in (lo, hi) if v > 0)
+        raise ConfigError(f"--batch-size {cfg.batch_size} (global) is not divisible by the world size {world}; "
+                          f"use {near}")
+    per_rank_batch = cfg.batch_size // world
+    if per_rank_batch % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the per-rank batch {per_rank_batch} "
+                          f"(--batch-size {cfg.batch_size} over {world} ranks)")
+    if isinstance(optimizer, torch.optim.Optimizer) and model is None:
+        raise ConfigError("an optimizer object needs the model it was built on: pass model=... too, or a factory "
+                          "optimizer=lambda model: ...")
+    if splits is None:
+        splits = load_dataset(cfg, download=os.environ.get("LOCAL_RANK", "0") == "0")
+    if splits.meta is None and model is None:
+        raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
+    if splits.test is None or len(splits.test) == 0:
+        raise DataError(f"the test set of {cfg.dataset} is empty: there is nothing to evaluate on. Give at least "
+                        f"one test sample (check --limit-test, or pass test_data)")
+    if len(splits.train) // world < per_rank_batch:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
+                          f"allow at world size {world}")
+    task = task_for(cfg)
+    if model is None:
+        m = splits.meta
+        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+    if cfg.init_from:
+        check_weights_fit(model, cfg.init_from)
+    check_one_batch(model, splits, task, cfg)
+    if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
+        raise RunDirError(f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or "
+                          f"--resume auto to continue it")
+    return cfg, spec, splits, task, check_run_dir(cfg)
+
+
+def check_weights_fit(model: nn.Module, path: str) -> None:
+    """--init-from: the file's tensors must be the model's, name for name and shape for shape."""
+    theirs, mine = read_weights(path), model.state_dict()
+    missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    shapes = [k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape)]
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                 f"other shapes {sorted(shapes)[:5]}" if shapes else ""]
+        raise ConfigError(f"--init-from {path} does not fit the model: {'; '.join(p for p in parts if p)}")
+
+
+def sample_batch(splits: DataSplits, n: int = 2) -> Any:
+    """A batch of the first ``n`` training samples, shaped as the training loop will see it, on the CPU."""
+    data = splits.train
+    if isinstance(data, ImageData):
+        x, y = data.images[:n], data.labels[:n]
+    else:
+        items = [data[i] for i in range(min(n, len(data)))]
+        batch = (splits.collate_fn or default_collate)(items)
+        if splits.meta is None:
+            return batch
+        x, y = batch
+    return Preprocess(splits.meta, torch.device("cpu"), False).eval(x), y
+
+
+def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig) -> None:
+    """Run the task on a real batch of two samples, in eval mode, before any worker starts.
+
+    A model that rejects the input shape, outputs that do not fit the task, or a metric that
+    breaks the contract are then one line, said once. Skipped for a model on a GPU (it would
+    need a GPU copy of the batch here, in the launcher).
+    """
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return
+    batch = sample_batch(splits)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            task.evaluate(model, batch)
+    except DdpkitError:
+        raise
+    except Exception as exc:
+        x = first_tensor(batch)
+        shape = list(x.shape) if x is not None else "?"
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ConfigError(f"model {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): "
+                          f"{type(exc).__name__}: {first}") from None
+    finally:
+        model.train(was_training)
+
+
+# ---------------------------------------------------------------------- identity of custom code
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """``ClassName#digest`` of its parameter and buffer names, shapes and dtypes: an edited model
+    is a new run. (Values are left out: an unseeded script must still resume its own run.)"""
+    layout = [(k, list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
+    return f"{type(model).__name__}#{_digest([type(model).__qualname__, layout])}"
+
+
+def data_fingerprint(train: Dataset | None, test: Dataset | None) -> str:
+    """``ClassName#digest`` of each split's length and its first sample's structure."""
+    def describe(data):
+        if data is None:
+            return None
+        return [type(data).__qualname__, len(data), structure(data[0]) if len(data) else None]
+
+    name = type(train if train is not None else test).__name__
+    return f"{name}#{_digest([describe(train), describe(test)])}"
+
+
+def infer_meta(data: Dataset | None) -> Meta | None:
+    """Meta for an in-memory ImageData passed without one: shape, class count, and channel statistics."""
+    if not isinstance(data, ImageData):
+        return None
+    x = data.images[:10000].float() / 255
+    dims = (0, 2, 3)
+    _, c, h, w = data.images.shape
+    return Meta(c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist()))
 
 
 def move_to_cpu(model: nn.Module | None) -> torch.device | None:
@@ -88,69 +317,36 @@ def move_to_cpu(model: nn.Module | None) -> torch.device | None:
     return home
 
 
-def preflight(config: TrainConfig, splits: DataSplits | None, custom_model: bool):
-    """Every check that can fail before launch. Returns (cfg, launch spec, splits, finished summary)."""
-    cfg = config.resolved()
-    spec = LaunchSpec.from_config(cfg)
-    world = spec.world_size
-    if not cfg.ddp and world > 1:
-        raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
-    if cfg.batch_size % world:
-        lo, hi = (cfg.batch_size // world) * world, (cfg.batch_size // world + 1) * world
-        near = " or ".join(str(v) for v in (lo, hi) if v > 0)
-        raise ConfigError(f"--batch-size {cfg.batch_size} (global) is not divisible by the world size {world}; "
-                          f"use {near}")
-    if splits is None:
-        splits = load_dataset(cfg, download=os.environ.get("LOCAL_RANK", "0") == "0")
-    if splits.meta is None and not custom_model:
-        raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
-    per_rank = len(splits.train) // world
-    if per_rank < cfg.batch_size // world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
-                          f"allow at world size {world}")
-    return cfg, spec, splits, check_run_dir(cfg)
-
-
-def infer_meta(data: Dataset) -> Meta | None:
-    """Meta for an in-memory ImageData passed without one: shape, class count, and channel statistics."""
-    if not isinstance(data, ImageData):
-        return None
-    x = data.images[:10000].float() / 255
-    dims = (0, 2, 3)
-    _, c, h, w = data.images.shape
-    return Meta(c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist()))
-
-
+# ---------------------------------------------------------------------- workers
 def train_worker(job: Job) -> dict:
     """One rank, start to finish; the process group is destroyed even on error."""
     cfg = job.cfg
     with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         splits = job.splits or load_dataset(cfg, download=False)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        # torch.multiprocessing hands tensors to spawned workers in shared memory, so every
-        # rank on the node would otherwise train the very same parameter and buffer storage.
-        model = copy.deepcopy(job.model)
+        # One deep copy of model, optimizer and scheduler together keeps the optimizer pointing at
+        # this copy's parameters. Without a copy, spawned ranks on a node would share the
+        # tensors torch.multiprocessing put in shared memory, and an in-process run would
+        # train the caller's object in place.
+        model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
         if model is None:
             m = splits.meta
             model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
         # Registry models use every parameter every step, so DDP may assume a static graph.
-        return Engine(cfg, ctx, model, splits, static_graph=job.model is None).fit()
+        return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None).fit()
 
 
-def eval_worker(cfg: TrainConfig) -> dict:
-    """Re-evaluate ``cfg.run_dir``/model.pt on every rank's slice of the test set."""
-    from pathlib import Path
-
-    from .data.loader import Preprocess
-    from .evaluate import evaluate
-
+def eval_worker(job: Job) -> dict:
+    """Evaluate ``job.model`` (or the run dir's model.pt in a registry model) on every rank's test shard."""
+    cfg = job.cfg
     with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
-        splits = load_dataset(cfg, download=False)
-        m = splits.meta
-        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
-        state = torch.load(Path(cfg.run_dir) / "model.pt", map_location=ctx.device, weights_only=True)
-        model.load_state_dict(state)
+        splits = job.splits or load_dataset(cfg, download=False)
+        model = copy.deepcopy(job.model)
+        if model is None:
+            m = splits.meta
+            model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+            model.load_state_dict(read_weights(Path(cfg.run_dir) / "model.pt"))
         model.to(ctx.device)
-        pre = Preprocess(m, ctx.device, bool(cfg.channels_last))
-        result = evaluate(model, splits.test, pre, cfg, ctx, batch=256)
+        pre = Preprocess(splits.meta, ctx.device, bool(cfg.channels_last))
+        result, _ = evaluate(model, splits.test, job.task, pre, cfg, ctx, 256, splits.collate_fn)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}

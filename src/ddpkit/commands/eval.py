@@ -20,18 +20,26 @@ def register(parser) -> None:
 
 def run(args) -> int:
     from ..config import TrainConfig
-    from ..launch import launch, resolve_nproc
-    from ..trainer import eval_worker
+    from ..launcher import LaunchSpec, run_workers
+    from ..task import Classification
+    from ..trainer import Job, eval_worker
 
     run_dir = Path(args.run_dir)
     for name in ("config.toml", "model.pt"):
         if not (run_dir / name).exists():
             raise RunDirError(f"{run_dir / name} not found; is {run_dir} a finished ddpkit run?")
     cfg = TrainConfig.from_toml(run_dir / "config.toml")
+    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
+              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
+    if custom:
+        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
+                          f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), then "
+                          f"Trainer(config, model=model, test_data=..., loss_fn=...).evaluate()")
     # Evaluation runs on this node alone, whatever launched the training.
     cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device,
                               nnodes=1, rdzv_endpoint="", rdzv_id="", local_addr="", max_restarts=0)
     cfg.validate()
-    result = launch(eval_worker, (cfg,), resolve_nproc(cfg.nproc, cfg.device))
+    task = Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
+    result = run_workers(eval_worker, (Job(cfg, task),), LaunchSpec.from_config(cfg))
     print(json.dumps(result))
     return 0

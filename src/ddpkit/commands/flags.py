@@ -24,7 +24,7 @@ def _parse_type(annotation: str):
 def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozenset()) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(TrainConfig):
-        if f.name in skip:
+        if f.name in skip or not f.metadata["cli"]:
             continue
         section = f.metadata["section"]
         group = groups.setdefault(section, parser.add_argument_group(section))

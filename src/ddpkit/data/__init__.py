@@ -72,7 +72,8 @@ class ImageData(Dataset):
 class DataSplits:
     train: Dataset
     test: Dataset
-    meta: Meta
+    meta: Meta | None  # None: a user dataset whose batches go to the model as they come
+    collate_fn: Callable | None = None  # the user's, for DataLoader-path datasets
 
 
 # ---------------------------------------------------------------------- loaders

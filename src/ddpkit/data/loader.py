@@ -11,10 +11,17 @@
 Both follow DistributedSampler(shuffle=True, drop_last=True) semantics: each epoch's
 permutation comes from (seed, epoch), every rank takes every world_size-th index, and
 no sample is used twice in an epoch. Both drop the last partial batch, so every rank
-runs the same number of steps and shapes stay static (CUDA graphs, compile).
+runs the same number of steps and shapes stay static (CUDA graphs, compile). With
+gradient accumulation a step is ``group`` micro-batches, and the epoch ends on a whole
+step.
 
-    src = make_train_source(splits, cfg, ctx)
-    for x, y in src.batches(epoch, start_step=0): ...
+Image datasets (those with a :class:`Meta`) yield ``(images, labels)`` augmented and
+normalised on the device; any other dataset yields its batches as its DataLoader
+collates them (the user's ``collate_fn`` if given), moved to the device whatever their
+structure.
+
+    src = make_train_source(splits, cfg, ctx, per_rank_batch)
+    for batch in src.batches(epoch, start_step=0): ...
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import ConfigError
-from . import ImageData, Meta
+from . import DataSplits, ImageData, Meta
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
+from .batch import to_device
 
 
 def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -62,10 +70,10 @@ class _Source:
 
     path = "?"
 
-    def __init__(self, n: int, meta: Meta | None, cfg, ctx, per_rank_batch: int):
+    def __init__(self, n: int, meta: Meta | None, cfg, ctx, per_rank_batch: int, group: int = 1):
         self.n, self.meta, self.cfg, self.ctx, self.batch = n, meta, cfg, ctx, per_rank_batch
         self.per_rank = n // ctx.world_size
-        self.steps_per_epoch = self.per_rank // per_rank_batch
+        self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
         self.pre = Preprocess(meta, ctx.device, bool(cfg.channels_last))
 
     def _params(self, epoch: int):
@@ -124,8 +132,8 @@ class HostStager:
 
 
 class ResidentSource(_Source):
-    def __init__(self, data: ImageData, meta: Meta, cfg, ctx, per_rank_batch: int, on_device: bool):
-        super().__init__(len(data), meta, cfg, ctx, per_rank_batch)
+    def __init__(self, data: ImageData, meta: Meta, cfg, ctx, per_rank_batch: int, on_device: bool, group: int = 1):
+        super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.on_device = on_device
         self.path = "device-resident" if on_device else "host-staged"
         if on_device:
@@ -169,29 +177,34 @@ class _From(Sampler):
 class LoaderSource(_Source):
     path = "dataloader"
 
-    def __init__(self, data: Dataset, meta: Meta | None, cfg, ctx, per_rank_batch: int):
-        super().__init__(len(data), meta, cfg, ctx, per_rank_batch)
-        self.data = data
+    def __init__(self, data: Dataset, meta: Meta | None, cfg, ctx, per_rank_batch: int, group: int = 1,
+                 collate_fn=None):
+        super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
+        self.data, self.collate_fn = data, collate_fn
         self.sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
 
-    def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.sampler.set_epoch(epoch)
-        loader = _dataloader(self.data, _From(self.sampler, start_step * self.batch), self.batch, self.cfg, self.ctx)
+        loader = _dataloader(self.data, _From(self.sampler, start_step * self.batch), self.batch, self.cfg, self.ctx,
+                             collate_fn=self.collate_fn)
         offsets, flips = self._params(epoch)
-        for step, (x, y) in enumerate(loader, start=start_step):
+        for step, batch in enumerate(loader, start=start_step):
             if step >= self.steps_per_epoch:
                 break
-            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-            sl = slice(step * self.batch, (step + 1) * self.batch)
-            yield self.pre.train(x, offsets[sl], flips[sl]), y
+            batch = to_device(batch, self.ctx.device)
+            if self.meta is not None:  # an image dataset: uint8 (images, labels), augmented here
+                x, y = batch
+                sl = slice(step * self.batch, (step + 1) * self.batch)
+                batch = (self.pre.train(x, offsets[sl], flips[sl]), y)
+            yield batch
 
 
-def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True) -> DataLoader:
+def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, collate_fn=None) -> DataLoader:
     workers = cfg.num_workers
     return DataLoader(data, batch_size=batch, sampler=sampler, drop_last=drop_last, num_workers=workers,
                       pin_memory=ctx.device.type == "cuda", persistent_workers=False,
-                      prefetch_factor=2 if workers else None)
+                      prefetch_factor=2 if workers else None, collate_fn=collate_fn)
 
 
 def choose_path(data: Dataset, cfg, ctx) -> str:
@@ -209,14 +222,16 @@ def choose_path(data: Dataset, cfg, ctx) -> str:
     return "device" if nbytes <= cfg.device_data_fraction * free else "host"
 
 
-def make_train_source(data: Dataset, meta: Meta | None, cfg, ctx, per_rank_batch: int):
+def make_train_source(splits: DataSplits, cfg, ctx, per_rank_batch: int, group: int = 1):
+    """The batch source for ``splits.train``; ``per_rank_batch`` is the micro-batch with accumulation."""
+    data, meta = splits.train, splits.meta
     path = choose_path(data, cfg, ctx)
     if path == "loader":
-        return LoaderSource(data, meta, cfg, ctx, per_rank_batch)
-    return ResidentSource(data, meta, cfg, ctx, per_rank_batch, on_device=path == "device")
+        return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, collate_fn=splits.collate_fn)
+    return ResidentSource(data, meta, cfg, ctx, per_rank_batch, on_device=path == "device", group=group)
 
 
-def eval_batches(data: Dataset, pre: Preprocess, cfg, ctx, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(data: Dataset, pre: Preprocess, cfg, ctx, batch: int, collate_fn=None) -> Iterator:
     """This rank's test samples (every world_size-th, no padding: each sample counted once)."""
     indices = range(ctx.rank, len(data), ctx.world_size)
     if isinstance(data, ImageData):
@@ -224,5 +239,6 @@ def eval_batches(data: Dataset, pre: Preprocess, cfg, ctx, batch: int) -> Iterat
             idx = torch.tensor(indices[start:start + batch])
             yield pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
         return
-    for x, y in _dataloader(data, list(indices), batch, cfg, ctx, drop_last=False):
-        yield pre.eval(x.to(ctx.device, non_blocking=True)), y.to(ctx.device, non_blocking=True)
+    for b in _dataloader(data, list(indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn):
+        b = to_device(b, ctx.device)
+        yield (pre.eval(b[0]), b[1]) if pre.meta is not None else b

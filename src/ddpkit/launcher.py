@@ -1,7 +1,7 @@
 """Process launch: hand off to torch's elastic agent, never manage processes ourselves.
 
-    spec = LaunchSpec.from_config(cfg)        # nproc, nnodes, rendezvous, max restarts
-    result = launch(fn, args, spec)           # rank 0's return value
+    result = launch(fn, *args, nproc=2)       # public: fn(ctx, *args) on every rank, rank 0's result
+    result = run_workers(fn, args, spec)      # ddpkit's own: fn(*args), spec = LaunchSpec.from_config(cfg)
 
 * Already under torchrun (RANK/LOCAL_RANK/WORLD_SIZE set): run ``fn`` here, no relaunch;
   torchrun's own flags decide nodes and restarts.
@@ -10,26 +10,35 @@
   on ``localhost:0`` (a free port, as ``torchrun --standalone``) for one node, or on
   ``--rdzv-endpoint`` where ``--nnodes`` agents meet. ``--max-restarts`` is the agent's:
   after a worker fails it restarts the whole group, which resumes from the newest snapshot.
+
+Workers start with ``spawn`` (a fresh interpreter that imports ``fn`` and unpickles its
+arguments). Where it cannot (a function or class defined in a notebook, ``python -c`` or
+a lambda), ``fork`` is used if that is safe: on CPU, with CUDA not initialised in this
+process, as Lightning's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 import traceback
+import types
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
-from .dist import cpu_threads, resolve_device_type, timeout_message, under_launcher
+from .dist import cpu_threads, distributed, resolve_device_type, timeout_message, under_launcher
 from .errors import CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
@@ -63,6 +72,7 @@ class LaunchSpec:
     local_addr: str = ""
     max_restarts: int = 0
     timeout_s: float = 600.0  # --timeout-s: collectives, and how long an agent waits at rendezvous for the other nodes
+    device_type: str = "cpu"  # decides whether fork is a safe fallback for spawn
 
     @classmethod
     def from_config(cls, cfg) -> "LaunchSpec":
@@ -80,7 +90,7 @@ class LaunchSpec:
             blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
             run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
         return cls(resolve_nproc(cfg.nproc, cfg.device), cfg.nnodes, cfg.rdzv_endpoint, run_id, cfg.local_addr,
-                   cfg.max_restarts, cfg.timeout_s)
+                   cfg.max_restarts, cfg.timeout_s, resolve_device_type(cfg.device))
 
     @property
     def in_process(self) -> bool:
@@ -105,7 +115,27 @@ def resolve_nproc(nproc: str, device: str) -> int:
     return n
 
 
-def launch(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
+def launch(fn: Callable, *args, nproc: int | str = "auto", device: str = "auto", timeout_s: float = 600.0,
+           max_restarts: int = 0) -> Any:
+    """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
+
+    ``ctx`` is a :class:`ddpkit.dist.DistContext` (rank, local_rank, world_size, device,
+    backend, and all_reduce/broadcast/all_gather/barrier helpers). The process group is
+    destroyed even on error. For users who write their own loop (as seed 004 does with
+    ``mp.spawn``). Under torchrun ``nproc`` is torchrun's, and each process gets its own
+    result. ``fn``'s return value must be picklable.
+    """
+    spec = LaunchSpec(nproc=resolve_nproc(str(nproc), device), max_restarts=max_restarts, timeout_s=timeout_s,
+                      device_type=resolve_device_type(device))
+    return run_workers(_in_process_group, (fn, device, timeout_s, *args), spec)
+
+
+def _in_process_group(fn: Callable, device: str, timeout_s: float, *args) -> Any:
+    with distributed(device, timeout_s) as ctx:
+        return fn(ctx, *args)
+
+
+def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     """Run ``fn(*args)`` on every rank; return global rank 0's result (on another node, that
     node's lowest rank's). An int ``spec`` is ``nproc``."""
     if isinstance(spec, int):
@@ -116,7 +146,7 @@ def launch(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config, env = _launch_config(spec)
+    config, env = _launch_config(spec, start_method(fn, args, spec.device_type))
     try:
         with _environ(env), _quiet_agent_tracebacks():
             results = elastic_launch(config, _guarded)(fn, *args)
@@ -204,7 +234,53 @@ def _quiet_agent_tracebacks() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _launch_config(spec: LaunchSpec):
+def start_method(fn: Callable, args: tuple, device_type: str) -> str:
+    """``spawn`` when a fresh interpreter can import ``fn`` and unpickle ``args``; else ``fork`` where
+    safe (CPU, CUDA untouched in this process: a forked child cannot use a parent's CUDA context)."""
+    problem = unspawnable(fn, args)
+    if problem is None:
+        return "spawn"
+    if device_type == "cpu" and not torch.cuda.is_initialized():
+        return "fork"
+    raise ConfigError(f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
+                      f"Move it into a .py file and import it from there")
+
+
+def unspawnable(fn: Callable, args: tuple) -> str | None:
+    """Why a spawned interpreter could not rebuild ``(fn, args)``, or None if it can."""
+    main = sys.modules.get("__main__")
+    main_importable = bool(getattr(main, "__file__", None)) and not str(main.__file__).startswith("<")
+    probe = _Probe(main_importable)
+    try:
+        probe.dump((fn, args))
+    except Exception as exc:  # a lambda, a local function or class, an open file, ...
+        return f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled ({exc})"
+    if probe.found is not None:
+        return f"{probe.found.__qualname__!r} is defined in __main__ of an interactive session or `python -c`"
+    return None
+
+
+class _Probe(pickle.Pickler):
+    """Pickles to nowhere, noting anything defined in a __main__ that has no file to import.
+
+    Tensors and arrays are stood in for by an empty reduction: the probe looks at what the
+    objects reference, not at their data, so a large dataset costs nothing to check.
+    """
+
+    def __init__(self, main_importable: bool):
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.main_importable, self.found = main_importable, None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            return tuple, ()
+        if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+                and not self.main_importable and self.found is None):
+            self.found = obj
+        return NotImplemented
+
+
+def _launch_config(spec: LaunchSpec, start: str = "spawn"):
     """The agent's LaunchConfig, and the environment variables it and the workers need."""
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -238,7 +314,7 @@ def _launch_config(spec: LaunchSpec):
                 env[var] = iface
     config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
                         run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
-                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method="spawn", **extra)
+                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method=start, **extra)
     return config, env
 
 

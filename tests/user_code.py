@@ -1,0 +1,123 @@
+"""A user's own models, datasets, losses and metrics, importable by spawned workers (tests only)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+
+# ---------------------------------------------------------------- regression
+class RegressionMLP(nn.Module):
+    def __init__(self, features: int = 4, hidden: int = 16, dtype=torch.float32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden, dtype=dtype), nn.Tanh(), nn.Linear(hidden, 1, dtype=dtype))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def regression_data(n: int, seed: int, dtype=torch.float32, flat_targets: bool = False) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=gen, dtype=dtype)
+    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=dtype)) + 0.1 * torch.randn(n, 1, generator=gen, dtype=dtype)
+    return TensorDataset(x, y[:, 0] if flat_targets else y)
+
+
+def mse(model, batch):
+    x, y = batch
+    out = model(x)
+    return F.mse_loss(out, y), out
+
+
+def mae(out, batch):
+    return (out - batch[1]).abs().sum(), batch[1].numel()
+
+
+def label0_count(out, batch):
+    """Metric for exactness checks: the share of samples whose first feature is positive."""
+    return (batch[0][:, 0] > 0).sum(), len(batch[0])
+
+
+# ---------------------------------------------------------------- a tiny character model
+VOCAB, LENGTH = 11, 8
+
+
+class CharModel(nn.Module):
+    """Embedding + linear: logits [B, T, V] for next-token prediction."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16, dtype=dtype)
+        self.out = nn.Linear(16, VOCAB, dtype=dtype)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+class Sequences(Dataset):
+    """Token sequences with a mask of varying valid length, so ranks see different token counts."""
+
+    def __init__(self, n: int, seed: int, skewed: bool = False):
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, LENGTH + 1), generator=gen)
+        self.lengths = torch.randint(1, LENGTH + 1, (n,), generator=gen)
+        if skewed:  # every 6th sequence is whole, the rest hold one token: rank 0 gets far more tokens
+            self.lengths = torch.where(torch.arange(n) % 6 == 0, LENGTH, 1)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        mask = torch.arange(LENGTH) < self.lengths[i]
+        return self.tokens[i, :-1], self.tokens[i, 1:], mask
+
+
+def token_loss(model, batch):
+    tokens, targets, mask = batch
+    logits = model(tokens)
+    losses = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1)).sum() / mask.sum(), losses
+
+
+def per_token_loss(losses, batch):
+    mask = batch[2].reshape(-1)
+    return (losses * mask).sum(), mask.sum()
+
+
+# ---------------------------------------------------------------- dict batches, model's own loss
+class DictData(Dataset):
+    def __init__(self, n: int, seed: int):
+        self.inner = regression_data(n, seed)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        x, y = self.inner[i]
+        return {"features": x, "labels": y}
+
+
+class OwnLossModel(nn.Module):
+    """Returns {"loss": ..., "prediction": ...} when given labels, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = RegressionMLP()
+
+    def forward(self, features, labels=None):
+        prediction = self.mlp(features)
+        return {"loss": F.mse_loss(prediction, labels), "prediction": prediction}
+
+
+def dict_mae(out, batch):
+    return (out["prediction"] - batch["labels"]).abs().sum(), batch["labels"].numel()
+
+
+# ---------------------------------------------------------------- ddpkit.launch
+def all_reduce_rank(ctx, scale: int) -> dict:
+    """A user's own loop, as seed 004 writes one: every rank contributes, rank 0 returns."""
+    t = torch.tensor([float(ctx.rank + 1)])
+    ctx.all_reduce(t)
+    return {"sum": t.item() * scale, "world": ctx.world_size, "device": str(ctx.device)}
