@@ -95,3 +95,66 @@ def test_fault_tolerance_and_launch_flags_do_not_change_the_run_identity():
     other = TrainConfig(dataset="mnist", save_every_steps=10, keep_snapshots=5, max_restarts=3, on_nan="warn",
                         nnodes=2, rdzv_endpoint="h:1", rdzv_id="x", local_addr="10.0.0.2").resolved()
     assert base.hash() == other.hash()
+
+
+# ---------------------------------------------------------------- properties over every field (hypothesis)
+import math  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ddpkit.config import FIELD_TYPES, tomllib  # noqa: E402
+
+FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
+TYPED = {int: st.integers(-2**63, 2**63 - 1), float: st.floats(allow_nan=False, allow_infinity=False),
+         bool: st.booleans(), str: st.text()}  # st.text(): the full Unicode range but lone surrogates
+WRONG = {int: st.one_of(st.text(), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2)),
+         float: st.one_of(st.text(), st.booleans(), st.lists(st.floats(), max_size=2)),
+         bool: st.one_of(st.text(), st.integers(), st.floats()),
+         str: st.one_of(st.floats(), st.booleans(), st.lists(st.text(), max_size=2))}
+
+
+def typed(name):
+    typ, optional = FIELD_TYPES[name]
+    return st.one_of(st.none(), TYPED[typ]) if optional else TYPED[typ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({name: typed(name) for name in FIELDS}))
+def test_every_config_round_trips_through_toml(values):
+    """Regression: a non-BMP character (an emoji in --run-dir) was written as a JSON surrogate pair, which
+    TOML rejects, so the run could not be resumed. Strings with quotes, backslashes, newlines too."""
+    cfg = TrainConfig(**values)
+    again = TrainConfig.from_dict(tomllib.loads(cfg.to_toml()))
+    assert again == cfg
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(FIELDS).flatmap(lambda name: st.tuples(st.just(name), WRONG[FIELD_TYPES[name][0]])))
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(case):
+    name, value = case
+    if name == "nproc" and isinstance(value, int) and not isinstance(value, bool):
+        return  # a plain number is accepted for nproc
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict({name: value}, "config file x.toml: ")
+    assert f"config file x.toml: {name} = " in str(err.value) and "\n" not in str(err.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({name: typed(name) for name in FIELDS
+                              if name not in ("dataset", "model", "recipe", "task", "rdzv_endpoint")}))
+def test_validation_refuses_out_of_bounds_values_only_with_config_errors(values):
+    """Numbers at and beyond their bounds, any string: validation says yes, or one ConfigError; it never
+    crashes with a TypeError or ValueError of its own."""
+    try:
+        TrainConfig(**values).resolved()
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_numbers_are_refused_for_every_float_field(value):
+    for name, (typ, _) in FIELD_TYPES.items():
+        if typ is float:
+            with pytest.raises(ConfigError, match=f"{name} = {value}: expected a finite number"):
+                TrainConfig(**{name: value}).validate()

@@ -1,7 +1,9 @@
 """--nproc resolution, the CPU thread budget, launch specs and the agent's configuration."""
 
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -69,7 +71,8 @@ def test_agent_config_for_restarts_and_nodes(monkeypatch):
     config, env = launcher._launch_config(launcher.LaunchSpec(nproc=2, max_restarts=2))
     assert config.max_restarts == 2 and config.rdzv_endpoint == "localhost:0"
     assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # pytorch/pytorch#135712
-                   "OMP_NUM_THREADS": "8"}  # what torchrun would set, which elastic_launch does not
+                   "OMP_NUM_THREADS": "8",  # what torchrun would set, which elastic_launch does not
+                   "DDPKIT_LAUNCHER_PID": str(os.getpid())}  # a worker whose launcher died exits at once
     config, env = launcher._launch_config(launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500",
                                                           rdzv_id="job"))
     assert (config.min_nodes, config.max_nodes, config.run_id) == (2, 2, "job")
@@ -166,3 +169,21 @@ def test_spawn_is_kept_when_it_can_import_the_code_and_fork_is_refused_with_cuda
     assert launcher.start_method(user_code.all_reduce_rank, (Net(),), "cpu") == "fork"
     notebook.__file__ = "/home/me/train.py"  # a script: spawn re-imports it as __mp_main__
     assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) is None
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, resumable):
+    """Regression: `ddpkit eval` interrupted with Ctrl-C advised rerunning to resume from a snapshot."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    import torch.distributed.launcher.api as api
+
+    def interrupted(config, entrypoint):
+        def run(*args):
+            raise SignalException("interrupted", sigval=signal.SIGINT)
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", interrupted)
+    with pytest.raises(launcher.WorkersFailed) as err:
+        launcher.run_workers(len, ((),), launcher.LaunchSpec(nproc=2, resumable=resumable))
+    assert err.value.exit_code == 130 and "received SIGINT" in str(err.value)
+    assert ("run the same command again to resume" in str(err.value)) == resumable

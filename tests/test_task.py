@@ -81,6 +81,8 @@ def test_user_loss_may_return_outputs_for_the_metrics_and_may_define_its_own_los
 
     task = UserLoss(loss_fn, {"loss": lambda out, b: (out.sum(), out.numel()), "peak": lambda out, b: (out.max(), 1)})
     assert task.names == ("loss", "peak") and task.identity.startswith("custom:test_user_loss")
+    assert UserLoss(loss_fn, {"peak": lambda out, b: (out.min(), 1)}).identity != \
+        UserLoss(loss_fn, {"peak": lambda out, b: (out.max(), 1)}).identity  # an edited metric is a new run
     values = task.evaluate(lambda b: b * 2, torch.arange(6.0).view(3, 2))
     assert [(float(s), float(c)) for s, c in values] == [(30.0, 6.0), (10.0, 1.0)]  # the per-element loss wins
     with pytest.raises(TaskError, match="loss_fn returned a tensor of shape \\[3, 2\\]"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -66,7 +68,7 @@ def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(t
                      train_data=regression_data(256, 0), test_data=regression_data(100, 1),
                      loss_fn=mse, metrics={"mae": mae}).fit()
     s = result.summary
-    assert s["task"] == "custom:mse+mae" and s["world_size"] == 2 and s["test_samples"] == 100
+    assert re.fullmatch(r"custom:mse#\w{8}\+mae#\w{8}", s["task"]) and s["world_size"] == 2 and s["test_samples"] == 100
     assert s["test_loss"] < 1.0 and 0 < s["test_mae"] < 1.0  # y has variance ~14: it learned
     assert not any(torch.equal(before[k], v) for k, v in model.state_dict().items() if v.is_floating_point())
     state = torch.load(result.run_dir / "model.pt", weights_only=True)
@@ -133,7 +135,7 @@ def test_dict_batches_train_through_the_models_own_loss_on_two_processes(tmp_pat
     torch.manual_seed(0)
     result = Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=OwnLossModel(),
                      train_data=DictData(256, 0), test_data=DictData(64, 1), metrics={"mae": dict_mae}).fit()
-    assert result["task"] == "model-loss+mae" and result["test_samples"] == 64
+    assert re.fullmatch(r"model-loss\+mae#\w{8}", result["task"]) and result["test_samples"] == 64
     assert result["test_loss"] < 1.0 and result["test_mae"] < 1.0
 
 
@@ -261,3 +263,129 @@ def test_a_model_on_a_gpu_is_moved_to_the_cpu_before_workers_are_spawned():
     model = OnGPU()
     assert move_to_cpu(model) == torch.device("cuda", 3) and model.moves == [("cpu",)]
     assert move_to_cpu(ConvNet()) is None
+
+
+# ---------------------------------------------------------------- found by trying the API as a newcomer
+class ReluMLP(torch.nn.Module):
+    def __init__(self, act=torch.nn.ReLU):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), act(), torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_edits_that_keep_every_shape_are_new_runs_too():
+    """Regression: ReLU -> Tanh, an edited loss body, or relabelled data returned the old result."""
+    cfg = TrainConfig(nproc="1", **SMALL)
+    data = dict(train_data=regression_data(64, 0), test_data=regression_data(32, 1))
+
+    def run_dir(model=None, loss=mse, **d):
+        return Trainer(cfg, model=model or ReluMLP(), loss_fn=loss, **{**data, **d}).config.resolved().run_dir
+
+    base = run_dir()
+    assert run_dir() == base  # and nothing else moves it
+    assert run_dir(ReluMLP(torch.nn.Tanh)) != base
+
+    def mse_times_100(model, batch):
+        x, y = batch
+        out = model(x)
+        return 100 * torch.nn.functional.mse_loss(out, y), out
+
+    mse_times_100.__qualname__ = "mse"  # the same name, another body
+    assert run_dir(loss=mse_times_100) != base
+    relabelled = regression_data(64, 0)
+    relabelled.tensors = (relabelled.tensors[0], relabelled.tensors[1] + 1)
+    assert run_dir(train_data=relabelled) != base
+
+
+def test_a_finished_run_says_how_to_train_again(tmp_path, capsys):
+    args = dict(model=RegressionMLP(), train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
+    cfg = TrainConfig(nproc=1, run_dir=str(tmp_path / "r"), **SMALL)  # nproc as a plain int
+    Trainer(cfg, **args).fit()
+    capsys.readouterr()
+    Trainer(cfg, **args).fit()
+    out = capsys.readouterr().out
+    assert "already holds this finished run" in out and "pass a new run_dir (--run-dir), or delete" in out
+    assert "--resume never" not in out  # which refuses, rather than training again
+
+
+@pytest.mark.parametrize("model,data,metrics,message", [
+    (RegressionMLP(), "reg", {"mae": lambda out, b: ((out - b[1]).abs(), len(b[1]))},
+     "metric 'mae' returned a sum of shape \\[2, 1\\].*add .sum\\(\\)"),
+    (RegressionMLP(), "cls2", {}, "outputs 1 value per sample; classification needs one logit per class"),
+    (torch.nn.Linear(4, 2), "cls3", {}, "outputs 2 classes but the labels go up to 2"),
+])
+def test_mistakes_in_the_workload_are_one_line_before_launch(tmp_path, model, data, metrics, message):
+    x = torch.randn(64, 4)
+    labels = {"cls2": torch.arange(64) % 2, "cls3": torch.arange(64) % 3}.get(data)
+    train = regression_data(64, 0) if data == "reg" else torch.utils.data.TensorDataset(x, labels)
+    loss = mse if data == "reg" else None
+    with pytest.raises(TaskError, match=message):
+        Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=model, train_data=train,
+                test_data=train, loss_fn=loss, metrics=metrics).fit()
+
+
+def test_a_metric_reading_outputs_that_loss_fn_did_not_return_says_so(tmp_path):
+    def bare(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(TaskError, match="metric 'mae' raised TypeError.*outputs=None: loss_fn returned only the loss"):
+        Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "r"), **SMALL), model=RegressionMLP(),
+                train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=bare,
+                metrics={"mae": mae}).fit()
+
+
+def test_an_attempt_that_saved_nothing_does_not_lock_its_run_dir(tmp_path, capsys):
+    """Regression: after a crash at step 0 and a fix, the rerun was refused as 'a different config'."""
+    run = tmp_path / "r"
+    data = dict(train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
+    Trainer(TrainConfig(nproc="1", run_dir=str(run), **SMALL), model=RegressionMLP(), **data).fit()
+    shutil.rmtree(run / "checkpoints")
+    (run / "model.pt").unlink()
+    (run / "summary.json").unlink()  # what a crash before the first snapshot leaves: config.toml, metrics.jsonl
+    result = Trainer(TrainConfig(nproc="1", run_dir=str(run), **SMALL), model=RegressionMLP(hidden=8), **data).fit()
+    assert result["steps"] == 4 and "starting over in it" in capsys.readouterr().out
+
+
+FORGOT_GUARD = """
+import torch
+from torch.utils.data import TensorDataset
+from ddpkit import TrainConfig, Trainer
+x = torch.randn(32, 4); y = torch.arange(32) % 2
+data = TensorDataset(x, y)
+Trainer(TrainConfig(nproc="2", device="cpu", batch_size=8, epochs=1, progress=False, num_workers=0, run_dir={run!r}),
+        model=torch.nn.Linear(4, 2), train_data=data, test_data=data).fit()    # no __main__ guard
+"""
+
+
+def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(FORGOT_GUARD.format(run=str(tmp_path / "r")))
+    proc = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    # fit() raises in the calling script, as an API call does; what the user reads is the workers' line,
+    # not multiprocessing's bootstrap traceback from every rank
+    assert "bootstrapping phase" not in proc.stderr, proc.stderr[-3000:]
+    lines = {line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")}
+    assert lines == {"ddpkit: error: this script starts training when it is imported, and worker processes import it: "
+                     "put the code that calls Trainer(...).fit() or ddpkit.launch(...) under "
+                     "`if __name__ == \"__main__\":`"}
+
+
+def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
+    """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's)."""
+    code = ("import sys; from ddpkit import launch; from ddpkit.cli import run_reporting_errors\n"
+            "def buggy(ctx):\n"
+            "    import torch\n"
+            "    if ctx.rank == 1: raise ValueError('my bug on rank 1')\n"
+            "    ctx.all_reduce(torch.ones(1))\n"
+            "if __name__ == '__main__': sys.exit(run_reporting_errors(lambda: launch(buggy, nproc=2)))\n")
+    script = tmp_path / "loop.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "ValueError: my bug on rank 1" in proc.stderr  # the traceback, kept: it is a bug
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert errors == ["ddpkit: error: rank 1 raised ValueError: my bug on rank 1 (its traceback is above)"], \
+        proc.stderr[-2000:]

@@ -20,6 +20,7 @@ index in every receiver; so it must hold CPU tensors and plain numbers only.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from pathlib import Path
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from . import __version__
 from .dist import DistContext
 from .errors import RunDirError
-from .rundir import atomic_write, torch_bytes
+from .rundir import atomic_write, on_rank0, torch_bytes
 
-FORMAT = 1
+FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
 _NAME = re.compile(r"snapshot-(\d+)\.pt$")
 
 
@@ -72,22 +73,23 @@ def check_host_only(tree, what: str) -> None:
             check_host_only(value, what)
 
 
-def read_weights(path: str | Path) -> dict:
+def read_weights(path: str | Path, what: str = "weights file") -> dict:
     """Model weights from a model.pt (a plain state_dict) or a ddpkit snapshot, onto the CPU.
 
-    A ``module.`` prefix (a state_dict saved from a DDP wrapper) is dropped.
+    A ``module.`` prefix (a state_dict saved from a DDP wrapper) is dropped. ``what`` names the
+    file in errors (``--init-from``, ``model.pt``).
     """
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise RunDirError(f"--init-from {path}: no such file") from None
+        raise RunDirError(f"{what} {path}: no such file") from None
     except Exception as exc:  # truncated zip, not a torch file, pickled code
-        raise RunDirError(f"--init-from {path}: not a loadable weights file ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+        raise RunDirError(f"{what} {path}: not a loadable weights file, truncated or damaged "
+                          f"({type(exc).__name__}: {_first_line(exc)})") from None
     if isinstance(obj, dict) and isinstance(obj.get("trainer"), dict) and "model" in obj["trainer"]:
         obj = obj["trainer"]["model"]  # a snapshot
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise RunDirError(f"--init-from {path}: expected a state_dict (name -> tensor), as model.pt holds")
+        raise RunDirError(f"{what} {path}: expected a state_dict (name -> tensor), as model.pt holds")
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
@@ -95,14 +97,15 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, ctx: DistContext, cfg, keep: int = 2):
         self.dir = Path(run_dir) / "checkpoints"
         self.ctx, self.cfg, self.keep = ctx, cfg, max(1, keep)
+        self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
 
     def snapshots(self) -> list[Path]:
-        """Complete snapshot files, newest first (``.tmp`` leftovers of killed saves are ignored)."""
+        """Snapshot files by name, newest first (``.tmp`` leftovers of killed saves are ignored)."""
         found = [(int(m.group(1)), p) for p in self.dir.glob("snapshot-*.pt") if (m := _NAME.search(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
     def save(self, trainer_state: dict, global_step: int) -> Path:
-        """Call on every rank. Gathers per-rank state, then rank 0 writes; all ranks wait for it."""
+        """Call on every rank. Gathers per-rank state, then rank 0 writes; every rank learns whether it did."""
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
         gathered = [None] * self.ctx.world_size
@@ -111,34 +114,81 @@ class Checkpointer:
         else:
             gathered = [per_rank]
         path = self.dir / f"snapshot-{global_step:09d}.pt"
-        if self.ctx.is_main:
+
+        def write():
             for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
                 stale.unlink(missing_ok=True)
             snapshot = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
-                        "world_size": self.ctx.world_size, "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+                        "world_size": self.ctx.world_size,
+                        "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
                         "global_step": global_step, "trainer": trainer_state, "ranks": gathered}
             atomic_write(path, torch_bytes(snapshot))
-            for old in self.snapshots()[self.keep:]:
-                old.unlink(missing_ok=True)
-        self.ctx.barrier()  # nobody moves on (or reads) before the file is complete
+            self.valid.add(path)
+            self._prune()
+
+        on_rank0(self.ctx, write)  # also the barrier: nobody moves on (or reads) before the file is complete
         return path
 
-    def load_latest(self, warn=print) -> dict | None:
-        """The newest loadable snapshot for this config, or None. Every rank calls this."""
+    def _prune(self) -> None:
+        """Delete what ``keep`` newer valid snapshots supersede. A file never validated (a stray or
+        damaged one) neither counts toward ``keep`` nor is deleted unless superseded."""
+        files = self.snapshots()
+        valid = [p for p in files if p in self.valid]
+        if len(valid) <= self.keep:
+            return
+        oldest_kept = _step(valid[self.keep - 1])
+        for p in files:
+            if _step(p) < oldest_kept:
+                p.unlink(missing_ok=True)
+                self.valid.discard(p)
+
+    def load_latest(self, fits=lambda snap: None, warn=print) -> dict | None:
+        """The newest snapshot for this config that loads and ``fits`` (a check that raises on a
+        snapshot this run cannot use: another model's weights, missing parts). Every rank calls
+        this and makes the same choice (checked with one all-reduce); rank 0 moves the ones it
+        skipped to ``checkpoints/corrupt/`` with one warning each. None: nothing to resume."""
+        chosen, skipped = None, []
         for path in self.snapshots():
             try:
                 snap = torch.load(path, map_location="cpu", weights_only=True)
-                if snap.get("format") != FORMAT:
-                    raise ValueError(f"unknown snapshot format {snap.get('format')!r}")
+                _check_layout(snap)
             except Exception as exc:  # truncated zip, bad pickle, wrong layout
-                if self.ctx.is_main:
-                    warn(f"snapshot {path} is corrupt or truncated ({type(exc).__name__}: {exc}); trying the previous one")
+                skipped.append((path, f"corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
                 continue
-            self._check_compatible(snap, path)
-            return snap
-        return None
+            self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
+            try:
+                fits(snap)
+            except Exception as exc:
+                skipped.append((path, f"does not fit this run ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            chosen = (path, snap)
+            break
+        step = _step(chosen[0]) if chosen else -1
+        self._agree_on(step)
+        if self.ctx.is_main:
+            for path, why in skipped:
+                warn(f"ddpkit: warning: snapshot {path} {why}; moved to {self.dir / 'corrupt'}, using the one before")
+                _move_aside(path, self.dir / "corrupt")
+        if chosen is None:
+            return None
+        self.valid.add(chosen[0])
+        return chosen[1]
+
+    def _agree_on(self, step: int) -> None:
+        """Every rank must resume from the same snapshot (a rank that could not read a file would not)."""
+        if self.ctx.world_size == 1:
+            return
+        lo = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MIN).item()
+        hi = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MAX).item()
+        if lo != hi:
+            raise RunDirError(f"ranks disagree on the newest readable snapshot in {self.dir} (steps {lo:.0f} and "
+                              f"{hi:.0f}): some rank cannot read a file the others can; check that every node sees "
+                              f"the same run directory")
 
     def _check_compatible(self, snap: dict, path: Path) -> None:
+        if snap["format"] != FORMAT:
+            raise RunDirError(f"snapshot {path} was written by another ddpkit version (snapshot format "
+                              f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir")
         if snap["config_hash"] != self.cfg.hash():
             keys = self.cfg.differing_keys(snap["config"])
             raise RunDirError(f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
@@ -146,3 +196,32 @@ class Checkpointer:
         if snap["world_size"] != self.ctx.world_size:
             raise RunDirError(f"snapshot {path} was made with world size {snap['world_size']}, this run has "
                               f"{self.ctx.world_size}; resume with the same number of processes for an exact continuation")
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.search(path.name).group(1))
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _check_layout(snap) -> None:
+    """A snapshot's top level, as :meth:`Checkpointer.save` writes it."""
+    if not isinstance(snap, dict):
+        raise ValueError(f"not a snapshot (a {type(snap).__name__})")
+    if not isinstance(snap.get("format"), int):
+        raise ValueError("no snapshot format")
+    for key, kind in (("config", dict), ("config_hash", str), ("world_size", int), ("global_step", int),
+                      ("trainer", dict), ("ranks", list)):
+        if not isinstance(snap.get(key), kind):
+            raise ValueError(f"missing or malformed {key!r}")
+
+
+def _move_aside(path: Path, folder: Path) -> None:
+    try:
+        folder.mkdir(exist_ok=True)
+        os.replace(path, folder / path.name)
+    except OSError:  # read-only storage: leave it; it is skipped again next time
+        pass

@@ -38,12 +38,14 @@ def run_reporting_errors(fn) -> int:
     try:
         return fn() or 0
     except DdpkitError as exc:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here; one reports
+        # Under torchrun every rank gets here: an error every rank met alike (preflight) is printed by
+        # rank 0; one a rank met alone was already printed by that rank (dist.report_failure).
+        if os.environ.get("RANK", "0") == "0" and not getattr(exc, "reported", False):
             print(f"ddpkit: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except WorkersFailed as exc:
         if not exc.reported:
-            print(f"ddpkit: error: {exc}; their output is above", file=sys.stderr)
+            print(f"ddpkit: error: {exc}" + ("" if "above" in str(exc) else "; their output is above"), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)

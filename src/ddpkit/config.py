@@ -14,12 +14,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import tomllib
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import tomli_w
+
 from .errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
 
 
 def _f(default: Any, section: str, help: str, choices: tuple | None = None, cli: bool = True) -> Any:
@@ -33,8 +41,9 @@ class TrainConfig:
     # [data]
     dataset: str = _f("mnist", "data", "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH")
     data_dir: str = _f("data", "data", "where torchvision datasets are read from / downloaded to")
-    limit_train: int = _f(0, "data", "use only the first N training samples (0 = all)")
-    limit_test: int = _f(0, "data", "use only the first N test samples (0 = all)")
+    limit_train: int = _f(0, "data", "use N training samples (0 = all): the first N; for imagefolder N spread "
+                          "evenly over the sorted files, so every class stays")
+    limit_test: int = _f(0, "data", "use N test samples (0 = all), chosen as for --limit-train")
     synthetic_shape: str = _f("3,32,32", "data", "C,H,W of the synthetic dataset's images")
     synthetic_size: int = _f(50000, "data", "synthetic training samples (test set is a fifth of it)")
     synthetic_classes: int = _f(10, "data", "synthetic class count")
@@ -105,6 +114,10 @@ class TrainConfig:
     max_restarts: int = _f(0, "launch", "times the elastic agent restarts all workers after a failure; "
                            "each restart resumes from the newest snapshot")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, int) and not isinstance(self.nproc, bool):
+            object.__setattr__(self, "nproc", str(self.nproc))  # nproc=2 means "2", as on the command line
+
     # ------------------------------------------------------------------ resolution
     def resolved(self) -> "TrainConfig":
         """Fill recipe fields, check every value, and fix the run directory."""
@@ -121,6 +134,8 @@ class TrainConfig:
         from .data import check_dataset_name
         from .models import MODELS
 
+        for f in dataclasses.fields(self):
+            check_value(f.name, getattr(self, f.name))
         check_dataset_name(self.dataset)
         if self.model not in MODELS and not str(self.model).startswith("custom:"):
             raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
@@ -156,8 +171,11 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
         if not 0 < self.device_data_fraction <= 1:
             raise ConfigError(f"--device-data-fraction must be in (0, 1], got {self.device_data_fraction}")
-        if self.nproc != "auto" and not (self.nproc.isdigit() and int(self.nproc) > 0):
+        if self.nproc != "auto" and not re.fullmatch(r"[1-9][0-9]*", self.nproc):  # ASCII digits: int() takes no "²"
             raise ConfigError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
+        if self.optimizer in ("adam", "adamw") and self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum is Adam's beta1 with --optimizer {self.optimizer}, and must be in [0, 1); "
+                              f"got {self.momentum}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
                               f"that every node can reach, with a free port), the same on every node")
@@ -201,8 +219,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
-        """Build from a flat or sectioned dict (as read from TOML); unknown keys are errors."""
+    def from_dict(cls, values: dict, source: str = "") -> "TrainConfig":
+        """Build from a flat or sectioned dict (as read from TOML); unknown keys and values of the
+        wrong type are errors naming the key (``source`` says where the values came from)."""
         flat: dict = {}
         for key, value in values.items():
             if isinstance(value, dict):
@@ -212,39 +231,87 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(flat) - names)
         if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; see `ddpkit train --help` for the valid ones")
-        return cls(**flat)
+            raise ConfigError(f"{source}unknown config key(s) {unknown}; see `ddpkit train --help` for the valid ones")
+        return cls(**{k: check_value(k, v, source) for k, v in flat.items()})
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "TrainConfig":
-        return cls.from_dict(read_toml(path))
+        return cls.from_dict(read_toml(path), f"config file {path}: ")
 
     def to_toml(self) -> str:
-        sections: dict[str, list[str]] = {}
+        """The config as TOML, in sections; unset (None) fields are left out, as TOML has no null."""
+        sections: dict[str, dict] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:  # TOML has no null; an unset field stays unset on reload
-                continue
-            sections.setdefault(f.metadata["section"], []).append(f"{f.name} = {_toml_value(value)}")
-        return "\n".join(f"[{name}]\n" + "\n".join(lines) + "\n" for name, lines in sections.items())
+            if value is not None:
+                sections.setdefault(f.metadata["section"], {})[f.name] = value
+        return tomli_w.dumps(sections)
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string in quotes"}
+
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """name -> (type, may be None), from the annotations ("int", "Optional[float]", ...)."""
+    out = {}
+    for f in dataclasses.fields(TrainConfig):
+        text = str(f.type)
+        optional = text.startswith("Optional[")
+        out[f.name] = ({"int": int, "float": float, "bool": bool, "str": str}[text[9:-1] if optional else text],
+                       optional)
+    return out
+
+
+def check_value(name: str, value: Any, source: str = "") -> Any:
+    """``value`` if it has ``name``'s type (an int is taken for a float); else a one-line ConfigError."""
+    typ, optional = FIELD_TYPES[name]
+    if name == "nproc" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # "N or auto": a plain number means N, in TOML and Python alike
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{source}{name} must be set ({_KINDS[typ]})")
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if not ok:
+        example = '2 or "auto"' if name == "nproc" else _example(name, typ)
+        raise ConfigError(f"{source}{name} = {value!r} ({type(value).__name__}): expected {_KINDS[typ]}, "
+                          f"e.g. {name} = {example}")
+    if typ is float and not math.isfinite(value):
+        raise ConfigError(f"{source}{name} = {value}: expected a finite number")
+    if typ is str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{source}{name} = {value!r} holds bytes that are not UTF-8 (a file name in another "
+                              f"encoding?); rename it") from None
+    return value
+
+
+def _example(name: str, typ: type) -> str:
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
+    if default is None or not isinstance(default, typ):
+        default = {int: 1, float: 0.1, bool: True, str: "..."}[typ]
+    return tomli_w.dumps({name: default}).split(" = ", 1)[1].strip()
 
 
 def read_toml(path: str | Path) -> dict:
+    """A TOML file as a dict; a missing, unreadable, non-UTF-8 or malformed file is a one-line ConfigError."""
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path} ({exc.strerror})") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a JSON string literal is a valid TOML basic string
 
 
 def _flag(name: str) -> str:
@@ -256,3 +323,6 @@ def _slug(name: str) -> str:
     if name.startswith("imagefolder:"):
         return "imagefolder-" + (Path(name.split(":", 1)[1]).name or "data")
     return name.removeprefix("custom:").replace("#", "-")
+
+
+FIELD_TYPES = _field_types()

@@ -29,8 +29,12 @@ The CUDA-only branches in ddpkit, and why each cannot be shared with the CPU pat
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
+import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,7 +43,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, ConfigError, PeerLost
+from .errors import CollectiveTimeout, ConfigError, DdpkitError, PeerLost
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
@@ -177,8 +181,14 @@ def distributed(device: str = "auto", timeout_s: float = 600.0, deterministic_al
         with deterministic(deterministic_algorithms):
             yield ctx
         ok = True
-    except RuntimeError as exc:  # gloo/NCCL/store errors are RuntimeError subclasses
-        user_error = _comm_failure(exc, timeout_s)
+    except Exception as exc:
+        user_error = _comm_failure(exc, timeout_s) if isinstance(exc, RuntimeError) else None
+        if isinstance(user_error or exc, (PeerLost, CollectiveTimeout)):
+            # Another rank's failure reached this one as a broken collective. If that rank said why,
+            # this rank stays quiet: one line for one cause.
+            (user_error or exc).quiet = ctx.world_size > 1 and _cause_reported()
+        if ctx.world_size > 1:
+            report_failure(user_error or exc, ctx)  # before the group goes: its teardown is what the others see
         if user_error is None:
             raise
         raise user_error from exc
@@ -190,6 +200,61 @@ def distributed(device: str = "auto", timeout_s: float = 600.0, deterministic_al
             # would make it wait for the full timeout.
             ctx.barrier()
         dist.destroy_process_group()
+
+
+_CAUSE_KEY = "ddpkit/cause-reported"
+
+
+def report_failure(exc: BaseException, ctx: DistContext) -> None:
+    """Say once why this rank fails: its one line (a ddpkit error) or its traceback (a bug), on
+    stderr and in the file where the elastic agent collects workers' errors for the launcher;
+    and note in the job's store that a cause was given, so peers that merely lost this rank
+    stay quiet. An error every rank meets alike (``all_ranks``) is left to the launcher."""
+    if getattr(exc, "reported", False) or getattr(exc, "all_ranks", False):
+        return
+    quiet = bool(getattr(exc, "quiet", False))
+    if isinstance(exc, DdpkitError):
+        line, code = f"rank {ctx.rank}: {exc}", exc.exit_code
+        if not quiet:
+            print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()  # a bug keeps its traceback
+        sys.stderr.flush()
+        line, code = f"rank {ctx.rank} raised {type(exc).__name__}: {exc}", 1
+    if not quiet:
+        _note_cause(ctx)
+    write_error_file(line, quiet, code)
+    exc.reported = True
+
+
+def write_error_file(line: str, quiet: bool, exit_code: int) -> None:
+    """The elastic agent's per-worker error file (``TORCHELASTIC_ERROR_FILE``), which the launcher reads."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    first = line.strip().splitlines()[0][:500] if line.strip() else line
+    try:
+        with open(path, "w") as fh:
+            json.dump({"message": first, "timestamp": int(time.time()),
+                       "ddpkit": {"quiet": quiet, "exit_code": exit_code}}, fh)
+    except OSError:
+        pass
+
+
+def _note_cause(ctx: DistContext) -> None:
+    """Tell the job (through the process group's store) that this rank prints why it failed."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_CAUSE_KEY, str(ctx.rank))
+    except Exception:  # the store may be gone with a dead peer: then the others speak for themselves
+        pass
+
+
+def _cause_reported() -> bool:
+    """Whether another rank already said why the job failed (a non-blocking store check)."""
+    try:
+        return dist.distributed_c10d._get_default_store().check([_CAUSE_KEY])
+    except Exception:
+        return False
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)

@@ -25,12 +25,12 @@ from .checkpoint import Checkpointer, read_weights, set_rng_state
 from .data import DataSplits, ImageData
 from .data.loader import Preprocess, make_train_source
 from .dist import DistContext
-from .errors import NonFiniteLoss, Stopped
+from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
 from .metrics import Accumulator, MetricLogger, peak_memory_mb
 from .models import uses_conv
 from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule, user_optimizer, user_schedule
-from .rundir import write_config, write_model, write_summary
+from .rundir import on_rank0, write_config, write_model, write_summary
 from .signals import StopSignal
 from .syncbn import convert_sync_batchnorm
 from .task import Task
@@ -126,11 +126,32 @@ class Engine:
         set_rng_state(mine["rng"], self.ctx.device)
 
     # ------------------------------------------------------------------ loop
+    def _fits(self, snap: dict) -> None:
+        """Raise unless ``snap`` can be loaded into this run as it is: checked before anything is
+        changed, so a damaged or foreign snapshot is skipped for the one before it."""
+        state, mine = snap["trainer"], self.raw.state_dict()
+        theirs = state["model"]
+        if set(theirs) != set(mine) or any(tuple(theirs[k].shape) != tuple(v.shape) for k, v in mine.items()):
+            raise ValueError("its model weights are not this model's (other names or shapes)")
+        groups = state["optimizer"]["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.opt.param_groups]:
+            raise ValueError("its optimizer state is for other parameters")
+        for key in ("scheduler", "scaler", "position", "timing", "final_train"):
+            if key not in state:
+                raise ValueError(f"it has no {key!r}")
+        if self.ema and set(state["ema"] or {}) != set(self.ema.state_dict()):
+            raise ValueError("its EMA weights are not this model's")
+        ranks = snap["ranks"]
+        if len(ranks) != self.ctx.world_size or any(len(r["rank_state"]["acc"]) != 2 * len(self.acc.names)
+                                                    for r in ranks):
+            raise ValueError("its per-rank state does not match this run's ranks and metrics")
+
     def fit(self) -> dict:
-        snap = self.ckpt.load_latest(warn=self.log.print)
+        snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
         if snap is not None:
             self.load_state_dict(snap)
-            self.log.rewind(self.global_step, self.epoch)  # the steps after the snapshot run again
+        # The steps after the snapshot (all of them, when starting over) run again: drop their records.
+        on_rank0(self.ctx, lambda: self.log.rewind(self.global_step, self.epoch))
         write_config(self.cfg, self.ctx)
         self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
                      device=str(self.ctx.device), data_path=self.train_src.path, task=self.task.identity,
@@ -209,12 +230,16 @@ class Engine:
         """One all-reduce and host copy, at log intervals and snapshots only: this epoch's metric
         totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
-        flags = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        flags = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         flags[0] = float(self._stop.received is not None)
+        flags[2] = float(self.log.error is not None)  # rank 0 could not append to metrics.jsonl
         if check_weights:
             flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
         values = self.ctx.all_reduce(torch.cat([self.acc.local(), flags])).tolist()
-        return values[:-2], values[-2] > 0, values[-1] > 0
+        if values[-1] > 0:  # every rank stops together; rank 0's error carries the reason
+            raise self.log.error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the "
+                                                "one printed)")
+        return values[:-3], values[-3] > 0, values[-2] > 0
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
         """``--on-nan``: stop (same decision on every rank: the inputs are all-reduced), or warn once."""
@@ -253,9 +278,10 @@ class Engine:
         self._check_finite(totals[0])
         if stop:
             path = self._snapshot()
-            self.log.log("stopped", reason="signal", step=self.global_step)
-            raise Stopped(f"stopped on SIGTERM at step {self.global_step} (epoch {self.epoch}); saved {path}; "
-                          f"run the same command again to resume from it")
+            name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
+            self.log.log("stopped", reason="signal", signal=name, step=self.global_step)
+            raise Stopped(f"stopped on {name} at step {self.global_step} (epoch {self.epoch}); saved {path}; "
+                          f"run the same command again to resume from it", name)
 
     def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
         result, _ = self._evaluate()
@@ -313,7 +339,7 @@ class Engine:
                    "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
                    "per_rank": per_rank}
         write_summary(cfg.run_dir, summary, ctx)
-        self.log.log("summary", **{k: summary.get(k) for k in ("test_loss", "test_accuracy", "test_samples",
-                                                               "train_time_s", "samples_per_s", "run_dir")
-                                   if summary.get(k) is not None})
+        self.log.log("summary", **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
+                     **{k: summary[k] for k in ("train_time_s", "samples_per_s", "run_dir")})
         return summary
+

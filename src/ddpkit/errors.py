@@ -50,10 +50,14 @@ class NonFiniteLoss(DdpkitError):
 
 
 class Stopped(DdpkitError):
-    """A rank received SIGTERM; every rank saved a snapshot and stopped."""
+    """A rank received SIGTERM or SIGINT (Ctrl-C); every rank saved a snapshot and stopped."""
 
-    exit_code = 143  # 128 + SIGTERM, as a shell reports a process ended by it
+    exit_code = 143  # 128 + SIGTERM, as a shell reports a process ended by it; 130 for SIGINT
     all_ranks = True  # decided on an all-reduced flag
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM"):
+        super().__init__(message)
+        self.exit_code = 130 if signal_name == "SIGINT" else 143
 
 
 class CollectiveTimeout(DdpkitError):
@@ -66,3 +70,14 @@ class PeerLost(DdpkitError):
     """A peer rank closed its connection mid-collective (it died or was stopped)."""
 
     exit_code = 4
+
+
+class AlreadyReported(DdpkitError):
+    """An error from a previous attempt of this job that a restart could not fix (bad data, a task
+    mismatch): the restarted workers stop at once; its message was printed when it happened."""
+
+    all_ranks = True  # every restarted rank reads the same note in the run dir
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -19,6 +19,7 @@ process, as Lightning's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import io
@@ -28,20 +29,23 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import types
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from .dist import cpu_threads, distributed, resolve_device_type, timeout_message, under_launcher
-from .errors import CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
+from .dist import cpu_threads, distributed, resolve_device_type, timeout_message, under_launcher, write_error_file
+from .errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
+LAUNCHER_PID = "DDPKIT_LAUNCHER_PID"
 # Exit codes of workers that already printed their one-line reason (see errors.py).
 REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
 
@@ -73,9 +77,10 @@ class LaunchSpec:
     max_restarts: int = 0
     timeout_s: float = 600.0  # --timeout-s: collectives, and how long an agent waits at rendezvous for the other nodes
     device_type: str = "cpu"  # decides whether fork is a safe fallback for spawn
+    resumable: bool = False  # a training run: an interrupted one saves a snapshot and can be resumed
 
     @classmethod
-    def from_config(cls, cfg) -> "LaunchSpec":
+    def from_config(cls, cfg, resumable: bool = True) -> "LaunchSpec":
         if under_launcher():
             defaults = type(cfg)()
             set_here = [f"--{n.replace('_', '-')}" for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
@@ -90,7 +95,7 @@ class LaunchSpec:
             blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
             run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
         return cls(resolve_nproc(cfg.nproc, cfg.device), cfg.nnodes, cfg.rdzv_endpoint, run_id, cfg.local_addr,
-                   cfg.max_restarts, cfg.timeout_s, resolve_device_type(cfg.device))
+                   cfg.max_restarts, cfg.timeout_s, resolve_device_type(cfg.device), resumable)
 
     @property
     def in_process(self) -> bool:
@@ -125,6 +130,7 @@ def launch(fn: Callable, *args, nproc: int | str = "auto", device: str = "auto",
     ``mp.spawn``). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
+    refuse_if_importing_main()
     spec = LaunchSpec(nproc=resolve_nproc(str(nproc), device), max_restarts=max_restarts, timeout_s=timeout_s,
                       device_type=resolve_device_type(device))
     return run_workers(_in_process_group, (fn, device, timeout_s, *args), spec)
@@ -138,12 +144,14 @@ def _in_process_group(fn: Callable, device: str, timeout_s: float, *args) -> Any
 def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     """Run ``fn(*args)`` on every rank; return global rank 0's result (on another node, that
     node's lowest rank's). An int ``spec`` is ``nproc``."""
+    refuse_if_importing_main()
     if isinstance(spec, int):
         spec = LaunchSpec(nproc=spec)
     if spec.in_process:
         return fn(*args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     config, env = _launch_config(spec, start_method(fn, args, spec.device_type))
@@ -151,6 +159,12 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         with _environ(env), _quiet_agent_tracebacks():
             results = elastic_launch(config, _guarded)(fn, *args)
     except ChildFailedError as exc:
+        causes = [r for r in worker_reports(exc) if not r["quiet"]]
+        if causes:  # a worker said why: its line (already printed) or its bug (traceback printed)
+            cause = causes[0]
+            if cause["exit_code"] == 1:
+                raise WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1) from None
+            raise WorkersFailed(cause["message"], True, cause["exit_code"]) from None
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
         killed = signal_failure(codes, spec.timeout_s)
         if killed is not None:
@@ -161,9 +175,14 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
                             reported, first if reported else 1) from None
     except SignalException as exc:
         sig = signal.Signals(exc.sigval)
-        raise WorkersFailed(f"the launcher received {sig.name} and stopped the workers; they save a snapshot "
-                            f"at their next log interval if it comes within the agent's grace period; run the "
-                            f"same command again to resume", False, 128 + sig.value) from None
+        after = ("; they save a snapshot at their next log interval if it comes within the agent's grace period: "
+                 "run the same command again to resume") if spec.resumable else ""
+        raise WorkersFailed(f"interrupted: the launcher received {sig.name} and stopped the workers{after}", False,
+                            128 + sig.value) from None
+    except RendezvousTimeoutError:
+        raise PeerLost(f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
+                       f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
+                       f"nodes, with the same --rdzv-id, and check that each reaches the endpoint") from None
     result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
     if isinstance(result, Failure):
         if result.printed:
@@ -234,6 +253,21 @@ def _quiet_agent_tracebacks() -> Iterator[None]:
         log.setLevel(level)
 
 
+def refuse_if_importing_main() -> None:
+    """A spawned worker imports the user's script as ``__mp_main__``. If the script starts training at
+    import time (no ``if __name__ == "__main__":`` guard), say so in one line, instead of
+    multiprocessing's bootstrap traceback on every rank."""
+    import multiprocessing
+
+    # multiprocessing's own test for "still bootstrapping" (it refuses to start processes then, with a traceback)
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    print("ddpkit: error: this script starts training when it is imported, and worker processes import it: put "
+          "the code that calls Trainer(...).fit() or ddpkit.launch(...) under `if __name__ == \"__main__\":`",
+          file=sys.stderr, flush=True)
+    os._exit(ConfigError.exit_code)  # a reported exit: the launcher adds nothing
+
+
 def start_method(fn: Callable, args: tuple, device_type: str) -> str:
     """``spawn`` when a fresh interpreter can import ``fn`` and unpickle ``args``; else ``fork`` where
     safe (CPU, CUDA untouched in this process: a forked child cannot use a parent's CUDA context)."""
@@ -285,6 +319,7 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn"):
     from torch.distributed.launcher.api import LaunchConfig
 
     endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
+    env[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell its launcher died before it started
     if "OMP_NUM_THREADS" not in os.environ:
         # What torchrun sets and elastic_launch does not: each worker's share of the cores,
         # read by torch and by numpy's BLAS when they load.
@@ -298,7 +333,7 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn"):
         endpoint = spec.rdzv_endpoint
         host, _ = split_endpoint(endpoint)
         local_addr = spec.local_addr or route_addr(host)
-        rdzv_configs["join_timeout"] = max(60, int(spec.timeout_s))
+        rdzv_configs["join_timeout"] = max(1, int(spec.timeout_s))
         if not is_loopback(host) and is_local(host):
             # torch recognises its store host by hostname; an address on a secondary interface
             # (or in a network namespace) is missed, and then no node would host the store.
@@ -318,8 +353,24 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn"):
     return config, env
 
 
+def _die_with_launcher() -> None:
+    """Have the kernel SIGKILL this worker when its launcher dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Otherwise workers of a killed launcher run on for seconds, and may write to a run
+    directory whose lock the kernel has already released to another run.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if str(os.getppid()) != os.environ.get(LAUNCHER_PID, str(os.getppid())):
+        os._exit(1)  # it died before we asked
+
+
 def _guarded(fn: Callable, *args) -> Any:
     """Worker entry: turn a DdpkitError into one line, printed once, and the right exit."""
+    _die_with_launcher()
     try:
         return fn(*args)
     except DdpkitError as exc:
@@ -328,14 +379,37 @@ def _guarded(fn: Callable, *args) -> Any:
             # Every rank has it; returning (exit 0) keeps the agent from restarting into it
             # again. A stop is printed here too: a launcher that is itself shutting down
             # never reads return values.
-            printed = isinstance(exc, Stopped) and rank == 0
+            printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
             if printed:
                 print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
             return Failure(str(exc), exc.exit_code, printed)
-        where = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
+        if not getattr(exc, "reported", False):  # raised outside the process group (dist.report_failure)
+            where = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+            write_error_file(f"{where}{exc}", False, exc.exit_code)
+            print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
-    except Exception:
-        traceback.print_exc()  # a bug keeps its traceback, printed by the rank that hit it
-        sys.stderr.flush()
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, data loading): no traceback
+        sys.exit(130)
+    except Exception as exc:
+        if not getattr(exc, "reported", False):
+            traceback.print_exc()  # a bug keeps its traceback, printed by the rank that hit it
+            sys.stderr.flush()
+            write_error_file(f"rank {os.environ.get('RANK', '0')} raised {type(exc).__name__}: {exc}", False, 1)
         sys.exit(1)
+
+
+def worker_reports(exc) -> list[dict]:
+    """What the workers of this node said about their failure: their error files, found beside those
+    of the failures the agent observed (it observes the first and stops the rest)."""
+    dirs = {Path(f.error_file).parent.parent for f in exc.failures.values()
+            if isinstance(f.error_file, str) and Path(f.error_file).is_file()}
+    reports = []
+    for folder in dirs:
+        for path in sorted(folder.glob("*/error.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data.get("ddpkit"), dict) and isinstance(data.get("message"), str):
+                reports.append({"message": data["message"], **data["ddpkit"]})
+    return reports

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .dist import DistContext
-from .rundir import atomic_write
+from .errors import RunDirError
+from .rundir import atomic_write, describe_io_error
 
 
 class Accumulator:
@@ -102,6 +103,7 @@ class MetricLogger:
     def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True):
         self.main = ctx.is_main
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.error: RunDirError | None = None  # a failed append; the engine's next all-reduce stops every rank
         self.bar = None
         if self.main and progress and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -115,8 +117,12 @@ class MetricLogger:
         if not self.main:
             return
         record = {"event": event, "time": round(time.time(), 3), **values}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        if self.error is None:
+            try:
+                with open(self.path, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+            except OSError as exc:
+                self.error = RunDirError(describe_io_error(exc, self.path))
         if event != "step" or self.bar is None:  # with a bar, step figures go into the bar instead
             self.print(_format(record))
 

@@ -1,4 +1,4 @@
-"""SIGTERM as a request to stop at the next safe point, not a kill.
+"""SIGTERM and SIGINT (Ctrl-C) as a request to stop at the next safe point, not a kill.
 
     with StopSignal() as stop:
         ...
@@ -17,7 +17,7 @@ import threading
 
 
 class StopSignal:
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
         self.received: str | None = None
         self._previous: dict = {}

@@ -26,6 +26,7 @@ Any task takes extra ``metrics={"name": fn}``, each ``fn(outputs, batch) -> (sum
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data.batch import leading_size
+from .identity import code_digest
 from .errors import TaskError
 
 MetricFn = Callable[[Any, Any], tuple]
@@ -63,9 +65,15 @@ class Task:
 
     @property
     def identity(self) -> str:
-        """What the run identity records of the task (config field ``task``)."""
-        extra = "".join(f"+{n}" for n in self.metrics)
-        return f"{self.kind}{extra}"
+        """What the run identity records of the task (config field ``task``): its kind, the metric names,
+        and a digest of the metrics' code, so an edited metric is a new run."""
+        return f"{self.kind}{self._metric_part()}"
+
+    def _metric_part(self) -> str:
+        if not self.metrics:
+            return ""
+        names = "".join(f"+{n}" for n in self.metrics)
+        return f"{names}#{hashlib.sha256(''.join(code_digest(f) for f in self.metrics.values()).encode()).hexdigest()[:8]}"
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
@@ -85,10 +93,19 @@ class Task:
 
 
 def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
-    result = fn(outputs, batch)
+    try:
+        result = fn(outputs, batch)
+    except Exception as exc:
+        hint = (" It got outputs=None: loss_fn returned only the loss; return (loss, outputs) for the metrics to "
+                "read" if outputs is None else "")
+        raise TaskError(f"metric {name!r} raised {type(exc).__name__}: {str(exc)[:200]}.{hint}") from None
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TaskError(f"metric {name!r} returned {type(result).__name__}; a metric returns (sum, count), e.g. "
                         f"((pred == y).sum(), len(y)), so that ddpkit can reduce it exactly across ranks")
+    for part, what in zip(result, ("sum", "count")):
+        if isinstance(part, torch.Tensor) and part.numel() != 1:
+            raise TaskError(f"metric {name!r} returned a {what} of shape {list(part.shape)}; both parts of (sum, count) "
+                            f"are single numbers: add .sum()")
     return result[0], result[1]
 
 
@@ -99,9 +116,10 @@ class Classification(Task):
     kind = "classification"
 
     def __init__(self, label_smoothing: float = 0.0, tta: bool = False, classes: int | None = None,
-                 metrics: Mapping[str, MetricFn] | None = None):
+                 metrics: Mapping[str, MetricFn] | None = None, min_classes: int | None = None):
         super().__init__(metrics)
         self.label_smoothing, self.tta, self.classes = label_smoothing, tta, classes
+        self.min_classes = min_classes  # from the labels, where the dataset declares no class count
         self._checked = False
 
     def loss(self, model, batch):
@@ -150,9 +168,16 @@ class Classification(Task):
         if y.dim() != 1 or y.shape[0] != logits.shape[0]:
             raise TaskError(f"the targets have shape {list(y.shape)} for logits {list(logits.shape)}; "
                             f"classification needs one integer label per sample, shape [{logits.shape[0]}]")
+        if logits.shape[1] < 2:
+            raise TaskError(f"the model outputs {logits.shape[1]} value per sample; classification needs one logit per "
+                            f"class (2 for a binary problem). For one logit with a sigmoid, {fix} "
+                            f"(F.binary_cross_entropy_with_logits)")
         if self.classes is not None and logits.shape[1] != self.classes:
             raise TaskError(f"the model outputs {logits.shape[1]} classes but the dataset has {self.classes}; "
                             f"build the model with {self.classes} outputs")
+        if self.min_classes is not None and logits.shape[1] < self.min_classes:
+            raise TaskError(f"the model outputs {logits.shape[1]} classes but the labels go up to "
+                            f"{self.min_classes - 1}; build the model with at least {self.min_classes} outputs")
         self._checked = True
 
 
@@ -187,7 +212,7 @@ class UserLoss(Task):
 
     @property
     def identity(self) -> str:
-        return f"custom:{_qualname(self.loss_fn)}" + "".join(f"+{n}" for n in self.metrics)
+        return f"custom:{_qualname(self.loss_fn)}#{code_digest(self.loss_fn)}{self._metric_part()}"
 
     def loss(self, model, batch):
         result = self.loss_fn(model, batch)
@@ -201,10 +226,10 @@ class UserLoss(Task):
 
 
 def resolve_task(cfg, loss_fn: Callable | None = None, metrics: Mapping[str, MetricFn] | None = None,
-                 sample: Any = None, classes: int | None = None) -> Task:
+                 sample: Any = None, classes: int | None = None, min_classes: int | None = None) -> Task:
     """The user's loss first; then a model's own loss for dict samples; else classification."""
     if loss_fn is not None:
         return UserLoss(loss_fn, metrics)
     if isinstance(sample, Mapping):
         return ModelLoss(metrics)
-    return Classification(cfg.label_smoothing or 0.0, bool(cfg.tta), classes, metrics)
+    return Classification(cfg.label_smoothing or 0.0, bool(cfg.tta), classes, metrics, min_classes)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import os
+import sys
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -39,14 +39,15 @@ from .config import TrainConfig
 from .data import DataSplits, ImageData, Meta, load_dataset
 from .data.batch import first_tensor, structure
 from .data.loader import Preprocess
-from .dist import distributed
+from .dist import cpu_cores, distributed, under_launcher
 from .engine import Engine
-from .errors import ConfigError, DataError, DdpkitError, RunDirError
+from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError, TaskError
 from .evaluate import evaluate
-from .launcher import LaunchSpec, run_workers
+from .identity import code_name, data_fingerprint, model_fingerprint
+from .launcher import LaunchSpec, refuse_if_importing_main, run_workers
 from .models import build_model
-from .rundir import check_run_dir
-from .task import Task, resolve_task
+from .rundir import LOCK_ENV, agree, check_run_dir, fatal_path, read_fatal, record_fatal, run_lock
+from .task import Classification, Task, resolve_task
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Trainer:
             if clash:
                 raise ConfigError(f"you pass your own {what}, so the config's {', '.join(clash)} would be ignored; "
                                   f"leave {'it' if len(clash) == 1 else 'them'} unset")
-            cfg = dataclasses.replace(cfg, **{what: f"custom:{_name(given)}"})
+            cfg = dataclasses.replace(cfg, **{what: f"custom:{code_name(given)}"})
         self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
 
     def _task(self, cfg: TrainConfig) -> Task:
@@ -119,19 +120,21 @@ class Trainer:
             data = self.splits.train if self.splits.train is not None else self.splits.test
             sample = data[0] if data is not None and len(data) else None
         classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
-        return resolve_task(cfg, self.loss_fn, self.metrics, sample, classes)
+        least = infer_classes(self.splits.train) if self.splits is not None and classes is None else None
+        return resolve_task(cfg, self.loss_fn, self.metrics, sample, classes, least)
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> FitResult:
         """Train (resuming from the run dir when it holds a snapshot); afterwards the model object
         passed in holds the trained weights."""
+        refuse_if_importing_main()
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
-        cfg, spec, splits, task, finished = preflight(self.config, self.splits, self.model, self._task,
-                                                      self.optimizer)
+        cfg, spec, splits, task = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
+        finished = check_run_dir(cfg)
         if finished is not None:
-            print(f"ddpkit: {cfg.run_dir} already holds this finished run; pass a new --run-dir (or --resume never) "
-                  f"to train again")
+            print(f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
+                  f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}")
             summary = finished
         else:
             # Spawned workers load the registry data themselves rather than receive it pickled.
@@ -139,7 +142,8 @@ class Trainer:
             job = Job(cfg, task, self.model, job_splits, self.optimizer, self.scheduler)
             home = None if spec.in_process else move_to_cpu(self.model)
             try:
-                summary = run_workers(train_worker, (job,), spec)
+                with owning_run_dir(cfg, spec):
+                    summary = run_workers(train_worker, (job,), spec)
             finally:
                 if home is not None:
                     self.model.to(home)
@@ -152,16 +156,18 @@ class Trainer:
         """Evaluate the model as it is now (after ``fit``: the trained weights) on the test set,
         with the same task and metrics, distributed over ``nproc`` processes; returns
         ``{test_<metric>: mean, test_samples: n, world_size}``."""
+        refuse_if_importing_main()
         if self.model is None:
             raise ConfigError("evaluate() needs model=...; to re-evaluate a CLI run, use `ddpkit eval RUN_DIR`")
         cfg = self.config.resolved()
         splits = self.splits if self.splits is not None else load_dataset(cfg)
         if splits.test is None or len(splits.test) == 0:
             raise DataError("evaluate() needs a non-empty test_data")
-        spec = LaunchSpec.from_config(cfg)
+        spec = LaunchSpec.from_config(cfg, resumable=False)
         home = None if spec.in_process else move_to_cpu(self.model)
         try:
-            return run_workers(eval_worker, (Job(cfg, self._task(cfg), self.model, splits),), spec)
+            result = run_workers(eval_worker, (Job(cfg, self._task(cfg), self.model, splits),), spec)
+            return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
         finally:
             if home is not None:
                 self.model.to(home)
@@ -170,7 +176,7 @@ class Trainer:
 # ---------------------------------------------------------------------- preflight
 def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable,
               optimizer: Any = None):
-    """Every check that can fail before launch. Returns (cfg, launch spec, splits, task, finished summary)."""
+    """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task)."""
     cfg = config.resolved()
     spec = LaunchSpec.from_config(cfg)
     world = spec.world_size
@@ -198,6 +204,9 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     if len(splits.train) // world < per_rank_batch:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
                           f"allow at world size {world}")
+    if cfg.data_path in ("device", "host") and not isinstance(splits.train, ImageData):
+        raise ConfigError(f"--data-path {cfg.data_path} needs an in-memory image dataset; {cfg.dataset} is read "
+                          f"through a DataLoader (--data-path loader or auto)")
     task = task_for(cfg)
     if model is None:
         m = splits.meta
@@ -208,18 +217,38 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
         raise RunDirError(f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or "
                           f"--resume auto to continue it")
-    return cfg, spec, splits, task, check_run_dir(cfg)
+    check_processes(spec, splits, model)
+    return cfg, spec, splits, task
 
 
-def check_weights_fit(model: nn.Module, path: str) -> None:
-    """--init-from: the file's tensors must be the model's, name for name and shape for shape."""
-    theirs, mine = read_weights(path), model.state_dict()
+def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> None:
+    """More processes than the node can hold: a warning past the core count (on CPU), an error
+    past the memory. Each spawned rank holds what this process holds now (torch, the data)
+    plus its model, gradients and optimizer state (about 4 copies of the weights)."""
+    if spec.in_process or spec.device_type != "cpu":
+        return
+    cores = cpu_cores()
+    if spec.nproc > cores:
+        print(f"ddpkit: warning: --nproc {spec.nproc} runs {spec.nproc} processes on {cores} core(s); each gets one "
+              f"thread and they take turns, which is slower than --nproc {cores}", file=sys.stderr)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    per_rank = rss_bytes() + 4 * weights
+    available = available_memory_bytes()
+    if available is not None and spec.nproc * per_rank > available:
+        raise ConfigError(f"--nproc {spec.nproc} needs about {spec.nproc * per_rank / 2**30:.1f} GiB ({spec.nproc} x "
+                          f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model), but "
+                          f"{available / 2**30:.1f} GiB are available; lower --nproc")
+
+
+def check_weights_fit(model: nn.Module, path: str | Path, what: str = "--init-from") -> None:
+    """The file's tensors must be the model's, name for name and shape for shape."""
+    theirs, mine = read_weights(path, what), model.state_dict()
     missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     shapes = [k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape)]
     if missing or unexpected or shapes:
         parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
                  f"other shapes {sorted(shapes)[:5]}" if shapes else ""]
-        raise ConfigError(f"--init-from {path} does not fit the model: {'; '.join(p for p in parts if p)}")
+        raise ConfigError(f"{what} {path} does not fit the model: {'; '.join(p for p in parts if p)}")
 
 
 def sample_batch(splits: DataSplits, n: int = 2) -> Any:
@@ -257,37 +286,24 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         x = first_tensor(batch)
         shape = list(x.shape) if x is not None else "?"
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        raise ConfigError(f"model {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): "
+        step = "model" if isinstance(task, Classification) else f"{task.identity} step with model"
+        raise ConfigError(f"{step} {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): "
                           f"{type(exc).__name__}: {first}") from None
     finally:
         model.train(was_training)
 
 
-# ---------------------------------------------------------------------- identity of custom code
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
-def _name(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or type(obj).__name__
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """``ClassName#digest`` of its parameter and buffer names, shapes and dtypes: an edited model
-    is a new run. (Values are left out: an unseeded script must still resume its own run.)"""
-    layout = [(k, list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
-    return f"{type(model).__name__}#{_digest([type(model).__qualname__, layout])}"
-
-
-def data_fingerprint(train: Dataset | None, test: Dataset | None) -> str:
-    """``ClassName#digest`` of each split's length and its first sample's structure."""
-    def describe(data):
-        if data is None:
-            return None
-        return [type(data).__qualname__, len(data), structure(data[0]) if len(data) else None]
-
-    name = type(train if train is not None else test).__name__
-    return f"{name}#{_digest([describe(train), describe(test)])}"
+def infer_classes(data: Dataset | None) -> int | None:
+    """The class count an integer-labelled dataset needs at least: max label + 1, read from where
+    common datasets keep their labels (a TensorDataset's second tensor, ``.targets``)."""
+    labels = None
+    if isinstance(data, torch.utils.data.TensorDataset) and len(data.tensors) == 2:
+        labels = data.tensors[1]
+    elif hasattr(data, "targets"):
+        labels = torch.as_tensor(data.targets)
+    if labels is None or labels.is_floating_point() or labels.dim() != 1 or not len(labels):
+        return None
+    return int(labels.max()) + 1
 
 
 def infer_meta(data: Dataset | None) -> Meta | None:
@@ -317,23 +333,99 @@ def move_to_cpu(model: nn.Module | None) -> torch.device | None:
     return home
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where unknown)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable (Linux), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------- who owns the run dir
+@contextmanager
+def owning_run_dir(cfg: TrainConfig, spec: LaunchSpec) -> Iterator[None]:
+    """On one node, the launcher holds the run dir's lock for the whole job, its workers (which
+    die with it) included. Across nodes or under torchrun no launcher sees the whole job, and
+    global rank 0 holds it instead (:func:`_rank0_owns`)."""
+    if under_launcher() or spec.nnodes > 1:
+        yield
+        return
+    with run_lock(cfg.run_dir):
+        fatal_path(cfg.run_dir).unlink(missing_ok=True)  # a new launch: forget the last one's fatal error
+        os.environ[LOCK_ENV] = str(Path(cfg.run_dir).resolve())
+        try:
+            yield
+        finally:
+            os.environ.pop(LOCK_ENV, None)
+
+
+@contextmanager
+def _rank0_owns(cfg: TrainConfig, ctx) -> Iterator[None]:
+    """Global rank 0 takes the lock when no launcher holds it; every rank learns whether it could."""
+    held = os.environ.get(LOCK_ENV) == str(Path(cfg.run_dir).resolve())
+    with ExitStack() as stack:
+        error = None
+        if ctx.is_main and not held:
+            try:
+                stack.enter_context(run_lock(cfg.run_dir))
+                if restart_count() == 0:
+                    fatal_path(cfg.run_dir).unlink(missing_ok=True)
+            except (RunDirError, OSError) as exc:
+                error = exc if isinstance(exc, RunDirError) else RunDirError(f"cannot lock {cfg.run_dir}: {exc}")
+        agree(ctx, error)
+        yield
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this job's workers (0 on a fresh launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restarts_left() -> bool:
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > restart_count()
+
+
 # ---------------------------------------------------------------------- workers
 def train_worker(job: Job) -> dict:
     """One rank, start to finish; the process group is destroyed even on error."""
     cfg = job.cfg
-    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
-        splits = job.splits or load_dataset(cfg, download=False)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        # One deep copy of model, optimizer and scheduler together keeps the optimizer pointing at
-        # this copy's parameters. Without a copy, spawned ranks on a node would share the
-        # tensors torch.multiprocessing put in shared memory, and an in-process run would
-        # train the caller's object in place.
-        model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
-        if model is None:
-            m = splits.meta
-            model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
-        # Registry models use every parameter every step, so DDP may assume a static graph.
-        return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None).fit()
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx, _rank0_owns(cfg, ctx):
+        fatal = read_fatal(cfg.run_dir) if restart_count() > 0 else None
+        if fatal is not None:  # the last attempt met an error a restart cannot fix; it was reported then
+            raise AlreadyReported(fatal["message"], fatal["exit_code"])
+        try:
+            return _train(job, ctx)
+        except (DataError, TaskError) as exc:  # deterministic: every restart would meet it again
+            if restarts_left():
+                record_fatal(cfg.run_dir, exc)
+            raise
+
+
+def _train(job: Job, ctx) -> dict:
+    cfg = job.cfg
+    splits = job.splits or load_dataset(cfg, download=False)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    # One deep copy of model, optimizer and scheduler together keeps the optimizer pointing at
+    # this copy's parameters. Without a copy, spawned ranks on a node would share the
+    # tensors torch.multiprocessing put in shared memory, and an in-process run would
+    # train the caller's object in place.
+    model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
+    if model is None:
+        m = splits.meta
+        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+    # Registry models use every parameter every step, so DDP may assume a static graph.
+    return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None).fit()
 
 
 def eval_worker(job: Job) -> dict:

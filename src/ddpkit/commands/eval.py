@@ -21,8 +21,10 @@ def register(parser) -> None:
 def run(args) -> int:
     from ..config import TrainConfig
     from ..launcher import LaunchSpec, run_workers
+    from ..data import load_dataset
+    from ..models import build_model
     from ..task import Classification
-    from ..trainer import Job, eval_worker
+    from ..trainer import Job, check_weights_fit, eval_worker
 
     run_dir = Path(args.run_dir)
     for name in ("config.toml", "model.pt"):
@@ -39,7 +41,14 @@ def run(args) -> int:
     cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device,
                               nnodes=1, rdzv_endpoint="", rdzv_id="", local_addr="", max_restarts=0)
     cfg.validate()
+    # Everything that can fail, checked here once, not on every rank: the data, and the weights.
+    splits = load_dataset(cfg)
+    m = splits.meta
+    check_weights_fit(build_model(cfg.model, m.channels, m.height, m.width, m.classes), run_dir / "model.pt",
+                      "model.pt")
+    spec = LaunchSpec.from_config(cfg, resumable=False)
     task = Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
-    result = run_workers(eval_worker, (Job(cfg, task),), LaunchSpec.from_config(cfg))
+    job = Job(cfg, task, splits=splits if spec.in_process else None)
+    result = run_workers(eval_worker, (job,), spec)
     print(json.dumps(result))
     return 0

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 
 from ..config import TrainConfig
+from ..errors import ConfigError
 
 
 def _parse_type(annotation: str):
@@ -46,4 +47,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         values = TrainConfig.from_toml(args.config_file).to_dict()
         values = {k: v for k, v in values.items() if v is not None}
     values.update({k: v for k, v in vars(args).items() if k in names})
+    for key in ("dataset", "model"):
+        if str(values.get(key, "")).startswith("custom:"):
+            raise ConfigError(f"--{key} {values[key]}: custom: names are recorded by the Python API for your own "
+                              f"{key}s (Trainer(model=..., train_data=...)); the command line takes the built-in ones")
     return TrainConfig.from_dict(values)

@@ -173,6 +173,6 @@ def load_dataset(cfg, download: bool = True) -> DataSplits:
     if cfg.dataset.startswith("imagefolder:"):
         from .folder import load_imagefolder
 
-        return load_imagefolder(cfg.dataset.split(":", 1)[1], cfg.image_size)
+        return load_imagefolder(cfg.dataset.split(":", 1)[1], cfg.image_size, cfg.limit_train, cfg.limit_test)
     splits = DATASETS[cfg.dataset](cfg, download)
     return replace(splits, train=splits.train.head(cfg.limit_train), test=splits.test.head(cfg.limit_test))

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DdpkitError
 from . import DataSplits, ImageData, Meta
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import to_device
@@ -189,7 +189,7 @@ class LoaderSource(_Source):
         loader = _dataloader(self.data, _From(self.sampler, start_step * self.batch), self.batch, self.cfg, self.ctx,
                              collate_fn=self.collate_fn)
         offsets, flips = self._params(epoch)
-        for step, batch in enumerate(loader, start=start_step):
+        for step, batch in enumerate(unwrapped(loader), start=start_step):
             if step >= self.steps_per_epoch:
                 break
             batch = to_device(batch, self.ctx.device)
@@ -198,6 +198,19 @@ class LoaderSource(_Source):
                 sl = slice(step * self.batch, (step + 1) * self.batch)
                 batch = (self.pre.train(x, offsets[sl], flips[sl]), y)
             yield batch
+
+
+def unwrapped(loader: DataLoader) -> Iterator:
+    """Iterate ``loader``; a ddpkit error raised in a DataLoader worker comes back as the one line it was,
+    not wrapped in the worker's traceback text."""
+    try:
+        yield from loader
+    except DdpkitError as exc:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        for prefix in (f"{type(exc).__module__}.{type(exc).__name__}: ", f"{type(exc).__name__}: "):
+            last = last.removeprefix(prefix)
+        raise type(exc)(last) from None
 
 
 def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, collate_fn=None) -> DataLoader:
@@ -239,6 +252,6 @@ def eval_batches(data: Dataset, pre: Preprocess, cfg, ctx, batch: int, collate_f
             idx = torch.tensor(indices[start:start + batch])
             yield pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
         return
-    for b in _dataloader(data, list(indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn):
+    for b in unwrapped(_dataloader(data, list(indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn)):
         b = to_device(b, ctx.device)
         yield (pre.eval(b[0]), b[1]) if pre.meta is not None else b
