@@ -65,12 +65,41 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def worker_pids(launcher: int) -> list[int]:
+    """The workers: children of the launcher's forkserver, or children of the launcher, spawned
+    (spawn_main) or forked (the launcher's own command line)."""
+    def kids(pid: int) -> list[tuple[int, bytes]]:
+        out = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append((int(entry.name), (entry / "cmdline").read_bytes()))
+            except (OSError, IndexError):
+                pass
+        return out
+
+    own = (Path("/proc") / str(launcher) / "cmdline").read_bytes()
+    found = []
+    for pid, cmd in kids(launcher):
+        if b"forkserver" in cmd:
+            found += [child for child, _ in kids(pid)]
+        elif b"spawn_main" in cmd or cmd == own:
+            found.append(pid)
+    return sorted(found)
+
+
+def src_env(src: Path = ROOT / "src") -> dict:
+    """os.environ with ``src`` first on PYTHONPATH; what was there stays behind it (dependencies
+    installed with ``pip --target``, as on a GPU machine that cannot reach an index)."""
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(src) + (os.pathsep + rest if rest else "")}
+
+
 def train_killing_one_worker(args: list[str], run_dir: Path, kill_after_step: int) -> tuple[int, float]:
     """``ddpkit train ARGS --run-dir RUN_DIR`` (with restarts allowed in ARGS); SIGKILL the newest
     worker once a step record at or after ``kill_after_step`` is logged. Returns (exit code, kill time)."""
     cmd = [sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"
         while True:
@@ -80,8 +109,7 @@ def train_killing_one_worker(args: list[str], run_dir: Path, kill_after_step: in
             if any(r.get("event") == "step" and r["step"] >= kill_after_step for r in steps):
                 break
             time.sleep(0.01)
-        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
-                                                  capture_output=True, text=True).stdout.split()]
+        workers = worker_pids(proc.pid)
         killed_at = time.time()
         os.kill(max(workers), signal.SIGKILL)
         return proc.wait(timeout=600), killed_at

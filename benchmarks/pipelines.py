@@ -18,7 +18,6 @@ Prints a table and, with --json, writes the figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import shutil
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
             seed = run_workers(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train),
                                args.nproc)
             ours = ddpkit_run(work / f"ddp-{r}", nproc=str(args.nproc), **common)
-            one_ddp = ddpkit_run(work / f"w1-ddp-{r}", nproc="1", **common)
+            one_ddp = ddpkit_run(work / f"w1-ddp-{r}", nproc="1", ddp=True, **common)  # forced: off at world 1
             one_raw = ddpkit_run(work / f"w1-noddp-{r}", nproc="1", ddp=False, **common)
             rounds.append({"seed": seed["samples_per_s"], "ddpkit": ours["samples_per_s"],
                            "w1_ddp": one_ddp["samples_per_s"], "w1_raw": one_raw["samples_per_s"],

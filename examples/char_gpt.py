@@ -138,7 +138,7 @@ def main() -> dict:
     model = CharGPT(len(itos))
     config = TrainConfig(nproc="2", device="cpu" if not torch.cuda.is_available() else "auto", epochs=1,
                          batch_size=64, grad_accum=2, amp=amp, schedule="cosine", warmup_frac=0.1,
-                         clip_grad_norm=1.0, num_workers=0, progress=False, log_every=25, run_dir="runs/char-gpt")
+                         clip_grad_norm=1.0, progress=False, log_every=25, run_dir="runs/char-gpt")
     result = Trainer(config, model=model, train_data=train, test_data=test, loss_fn=next_char_loss,
                      metrics={"loss": per_token_loss, "accuracy": next_char_accuracy},
                      optimizer=adamw_with_groups).fit()

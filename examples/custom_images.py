@@ -47,7 +47,7 @@ def main(root: str = "data/stripes") -> dict:
     if not (root_path / "train").is_dir():
         write_tree(root_path, {"train": 200, "val": 50})
     config = TrainConfig(dataset=f"imagefolder:{root_path}", image_size=32, model="convnet", nproc="2",
-                         device="cpu", epochs=3, batch_size=64, lr=0.01, num_workers=0, progress=False,
+                         device="cpu", epochs=3, batch_size=64, lr=0.01, progress=False,
                          log_every=5, run_dir="runs/stripes")
     result = Trainer(config).fit()
     print(f"test accuracy {result['test_accuracy']:.3f} over {result['test_samples']} images of "

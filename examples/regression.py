@@ -39,7 +39,7 @@ def main() -> dict:
     train, test = make_data(4096, 0), make_data(1000, 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    config = TrainConfig(nproc="2", device="cpu", epochs=10, batch_size=128, lr=0.05, num_workers=0,
+    config = TrainConfig(nproc="2", device="cpu", epochs=10, batch_size=128, lr=0.05,
                          progress=False, log_every=100, run_dir="runs/regression")
     result = Trainer(config, model=model, train_data=train, test_data=test, loss_fn=mse_loss,
                      metrics={"mae": mae}).fit()

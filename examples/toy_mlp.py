@@ -39,7 +39,7 @@ def main() -> dict:
     # DistributedSampler's even split needs); labels are class indices, so the default
     # classification task (cross-entropy, accuracy) applies unchanged.
     config = TrainConfig(nproc="2", device="cpu", epochs=3, batch_size=4, optimizer="sgd", lr=0.5, momentum=0.0,
-                         nesterov=False, weight_decay=0.0, schedule="constant", num_workers=0, progress=False,
+                         nesterov=False, weight_decay=0.0, schedule="constant", progress=False,
                          log_every=1, run_dir="runs/toy-mlp")
     result = Trainer(config, model=model, train_data=train, test_data=test).fit()
 

@@ -31,6 +31,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+# The fault benchmark and the tests find the workers to kill in one way (benchmarks/faults.py).
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import faults  # noqa: E402
+
+worker_pids = faults.worker_pids
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, read_jsonl
+from conftest import cli_env, read_jsonl, worker_pids
 from ddpkit.cli import main
 from ddpkit.rundir import run_lock
 
@@ -324,15 +324,28 @@ def image_tree(tmp_path) -> Path:
     return root
 
 
-def test_an_unreadable_image_is_named_once_and_never_restarted_into(tmp_path, image_tree):
-    """Regression: a 45-75 line traceback on each rank, and with --max-restarts 2, three attempts."""
+def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image_tree):
+    """Regression: a 45-75 line traceback on each rank, and with --max-restarts 2, three attempts. An image
+    folder that fits in memory is decoded before launch, so the bad file is found there."""
+    bad = image_tree / "train" / "b" / "3.png"
+    bad.write_bytes(b"\x89PNG but not really")
+    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
+                              "--model", "mlp", "--batch-size", "4", "--nproc", "2", "--device", "cpu",
+                              "--max-restarts", "2", "--run-dir", str(tmp_path / "run"))
+    check_one_line(code, out, err, [f"{bad}: not a readable image"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_into(tmp_path, image_tree):
+    """The same on the DataLoader path, where a worker meets it: one line, and no restart into it."""
     bad = image_tree / "train" / "b" / "3.png"
     bad.write_bytes(b"\x89PNG but not really")
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", f"imagefolder:{image_tree}",
                            "--image-size", "8", "--model", "mlp", "--batch-size", "4", "--epochs", "1", "--nproc", "2",
                            "--device", "cpu", "--no-progress", "--num-workers", "0", "--max-restarts", "2",
-                           "--run-dir", str(run)], env=cli_env(), capture_output=True, text=True, timeout=240)
+                           "--data-path", "loader", "--run-dir", str(run)], env=cli_env(), capture_output=True,
+                          text=True, timeout=240)
     line = check_one_line(proc.returncode, proc.stdout, proc.stderr, [f"{bad}: not a readable image"])
     assert "rank" in line
     starts = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "start"]
@@ -351,11 +364,17 @@ def test_imagefolder_honours_the_limits(tmp_path, capsys, image_tree):
     assert summary["steps"] == 2 and summary["test_samples"] == 2
 
 
-def test_imagefolder_on_the_device_path_is_refused_once_before_launch(tmp_path, capsys, image_tree):
-    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
-                              "--batch-size", "4", "--data-path", "device", "--nproc", "2", "--device", "cpu",
-                              "--run-dir", str(tmp_path / "r"))
-    check_one_line(code, out, err, ["--data-path device needs an in-memory image dataset"])
+def test_a_streamed_dataset_on_the_device_path_is_refused_once_before_launch(tmp_path):
+    """Regression: refused in every worker, so printed once per rank."""
+    from ddpkit import TrainConfig, Trainer
+    from ddpkit.errors import ConfigError
+    from user_code import NoisyData, RegressionMLP, mse
+
+    trainer = Trainer(TrainConfig(nproc="2", device="cpu", batch_size=8, data_path="device", run_dir=str(tmp_path / "r")),
+                      model=RegressionMLP(), train_data=NoisyData(32), test_data=NoisyData(8), loss_fn=mse)
+    with pytest.raises(ConfigError, match="--data-path device needs a dataset held in memory.*differ between reads"):
+        trainer.fit()
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image_tree):
@@ -414,9 +433,8 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_p
     deadline = time.monotonic() + 120
     while not list((run / "checkpoints").glob("snapshot-*.pt")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                              text=True).stdout.split()]
-    assert workers
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2, workers
     proc.kill()
     proc.wait()
     time.sleep(0.5)

@@ -33,3 +33,17 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     assert verdicts["SIGKILL mid-epoch"] == "met"
     assert sum(v.startswith("skipped: needs") for v in verdicts.values()) == 2  # the two CUDA-only ones
     assert "| check | target | measured | verdict |" in (tmp_path / "acceptance.md").read_text()
+
+
+def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
+    """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here)."""
+    out = tmp_path / "walltime.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "walltime.py"), "--tiny", "--json", str(out)],
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    side = json.loads(out.read_text())["sides"]["ddpkit"]
+    for key in ("mnist_epoch_overhead_s", "one_step_wall_s", "toy_api_wall_s", "imagefolder_wall_over_train",
+                "imagefolder_second_load_s"):
+        assert side[key] is not None and side[key] > 0, key
+    assert side["runs"]["one_step"]["startup_s"] > 0 and side["runs"]["one_step"]["teardown_s"] >= 0
+    assert "| 1-step run: wall |" in proc.stdout

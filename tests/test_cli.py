@@ -46,10 +46,13 @@ def test_corrupt_idx_names_the_file(tmp_path):
     assert_one_line_error(proc, str(path))
 
 
-def test_under_torchrun_an_error_is_reported_once(tmp_path):
-    proc = run_cli("--nproc-per-node", "2", "-m", "ddpkit", "train", "--model", "vgg", module="torch.distributed.run")
+@pytest.mark.parametrize("cli", ["ddpkit", "slow_rank0"])
+def test_under_torchrun_an_error_is_reported_once(tmp_path, cli):
+    """Regression: with rank 0 the slower one, rank 1 exited quietly first and torchrun stopped
+    rank 0 before it printed, so the error was not reported at all."""
+    proc = run_cli("--nproc-per-node", "2", "-m", cli, "train", "--model", "vgg", module="torch.distributed.run")
     assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("ddpkit: error: unknown model 'vgg'") == 1
+    assert (proc.stdout + proc.stderr).count("ddpkit: error: unknown model 'vgg'") == 1, proc.stderr
 
 
 def test_help_lists_the_subcommands():

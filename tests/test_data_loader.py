@@ -123,3 +123,37 @@ def test_the_host_staged_path_gives_the_device_paths_batches_from_two_reused_buf
         for (xa, ya), (xb, yb) in pairs:
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert [b.data_ptr() for pair in host.stager.buffers for b in pair] == buffers
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (2, 1), (3, 2)])
+def test_a_user_dataset_held_in_memory_gives_the_dataloader_paths_batches(world, rank):
+    """TensorSource (indexing tensors) against the DataLoader + DistributedSampler path, on a TensorDataset
+    and on a user's own dataset read into memory: the same batches, mid-epoch starts included."""
+    from torch.utils.data import TensorDataset
+
+    from ddpkit.data import DataSplits
+    from ddpkit.data.loader import TensorSource
+    from ddpkit.data.materialize import materialize
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = TensorDataset(torch.randn(103, 4, generator=gen), torch.randint(0, 5, (103,), generator=gen))
+
+    class Own(torch.utils.data.Dataset):
+        def __len__(self):
+            return 103
+
+        def __getitem__(self, i):
+            return {"x": tensors.tensors[0][i], "y": int(tensors.tensors[1][i])}
+
+    for dataset in (tensors, Own()):
+        held = materialize(DataSplits(dataset, dataset, None), cfg(data_path="auto", dataset="custom:x")).train
+        resident = TensorSource(held, cfg(), ctx(rank, world), per_rank_batch=8)
+        loader = LoaderSource(dataset, None, cfg(), ctx(rank, world), per_rank_batch=8)
+        for epoch, start in ((0, 0), (1, 2)):
+            pairs = list(zip(resident.batches(epoch, start), loader.batches(epoch, start)))
+            assert len(pairs) == resident.steps_per_epoch - start > 0
+            for a, b in pairs:
+                assert type(a) is type(b)
+                leaves_a = list(a.values()) if isinstance(a, dict) else list(a)
+                leaves_b = list(b.values()) if isinstance(b, dict) else list(b)
+                assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(leaves_a, leaves_b))

@@ -37,6 +37,8 @@ def test_two_process_gloo_train_writes_a_complete_run_dir(trained):
     for key in ("epochs", "train_time_s", "samples_per_s", "final_train_loss", "test_loss", "peak_memory_mb",
                 "dataset", "model"):
         assert key in summary
+    # launch to first step, and rank 0's last write to the launcher regaining control (written by the launcher)
+    assert 0 < summary["startup_s"] < 60 and 0 <= summary["teardown_s"] < 10
     assert "[start] world_size=2" in proc.stdout and proc.stdout.count("[summary]") == 1  # rank 0 only
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in state) and "fc.weight" in state

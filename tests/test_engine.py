@@ -45,7 +45,7 @@ def spy_host_syncs(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 1.0, "grad_accum": 2}])
+@pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 1.0, "grad_accum": 2}, {"ddp": True}])
 def test_step_makes_no_host_sync(tmp_path, monkeypatch, options):
     with distributed("cpu") as ctx:
         ctx_holder[:] = [ctx]
@@ -73,3 +73,53 @@ def test_the_per_rank_snapshot_state_is_plain_floats(engine):
     engine._step((next(engine.train_src.batches(0)),))
     acc = engine.state_dict()["rank_state"]["acc"]
     assert isinstance(acc, list) and all(type(v) is float for v in acc) and acc[0] > 0
+
+
+def test_world_one_leaves_ddp_off_and_trains_the_same_bits(tmp_path):
+    """At world size 1 DDP has nothing to all-reduce and cost a third of a small step on an H100."""
+    weights = {}
+    with distributed("cpu") as ctx:
+        ctx_holder[:] = [ctx]
+        for ddp in (None, True):
+            torch.manual_seed(0)
+            engine = make_engine(tmp_path / str(ddp), ddp=ddp)
+            assert (engine.ddp is None) == (ddp is None)
+            for batch in list(engine.train_src.batches(0))[:3]:
+                engine._step((batch,))
+            weights[ddp] = [p.detach().clone() for p in engine.raw.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[None], weights[True]))
+
+
+def test_ddp_skips_the_buffer_broadcast_only_when_every_buffer_is_batchnorms():
+    from ddpkit.models import ConvNet, resnet18
+    from ddpkit.syncbn import convert_sync_batchnorm, only_batchnorm_buffers
+    from user_code import TaggedConvNet
+
+    assert only_batchnorm_buffers(ConvNet()) and only_batchnorm_buffers(resnet18(3, 32, 32, 10))
+    assert only_batchnorm_buffers(convert_sync_batchnorm(ConvNet(), torch.device("cpu")))
+    assert only_batchnorm_buffers(torch.nn.Linear(2, 2))  # no buffers at all
+    assert not only_batchnorm_buffers(TaggedConvNet())
+    assert not only_batchnorm_buffers(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(2, 2)))
+
+
+def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bits(tmp_path):
+    """World 2, BatchNorm: rank 0's running statistics do not depend on DDP's per-step broadcast."""
+    from ddpkit import Trainer
+    from ddpkit.models import ConvNet
+    from user_code import TaggedConvNet
+
+    results, weights = {}, {}
+    for name, model_cls in (("bn-only", ConvNet), ("broadcast", TaggedConvNet)):
+        torch.manual_seed(0)
+        model = model_cls()
+        run = tmp_path / name
+        cfg = TrainConfig(dataset="mnist", limit_train=512, limit_test=256, batch_size=64, epochs=2, nproc="2",
+                          device="cpu", progress=False, log_every=3, run_dir=str(run))
+        results[name] = Trainer(cfg, model=model).fit()
+        state = torch.load(run / "model.pt", weights_only=True)
+        weights[name] = {k.removeprefix("net."): v for k, v in state.items() if k != "tag"}
+    assert weights["bn-only"].keys() == weights["broadcast"].keys()
+    assert all(torch.equal(weights["bn-only"][k], weights["broadcast"][k]) for k in weights["bn-only"])
+    for key in ("test_loss", "test_accuracy", "final_train_loss", "final_train_accuracy"):
+        assert results["bn-only"][key] == results["broadcast"][key], key
+    assert results["bn-only"].per_rank == results["broadcast"].per_rank

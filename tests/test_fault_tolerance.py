@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, cli_env, read_jsonl
+from conftest import ROOT, cli_env, read_jsonl, worker_pids
 
 SCRIPT = str(ROOT / "tests" / "custom_train.py")
 # 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
@@ -57,22 +57,6 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, pred, timeout: float = 
                     return rec
         time.sleep(0.02)
     raise AssertionError("the awaited step never came")
-
-
-def worker_pids(launcher_pid: int) -> list[int]:
-    """The elastic agent's worker processes (spawned children running spawn_main)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError):
-            continue
-        if ppid == launcher_pid and b"spawn_main" in cmd:
-            pids.append(int(entry.name))
-    return sorted(pids)
 
 
 def load(path: Path) -> dict:

@@ -110,7 +110,7 @@ def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
-    assert any("rank 1 was aborted (SIGABRT)" in e and "--timeout-s 600 s" in e for e in errors), proc.stderr
+    assert len(errors) == 1 and "was aborted (SIGABRT)" in errors[0] and "--timeout-s 600 s" in errors[0], proc.stderr
 
 
 SCRIPT = """
@@ -150,13 +150,18 @@ def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
     assert sorted(re.findall(r"\(\d, \d, [\d.]+\)", proc.stdout)) == ["(0, 2, 30.0)", "(1, 2, 30.0)"]
 
 
-def test_spawn_is_kept_when_it_can_import_the_code_and_fork_is_refused_with_cuda(monkeypatch):
+def test_how_workers_start(monkeypatch):
     import types
 
     import user_code
 
-    assert launcher.start_method(user_code.all_reduce_rank, (1,), "cpu") == "spawn"
-    assert launcher.start_method(lambda ctx: 0, (), "cpu") == "fork"  # a lambda cannot be pickled
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 8)  # 4 threads per rank at nproc 2: forking would cost them
+    assert launcher.start_method(user_code.all_reduce_rank, (1,), "cpu", nproc=2) == "forkserver"
+    assert launcher.start_method(lambda ctx: 0, (), "cpu", nproc=2) == "fork"  # a lambda cannot be pickled
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 2)  # one thread per rank anyway: forking costs nothing
+    monkeypatch.setattr(launcher, "forkserver_running", lambda: False)
+    assert launcher.start_method(user_code.all_reduce_rank, (1,), "cpu", nproc=2) == "fork"
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 8)
     with pytest.raises(ConfigError, match="cannot be pickled.*only 'spawn' is safe.*Move it into a .py file"):
         launcher.start_method(lambda ctx: 0, (), "cuda")
     # A class defined in a notebook's (or `python -c`'s) __main__, which has no file to import:
@@ -166,7 +171,7 @@ def test_spawn_is_kept_when_it_can_import_the_code_and_fork_is_refused_with_cuda
     monkeypatch.setitem(sys.modules, "__main__", notebook)
     assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) == \
         "'Net' is defined in __main__ of an interactive session or `python -c`"
-    assert launcher.start_method(user_code.all_reduce_rank, (Net(),), "cpu") == "fork"
+    assert launcher.start_method(user_code.all_reduce_rank, (Net(),), "cpu", nproc=2) == "fork"
     notebook.__file__ = "/home/me/train.py"  # a script: spawn re-imports it as __mp_main__
     assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) is None
 
@@ -187,3 +192,25 @@ def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, 
         launcher.run_workers(len, ((),), launcher.LaunchSpec(nproc=2, resumable=resumable))
     assert err.value.exit_code == 130 and "received SIGINT" in str(err.value)
     assert ("run the same command again to resume" in str(err.value)) == resumable
+
+
+OMP_THEN_FORK = """
+import torch
+from ddpkit import launch
+torch.set_num_threads(2)
+x = torch.randn(1500, 1500)
+for _ in range(3):
+    x @ x                                   # OpenMP parallel regions in this (the parent) process
+# A lambda cannot be imported by a forkserver child: the workers are forked from here.
+print("RESULT", launch(lambda ctx: (torch.get_num_threads(), float((x @ x).sum() != 0)), nproc=1, max_restarts=1))
+"""
+
+
+def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_hang():
+    """Regression: a child forked after its parent ran OpenMP regions hangs in its first parallel
+    region (libgomp), so forked workers with more than one thread each hung (here: 1 process,
+    2 cores, 2 threads). Forked workers now run one intra-op thread."""
+    proc = subprocess.run([sys.executable, "-c", OMP_THEN_FORK], env=cli_env(), capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESULT (1, 1.0)" in proc.stdout

@@ -15,7 +15,7 @@ from conftest import cli_env, run_cli
 from ddpkit import TrainConfig, Trainer
 from ddpkit.errors import ConfigError, RunDirError, TaskError
 from ddpkit.models import ConvNet
-from user_code import (CharModel, DictData, OwnLossModel, RegressionMLP, Sequences, dict_mae, label0_count, mae, mse,
+from user_code import (CharModel, DictData, OwnLossModel, RegressionMLP, Sequences, dict_mae, mae, mse,
                        per_token_loss, regression_data, token_loss)
 
 SMALL = dict(batch_size=32, epochs=2, lr=0.05, progress=False, device="cpu", num_workers=0, log_every=5)
@@ -354,8 +354,9 @@ from torch.utils.data import TensorDataset
 from ddpkit import TrainConfig, Trainer
 x = torch.randn(32, 4); y = torch.arange(32) % 2
 data = TensorDataset(x, y)
-Trainer(TrainConfig(nproc="2", device="cpu", batch_size=8, epochs=1, progress=False, num_workers=0, run_dir={run!r}),
-        model=torch.nn.Linear(4, 2), train_data=data, test_data=data).fit()    # no __main__ guard
+# 1 process with restarts: 2 threads per rank on 2 cores, so workers come from the forkserver, which imports this
+Trainer(TrainConfig(nproc="1", max_restarts=1, device="cpu", batch_size=8, epochs=1, progress=False, num_workers=0,
+                    run_dir={run!r}), model=torch.nn.Linear(4, 2), train_data=data, test_data=data).fit()  # no guard
 """
 
 

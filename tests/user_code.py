@@ -25,6 +25,32 @@ def regression_data(n: int, seed: int, dtype=torch.float32, flat_targets: bool =
     return TensorDataset(x, y[:, 0] if flat_targets else y)
 
 
+class PlainData(Dataset):
+    """A map-style dataset (not a TensorDataset) whose samples are the same on every read."""
+
+    def __init__(self, n: int, seed: int):
+        self.x, self.y = regression_data(n, seed).tensors
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class NoisyData(Dataset):
+    """Samples drawn afresh on every read, as a random augmentation gives."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.randn(4), torch.randn(1)
+
+
 def mse(model, batch):
     x, y = batch
     out = model(x)
@@ -33,11 +59,6 @@ def mse(model, batch):
 
 def mae(out, batch):
     return (out - batch[1]).abs().sum(), batch[1].numel()
-
-
-def label0_count(out, batch):
-    """Metric for exactness checks: the share of samples whose first feature is positive."""
-    return (batch[0][:, 0] > 0).sum(), len(batch[0])
 
 
 # ---------------------------------------------------------------- a tiny character model
@@ -121,3 +142,18 @@ def all_reduce_rank(ctx, scale: int) -> dict:
     t = torch.tensor([float(ctx.rank + 1)])
     ctx.all_reduce(t)
     return {"sum": t.item() * scale, "world": ctx.world_size, "device": str(ctx.device)}
+
+
+# ---------------------------------------------------------------- a ConvNet with one more buffer
+class TaggedConvNet(nn.Module):
+    """The seed ConvNet plus a buffer that is not BatchNorm's: DDP must keep broadcasting buffers."""
+
+    def __init__(self):
+        super().__init__()
+        from ddpkit.models import ConvNet
+
+        self.net = ConvNet()
+        self.register_buffer("tag", torch.zeros(1))
+
+    def forward(self, x):
+        return self.net(x)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.data import ImageData, Meta
-from ddpkit.data.loader import Preprocess
+from ddpkit.data.loader import EvalSource, Preprocess
 from ddpkit.dist import distributed
 from ddpkit.evaluate import evaluate
 from ddpkit.task import Classification
@@ -31,7 +31,7 @@ def eval_counts(n: int) -> dict:
         data = ImageData(torch.zeros(n, 1, 4, 4, dtype=torch.uint8), labels)
         pre = Preprocess(Meta(1, 4, 4, 10, (0.0,), (1.0,)), ctx.device, False)
         cfg = SimpleNamespace(amp="none", tta=False, num_workers=0)
-        result, _ = evaluate(CountingModel(), data, Classification(), pre, cfg, ctx, batch=16)
+        result, _ = evaluate(CountingModel(), EvalSource(data, pre, cfg, ctx, 16), Classification(), cfg, ctx)
         return {**result, "world": ctx.world_size, "expected_correct": int((labels == 0).sum())}
 
 
@@ -94,14 +94,15 @@ class FaultyConvNet(nn.Module):
         return out
 
 
-def abort_on(rank: int) -> None:
-    """Rank ``rank`` dies of SIGABRT, as NCCL's watchdog ends a process; the others wait in a collective."""
+def abort_on(first: int) -> None:
+    """Every rank dies of SIGABRT, rank ``first`` first, as NCCL's watchdog ends each process of a
+    broken communicator (on gloo a rank would raise instead: this stands in for NCCL)."""
     import os
 
     with distributed("cpu", timeout_s=30) as ctx:
-        if ctx.rank == rank:
-            os.abort()
-        dist.all_reduce(torch.ones(1))
+        if ctx.rank != first:
+            time.sleep(0.2)
+        os.abort()
 
 
 def precision_matrix(run_dir: str) -> dict:

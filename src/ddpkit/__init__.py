@@ -9,8 +9,17 @@
 
 __version__ = "0.2.0"
 
-from .config import TrainConfig  # noqa: E402
-from .launcher import launch  # noqa: E402
-from .trainer import FitResult, Trainer  # noqa: E402
+from .config import TrainConfig  # noqa: E402  (no torch: the CLI's --help stays instant)
+
+_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "launch": ".launcher"}  # these import torch
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+
 
 __all__ = ["FitResult", "Trainer", "TrainConfig", "launch", "__version__"]

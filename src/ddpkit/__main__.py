@@ -1,8 +1,6 @@
 """``python -m ddpkit ...`` (also what ``torchrun -m ddpkit`` runs on every rank)."""
 
-import sys
-
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

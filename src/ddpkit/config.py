@@ -48,7 +48,8 @@ class TrainConfig:
     synthetic_size: int = _f(50000, "data", "synthetic training samples (test set is a fifth of it)")
     synthetic_classes: int = _f(10, "data", "synthetic class count")
     image_size: int = _f(224, "data", "imagefolder: images are resized and centre-cropped to this many pixels")
-    num_workers: int = _f(2, "data", "DataLoader worker processes per rank (DataLoader path only)")
+    num_workers: Optional[int] = _f(None, "data", "DataLoader worker processes per rank, DataLoader path only "
+                                    "(default: the rank's cores less one, at most 8; 0 with one core per rank)")
     data_path: str = _f("auto", "data", "auto: device-resident when it fits, else host; or force device | host | loader",
                         ("auto", "device", "host", "loader"))
     device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
@@ -65,7 +66,8 @@ class TrainConfig:
     # BatchNorm under DDP (pytorch/pytorch#139207, #161302): not offered until a GPU run shows otherwise.
     compile_mode: str = _f("default", "model", "torch.compile mode (modes with CUDA graphs are not offered: "
                            "they break with BatchNorm under DDP)", ("default", "max-autotune-no-cudagraphs"))
-    ddp: bool = _f(True, "model", "wrap in DistributedDataParallel (only --no-ddp at world size 1, to measure the wrapper)")
+    ddp: Optional[bool] = _f(None, "model", "wrap in DistributedDataParallel (default: when world size > 1; --ddp at "
+                             "world size 1 to measure the wrapper)")
     # [optim]
     recipe: str = _f("auto", "optim", "named preset filling every unset field below (auto: by dataset)")
     optimizer: Optional[str] = _f(None, "optim", "sgd | adam | adamw", (None, "sgd", "adam", "adamw"))
@@ -86,7 +88,8 @@ class TrainConfig:
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
     grad_accum: int = _f(1, "train", "micro-batches per optimizer step: each rank runs batch_size // world_size "
                          "// grad_accum samples at a time and all-reduces once per step")
-    amp: str = _f("none", "train", "mixed precision: bf16 | fp16 (with GradScaler) | none", ("none", "bf16", "fp16"))
+    amp: Optional[str] = _f(None, "train", "mixed precision: bf16 | fp16 (with GradScaler) | none (default: the "
+                            "recipe's: none, or bf16 on CPUs with native bf16 for MNIST)", (None, "none", "bf16", "fp16"))
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
     deterministic: bool = _f(False, "train", "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
                              "and resumes on CUDA too, at some speed cost")

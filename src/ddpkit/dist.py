@@ -25,6 +25,9 @@ The CUDA-only branches in ddpkit, and why each cannot be shared with the CPU pat
 * ``checkpoint.py``: the CUDA generator's state joins the CPU ones.
 * ``metrics.py``: peak memory is CUDA's allocator peak, or the process's peak RSS on CPU.
 * ``engine.py``: DDP gets ``device_ids`` on CUDA, as DDP requires for single-device modules.
+* ``models.py``: ``to_channels_last`` keeps conv weights with a size-1 dimension contiguous on
+  CUDA, where cuDNN makes their gradients so; on CPU oneDNN follows the weight's strides,
+  and changing them would change CPU results.
 """
 
 from __future__ import annotations
@@ -136,7 +139,9 @@ def plan(env: Mapping[str, str], device_type: str, gpu_count: int, cores: int) -
     else:
         device, backend = torch.device("cpu"), "gloo"
     ctx = DistContext(rank, local_rank, world, local_world, device, backend)
-    return ctx, cpu_threads(local_world, cores)
+    # A worker forked from a process that used OpenMP hangs in its first parallel region: one thread.
+    threads = 1 if env.get("DDPKIT_FORKED_WORKER") == "1" else cpu_threads(local_world, cores)
+    return ctx, threads
 
 
 @contextmanager

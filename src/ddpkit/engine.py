@@ -12,6 +12,7 @@ writers are called on every rank and decide themselves that only global rank 0 w
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from contextlib import nullcontext
@@ -23,30 +24,39 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import Checkpointer, read_weights, set_rng_state
 from .data import DataSplits, ImageData
-from .data.loader import Preprocess, make_train_source
+from .data.loader import EvalSource, Preprocess, make_train_source
 from .dist import DistContext
 from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
 from .metrics import Accumulator, MetricLogger, peak_memory_mb
-from .models import uses_conv
+from .models import to_channels_last, uses_conv
 from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule, user_optimizer, user_schedule
 from .rundir import on_rank0, write_config, write_model, write_summary
 from .signals import StopSignal
-from .syncbn import convert_sync_batchnorm
+from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 from .task import Task
+
+
+# DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
+SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+    else "broadcast_buffers"
 
 
 class Engine:
     def __init__(self, cfg, ctx: DistContext, model: nn.Module, splits: DataSplits, task: Task,
-                 optimizer=None, scheduler=None, static_graph: bool = False):
+                 optimizer=None, scheduler=None, static_graph: bool = False, t0: float | None = None):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
+        self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
         self.train_src = make_train_source(splits, cfg, ctx, self.per_rank_batch // self.accum, group=self.accum)
         self.steps_per_epoch = self.train_src.steps_per_epoch // self.accum  # optimizer steps
-        self.test_data, self.collate_fn = splits.test, splits.collate_fn
-        if getattr(self.train_src, "on_device", False) and isinstance(self.test_data, ImageData):
-            self.test_data = ImageData(self.test_data.images.to(ctx.device), self.test_data.labels.to(ctx.device))
+        test = splits.test
+        if getattr(self.train_src, "on_device", False) and isinstance(test, ImageData):
+            test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
+        self.eval_src = EvalSource(test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last)), cfg, ctx,
+                                   max(256, self.per_rank_batch), splits.collate_fn)
+        self.data_note = splits.note
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
@@ -72,6 +82,7 @@ class Engine:
         self._epoch_t0 = 0.0
         self.final_train: dict = {}
         self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
+        self._last_eval: tuple | None = None  # (global step, result, local sums) of the newest evaluation
         self._stop = StopSignal()
         self._nan_warned = False
 
@@ -82,11 +93,15 @@ class Engine:
         if cfg.sync_bn:
             raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
         if cfg.channels_last and uses_conv(raw):
-            raw = raw.to(memory_format=torch.channels_last)
+            raw = to_channels_last(raw, ctx.device.type)
         ddp = None
-        if cfg.ddp:
+        # At world size 1 there is nothing to all-reduce, and the wrapper's per-step work (hooks,
+        # bucket copies, buffer broadcasts) cost a third of the seed ConvNet's step on an H100
+        # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
+        if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
             ddp = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                       gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
+                      **{SYNC_BUFFERS: not only_batchnorm_buffers(raw)},
                       static_graph=static_graph)
         wrapped = ddp or raw
         if cfg.compile:
@@ -154,7 +169,8 @@ class Engine:
         on_rank0(self.ctx, lambda: self.log.rewind(self.global_step, self.epoch))
         write_config(self.cfg, self.ctx)
         self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
-                     device=str(self.ctx.device), data_path=self.train_src.path, task=self.task.identity,
+                     device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
+                     task=self.task.identity,
                      steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
                      grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
         try:
@@ -175,6 +191,8 @@ class Engine:
         self._interval_start(time.perf_counter(), totals)
         micro = self.train_src.batches(self.epoch, self.step_in_epoch * self.accum)
         for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
+            if self._first_step_at is None:
+                self._first_step_at = time.time()
             if cfg.compile and self.global_step == 0:
                 self._compile_step(group)
                 self._epoch_t0 += self.compile_time_s
@@ -284,7 +302,8 @@ class Engine:
                           f"run the same command again to resume from it", name)
 
     def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
-        result, _ = self._evaluate()
+        result, local = self._evaluate()
+        self._last_eval = (self.global_step, result, local)
         self.log.log("epoch", epoch=self.epoch, **train, **result, epoch_time_s=epoch_time,
                      samples_per_s=seen / max(1e-9, epoch_time), peak_memory_mb=peak_memory_mb(self.ctx))
         self.final_train = train
@@ -295,14 +314,12 @@ class Engine:
         self._snapshot()
 
     def _evaluate(self) -> tuple[dict, torch.Tensor]:
-        pre = Preprocess(self.meta, self.ctx.device, bool(self.cfg.channels_last))
         model = self.ema.module if self.ema is not None else self.raw
         # DDP broadcasts rank 0's buffers (BN running stats) at the start of each forward, so after
         # the last step every other rank still holds its own. Evaluate what model.pt will hold.
         for buf in model.buffers():
             self.ctx.broadcast(buf)
-        return evaluate(model, self.test_data, self.task, pre, self.cfg, self.ctx, max(256, self.per_rank_batch),
-                        self.collate_fn)
+        return evaluate(model, self.eval_src, self.task, self.cfg, self.ctx)
 
     def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
         """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
@@ -325,7 +342,10 @@ class Engine:
 
     def _finish(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
-        result, test_local = self._evaluate()
+        if self._last_eval is not None and self._last_eval[0] == self.global_step:
+            _, result, test_local = self._last_eval  # the weights have not changed since the last epoch's
+        else:
+            result, test_local = self._evaluate()
         per_rank = self._per_rank(test_local)
         model = self.ema.module if self.ema is not None else self.raw
         write_model(cfg.run_dir, model, ctx)
@@ -337,7 +357,8 @@ class Engine:
                    "samples_per_s": self.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.train_time_s),
                    **{f"final_{k}": v for k, v in self.final_train.items()}, **result,
                    "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
-                   "per_rank": per_rank}
+                   "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
+                   "finished_at": round(time.time(), 3), "per_rank": per_rank}
         write_summary(cfg.run_dir, summary, ctx)
         self.log.log("summary", **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
                      **{k: summary[k] for k in ("train_time_s", "samples_per_s", "run_dir")})

@@ -81,3 +81,11 @@ class AlreadyReported(DdpkitError):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class WorkersFailed(Exception):
+    """Workers failed or stopped (raised by the launcher). ``reported``: they already printed why."""
+
+    def __init__(self, message: str, reported: bool, exit_code: int = 1):
+        super().__init__(message)
+        self.reported, self.exit_code = reported, exit_code

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .data.batch import leading_size
-from .data.loader import Preprocess, eval_batches
+from .data.loader import EvalSource
 from .dist import DistContext
 from .metrics import Accumulator
 from .optim import autocast
@@ -20,8 +20,7 @@ from .task import Task
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, task: Task, pre: Preprocess, cfg, ctx: DistContext, batch: int,
-             collate_fn=None) -> tuple[dict, torch.Tensor]:
+def evaluate(model: nn.Module, source: EvalSource, task: Task, cfg, ctx: DistContext) -> tuple[dict, torch.Tensor]:
     """({test_<metric>: mean, test_samples: n} over the whole test set, this rank's own
     [sums..., counts..., samples] on the device). Every rank must call it.
 
@@ -31,7 +30,7 @@ def evaluate(model: nn.Module, data, task: Task, pre: Preprocess, cfg, ctx: Dist
     model.eval()
     acc = Accumulator(task.names, ctx.device)
     samples = 0
-    for b in eval_batches(data, pre, cfg, ctx, batch, collate_fn):
+    for b in source.batches():
         with autocast(cfg, ctx.device):
             acc.add(task.evaluate(model, b))
         samples += leading_size(b)

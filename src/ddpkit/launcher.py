@@ -11,10 +11,13 @@
   ``--rdzv-endpoint`` where ``--nnodes`` agents meet. ``--max-restarts`` is the agent's:
   after a worker fails it restarts the whole group, which resumes from the newest snapshot.
 
-Workers start with ``spawn`` (a fresh interpreter that imports ``fn`` and unpickles its
-arguments). Where it cannot (a function or class defined in a notebook, ``python -c`` or
-a lambda), ``fork`` is used if that is safe: on CPU, with CUDA not initialised in this
-process, as Lightning's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` do.
+Workers are forked from a forkserver (see :mod:`ddpkit.prestart`), which imported torch
+once, and unpickle ``fn`` and its arguments, as ``spawn`` would but without importing
+torch again (``spawn`` where a platform has no forkserver). Where neither can import
+``fn`` (a function or class defined in a notebook, ``python -c`` or a lambda), workers
+are forked from this process if that is safe: on CPU, with CUDA not initialised here, as
+Lightning's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` do; each then runs
+one intra-op thread, since OpenMP cannot run in a child forked after its parent used it.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import hashlib
 import io
 import json
 import logging
+import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
-import time
+import tempfile
+import threading
 import traceback
 import types
 import uuid
@@ -42,20 +48,16 @@ import numpy as np
 import torch
 
 from .dist import cpu_threads, distributed, resolve_device_type, timeout_message, under_launcher, write_error_file
-from .errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped
+from .errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped, WorkersFailed
+from .prestart import forkserver_available, forkserver_running, prestart_workers
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
+RESULT_GRACE_S = 5.0  # after returning a stop or failure, a worker exits this long later if nobody reads it
 LAUNCHER_PID = "DDPKIT_LAUNCHER_PID"
+FORKED = "DDPKIT_FORKED_WORKER"
+CONSEQUENCES = frozenset(e.exit_code for e in (CollectiveTimeout, PeerLost))  # what a rank meets when another fails
 # Exit codes of workers that already printed their one-line reason (see errors.py).
 REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
-
-
-class WorkersFailed(Exception):
-    """Workers failed or stopped. ``reported``: they already printed why."""
-
-    def __init__(self, message: str, reported: bool, exit_code: int = 1):
-        super().__init__(message)
-        self.reported, self.exit_code = reported, exit_code
 
 
 @dataclass(frozen=True)
@@ -154,13 +156,21 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    config, env = _launch_config(spec, start_method(fn, args, spec.device_type))
+    start = start_method(fn, args, spec.device_type, spec.nproc)
+    if start == "forkserver":
+        prestart_workers()  # no-op when the launcher already started it, early
+    log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
+    config, env = _launch_config(spec, start, log_dir)
     try:
         with _environ(env), _quiet_agent_tracebacks():
-            results = elastic_launch(config, _guarded)(fn, *args)
+            # A forkserver's children have its environment, not this one's: the workers' variables travel along.
+            results = elastic_launch(config, _guarded)(env, fn, *args)
     except ChildFailedError as exc:
-        causes = [r for r in worker_reports(exc) if not r["quiet"]]
-        if causes:  # a worker said why: its line (already printed) or its bug (traceback printed)
+        # The cause, in order: a worker's own error (its line or traceback is printed); a worker that
+        # died of a signal (said here); the others' "lost a peer" or timeout lines (printed by them).
+        reports = [r for r in worker_reports(exc) if not r["quiet"]]
+        causes = [r for r in reports if r["exit_code"] not in CONSEQUENCES] or []
+        if causes:
             cause = causes[0]
             if cause["exit_code"] == 1:
                 raise WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1) from None
@@ -169,6 +179,8 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         killed = signal_failure(codes, spec.timeout_s)
         if killed is not None:
             raise killed from None
+        if reports:
+            raise WorkersFailed(reports[0]["message"], True, reports[0]["exit_code"]) from None
         reported = all(code in REPORTED_EXITS for code in codes.values())
         first = next(iter(codes.values()))
         raise WorkersFailed(f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
@@ -183,6 +195,8 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         raise PeerLost(f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
                        f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
                        f"nodes, with the same --rdzv-id, and check that each reaches the endpoint") from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)  # torch's default leaves one in /tmp per launch
     result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
     if isinstance(result, Failure):
         if result.printed:
@@ -268,13 +282,25 @@ def refuse_if_importing_main() -> None:
     os._exit(ConfigError.exit_code)  # a reported exit: the launcher adds nothing
 
 
-def start_method(fn: Callable, args: tuple, device_type: str) -> str:
-    """``spawn`` when a fresh interpreter can import ``fn`` and unpickle ``args``; else ``fork`` where
-    safe (CPU, CUDA untouched in this process: a forked child cannot use a parent's CUDA context)."""
+def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:
+    """How workers start.
+
+    * ``fork`` from this process where that is safe (CPU, CUDA untouched here: a forked child
+      cannot use its parent's CUDA context) and costs nothing: each rank gets one intra-op
+      thread anyway (as many ranks as cores), the one thread a forked child may run. torch is
+      loaded here already, so this is the quickest start, as for a Python script or notebook.
+    * the forkserver (:mod:`ddpkit.prestart`) when it can import ``fn`` and its arguments: the
+      CLI starts it first thing, so its import of torch overlaps the launcher's.
+    * ``fork`` where nothing else can import ``fn`` (a notebook's or ``python -c``'s code, a lambda).
+    """
+    fork_safe = device_type == "cpu" and not torch.cuda.is_initialized() and "fork" in \
+        multiprocessing.get_all_start_methods()
+    if fork_safe and cpu_threads(nproc) == 1 and not forkserver_running():
+        return "fork"
     problem = unspawnable(fn, args)
     if problem is None:
-        return "spawn"
-    if device_type == "cpu" and not torch.cuda.is_initialized():
+        return "forkserver" if forkserver_available() else "spawn"
+    if fork_safe:
         return "fork"
     raise ConfigError(f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
                       f"Move it into a .py file and import it from there")
@@ -314,12 +340,18 @@ class _Probe(pickle.Pickler):
         return NotImplemented
 
 
-def _launch_config(spec: LaunchSpec, start: str = "spawn"):
+def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None = None):
     """The agent's LaunchConfig, and the environment variables it and the workers need."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
     env[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell its launcher died before it started
+    if start == "fork":
+        env[FORKED] = "1"  # one intra-op thread each: OpenMP hangs in a child forked after its parent used it
+    for var in ("DDPKIT_RUN_LOCKED", "DDPKIT_T0"):  # set by the launcher before it launches
+        if var in os.environ:
+            env[var] = os.environ[var]
     if "OMP_NUM_THREADS" not in os.environ:
         # What torchrun sets and elastic_launch does not: each worker's share of the cores,
         # read by torch and by numpy's BLAS when they load.
@@ -349,27 +381,59 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn"):
                 env[var] = iface
     config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
                         run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
-                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method=start, **extra)
+                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method=start,
+                        logs_specs=DefaultLogsSpecs(log_dir=log_dir), **extra)
     return config, env
 
 
 def _die_with_launcher() -> None:
-    """Have the kernel SIGKILL this worker when its launcher dies (Linux ``PR_SET_PDEATHSIG``).
+    """Have the kernel SIGKILL this worker when its parent dies (Linux ``PR_SET_PDEATHSIG``).
 
-    Otherwise workers of a killed launcher run on for seconds, and may write to a run
-    directory whose lock the kernel has already released to another run.
+    The parent is the launcher (spawn, fork) or the forkserver, which exits as soon as the
+    launcher is gone. Otherwise workers of a killed launcher run on for seconds, and may
+    write to a run directory whose lock the kernel has already released to another run.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: nothing to ask for
         return
-    if str(os.getppid()) != os.environ.get(LAUNCHER_PID, str(os.getppid())):
-        os._exit(1)  # it died before we asked
+    _release_forkserver()
+    try:
+        os.kill(int(os.environ.get(LAUNCHER_PID, os.getppid())), 0)
+    except (ProcessLookupError, ValueError):
+        os._exit(1)  # the launcher died before we asked
 
 
-def _guarded(fn: Callable, *args) -> Any:
-    """Worker entry: turn a DdpkitError into one line, printed once, and the right exit."""
+def _release_forkserver() -> None:
+    """Close this worker's copy of the forkserver's "alive" pipe.
+
+    CPython hands it to every child the forkserver makes, so that the forkserver lives while
+    any of them does; then a killed launcher's forkserver, and with it the workers' parent-death
+    signal, would wait for the workers. Only the launcher should keep the forkserver alive.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+
+
+def _guarded(env: dict, fn: Callable, *args) -> Any:
+    """Worker entry: set the launcher's variables, then turn a DdpkitError into one line, printed once,
+    and the right exit."""
+    os.environ.update(env)
+    # A forked worker inherits the agent's handlers (SIGTERM would raise the agent's SignalException here);
+    # spawned and forkserver workers start with these defaults anyway.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_launcher()
     try:
         return fn(*args)
@@ -380,8 +444,12 @@ def _guarded(fn: Callable, *args) -> Any:
             # again. A stop is printed here too: a launcher that is itself shutting down
             # never reads return values.
             printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
-            if printed:
+            if printed and not isinstance(exc, AlreadyReported):
                 print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+            # torch's worker wrapper waits, after handing over this result, for the agent to read it; an agent
+            # shutting down (the launcher was sent SIGTERM or Ctrl-C) never does, and would SIGKILL this process
+            # after its 30 s grace period. The snapshot is saved: leave a few seconds later regardless.
+            threading.Timer(RESULT_GRACE_S, os._exit, args=(0,)).start()
             return Failure(str(exc), exc.exit_code, printed)
         if not getattr(exc, "reported", False):  # raised outside the process group (dist.report_failure)
             where = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

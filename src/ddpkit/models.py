@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 
@@ -124,4 +125,23 @@ def build_model(name: str, channels: int, height: int, width: int, classes: int)
 def uses_conv(model: nn.Module) -> bool:
     """channels_last only pays off for convolutional nets."""
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def to_channels_last(model: nn.Module, device_type: str) -> nn.Module:
+    """``model`` in NHWC; on CUDA, except 4-D weights with a size-1 dimension (a conv on 1-channel images).
+
+    Their bytes are the same in both layouts and only the strides differ, but cuDNN's backward
+    makes their gradient with the contiguous strides. Under DDP, a gradient whose strides
+    differ from its bucket view is copied into the bucket every step ("Grad strides do not
+    match bucket view strides", seen on an H100 with the seed ConvNet); so on CUDA these
+    weights keep the strides their gradients get. On CPU, oneDNN gives the gradient the
+    weight's own strides either way, and the contiguous weight would pick other kernels (and
+    other rounding) than every CPU run so far: there the weights stay as they are.
+    """
+    model = model.to(memory_format=torch.channels_last)
+    for p in model.parameters():
+        if device_type == "cuda" and p.dim() == 4 and 1 in p.shape[1:]:
+            # not .contiguous(): it returns the NHWC tensor itself, which counts as contiguous
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
+    return model
 

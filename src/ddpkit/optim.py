@@ -83,7 +83,7 @@ def build_schedule(opt: torch.optim.Optimizer, cfg, total_steps: int) -> torch.o
 
 
 def autocast(cfg, device: torch.device):
-    if cfg.amp == "none":
+    if cfg.amp in (None, "none"):
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
 

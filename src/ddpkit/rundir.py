@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import TrainConfig, read_toml
+from .config import TrainConfig
 from .dist import DistContext
 from .errors import ConfigError, DdpkitError, RunDirError
 
@@ -228,8 +228,12 @@ def write_config(cfg: TrainConfig, ctx: DistContext) -> None:
     on_rank0(ctx, lambda: atomic_write(Path(cfg.run_dir) / "config.toml", cfg.to_toml().encode()))
 
 
+def summary_bytes(summary: dict) -> bytes:
+    return (json.dumps(summary, indent=2) + "\n").encode()
+
+
 def write_summary(run_dir: Path, summary: dict, ctx: DistContext) -> None:
-    on_rank0(ctx, lambda: atomic_write(Path(run_dir) / "summary.json", (json.dumps(summary, indent=2) + "\n").encode()))
+    on_rank0(ctx, lambda: atomic_write(Path(run_dir) / "summary.json", summary_bytes(summary)))
 
 
 def write_model(run_dir: Path, model: torch.nn.Module, ctx: DistContext) -> None:

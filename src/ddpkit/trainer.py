@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import os
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,10 @@ from torch.utils.data import Dataset, default_collate
 
 from .checkpoint import read_weights
 from .config import TrainConfig
-from .data import DataSplits, ImageData, Meta, load_dataset
-from .data.batch import first_tensor, structure
-from .data.loader import Preprocess
+from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
+from .data.batch import first_tensor
+from .data.materialize import materialize
+from .data.loader import EvalSource, Preprocess
 from .dist import cpu_cores, distributed, under_launcher
 from .engine import Engine
 from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError, TaskError
@@ -46,7 +48,8 @@ from .evaluate import evaluate
 from .identity import code_name, data_fingerprint, model_fingerprint
 from .launcher import LaunchSpec, refuse_if_importing_main, run_workers
 from .models import build_model
-from .rundir import LOCK_ENV, agree, check_run_dir, fatal_path, read_fatal, record_fatal, run_lock
+from .rundir import (LOCK_ENV, agree, atomic_write, check_run_dir, fatal_path, read_fatal, record_fatal,
+                     run_lock, summary_bytes)
 from .task import Classification, Task, resolve_task
 
 
@@ -77,6 +80,7 @@ class Job:
     splits: Optional[DataSplits] = None
     optimizer: Any = None  # None: built from the config; else a factory or an optimizer on ``model``
     scheduler: Any = None
+    t0: float | None = None  # when the user launched the run (wall clock), for summary.json's startup_s
 
 
 class Trainer:
@@ -128,6 +132,7 @@ class Trainer:
         """Train (resuming from the run dir when it holds a snapshot); afterwards the model object
         passed in holds the trained weights."""
         refuse_if_importing_main()
+        t0 = float(os.environ.get("DDPKIT_T0", time.time()))  # the CLI's launch time, or this call's
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
         cfg, spec, splits, task = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
@@ -137,13 +142,15 @@ class Trainer:
                   f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}")
             summary = finished
         else:
-            # Spawned workers load the registry data themselves rather than receive it pickled.
-            job_splits = self.splits if self.splits is not None else (splits if spec.in_process else None)
-            job = Job(cfg, task, self.model, job_splits, self.optimizer, self.scheduler)
+            # The workers get the data loaded here (tensors travel through shared memory), never
+            # loading it again per rank.
+            job = Job(cfg, task, self.model, splits, self.optimizer, self.scheduler, t0)
             home = None if spec.in_process else move_to_cpu(self.model)
             try:
-                with owning_run_dir(cfg, spec):
+                with owning_run_dir(cfg, spec) as owner:
                     summary = run_workers(train_worker, (job,), spec)
+                    if owner:
+                        summary = record_teardown(cfg, summary)
             finally:
                 if home is not None:
                     self.model.to(home)
@@ -160,7 +167,8 @@ class Trainer:
         if self.model is None:
             raise ConfigError("evaluate() needs model=...; to re-evaluate a CLI run, use `ddpkit eval RUN_DIR`")
         cfg = self.config.resolved()
-        splits = self.splits if self.splits is not None else load_dataset(cfg)
+        splits = materialize(self.splits if self.splits is not None else load_dataset(cfg), cfg,
+                             available_memory_bytes())
         if splits.test is None or len(splits.test) == 0:
             raise DataError("evaluate() needs a non-empty test_data")
         spec = LaunchSpec.from_config(cfg, resumable=False)
@@ -180,7 +188,7 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     cfg = config.resolved()
     spec = LaunchSpec.from_config(cfg)
     world = spec.world_size
-    if not cfg.ddp and world > 1:
+    if cfg.ddp is False and world > 1:
         raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
     if cfg.batch_size % world:
         lo, hi = (cfg.batch_size // world) * world, (cfg.batch_size // world + 1) * world
@@ -204,9 +212,11 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     if len(splits.train) // world < per_rank_batch:
         raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
                           f"allow at world size {world}")
-    if cfg.data_path in ("device", "host") and not isinstance(splits.train, ImageData):
-        raise ConfigError(f"--data-path {cfg.data_path} needs an in-memory image dataset; {cfg.dataset} is read "
-                          f"through a DataLoader (--data-path loader or auto)")
+    # Held in memory where it fits (once per node: the workers receive it through shared memory).
+    splits = materialize(splits, cfg, available_memory_bytes())
+    if cfg.data_path in ("device", "host") and not isinstance(splits.train, (ImageData, TensorData)):
+        raise ConfigError(f"--data-path {cfg.data_path} needs a dataset held in memory, and {cfg.dataset} is not "
+                          f"({splits.note}); use --data-path loader or auto")
     task = task_for(cfg)
     if model is None:
         m = splits.meta
@@ -354,20 +364,31 @@ def available_memory_bytes() -> int | None:
 
 # ---------------------------------------------------------------------- who owns the run dir
 @contextmanager
-def owning_run_dir(cfg: TrainConfig, spec: LaunchSpec) -> Iterator[None]:
+def owning_run_dir(cfg: TrainConfig, spec: LaunchSpec) -> Iterator[bool]:
     """On one node, the launcher holds the run dir's lock for the whole job, its workers (which
     die with it) included. Across nodes or under torchrun no launcher sees the whole job, and
     global rank 0 holds it instead (:func:`_rank0_owns`)."""
     if under_launcher() or spec.nnodes > 1:
-        yield
+        yield False
         return
     with run_lock(cfg.run_dir):
         fatal_path(cfg.run_dir).unlink(missing_ok=True)  # a new launch: forget the last one's fatal error
         os.environ[LOCK_ENV] = str(Path(cfg.run_dir).resolve())
         try:
-            yield
+            yield True
         finally:
             os.environ.pop(LOCK_ENV, None)
+
+
+def record_teardown(cfg: TrainConfig, summary: dict) -> dict:
+    """Add ``teardown_s`` to summary.json: from rank 0 writing it to this launcher regaining control
+    (process-group teardown, the agent's exit barrier, joining the workers). Written by the launcher,
+    which holds the run dir's lock; the workers are gone."""
+    if summary.get("finished_at") is None:
+        return summary
+    summary = {**summary, "teardown_s": round(time.time() - summary["finished_at"], 3)}
+    atomic_write(Path(cfg.run_dir) / "summary.json", summary_bytes(summary))
+    return summary
 
 
 @contextmanager
@@ -425,7 +446,8 @@ def _train(job: Job, ctx) -> dict:
         m = splits.meta
         model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
     # Registry models use every parameter every step, so DDP may assume a static graph.
-    return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None).fit()
+    return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None,
+                  t0=job.t0).fit()
 
 
 def eval_worker(job: Job) -> dict:
@@ -439,6 +461,7 @@ def eval_worker(job: Job) -> dict:
             model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
             model.load_state_dict(read_weights(Path(cfg.run_dir) / "model.pt"))
         model.to(ctx.device)
-        pre = Preprocess(splits.meta, ctx.device, bool(cfg.channels_last))
-        result, _ = evaluate(model, splits.test, job.task, pre, cfg, ctx, 256, splits.collate_fn)
+        source = EvalSource(splits.test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last)), cfg, ctx, 256,
+                            splits.collate_fn)
+        result, _ = evaluate(model, source, job.task, cfg, ctx)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}

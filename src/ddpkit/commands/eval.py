@@ -19,6 +19,9 @@ def register(parser) -> None:
 
 
 def run(args) -> int:
+    from .flags import prestart_if_workers
+
+    prestart_if_workers(args.nproc)  # before torch is imported below
     from ..config import TrainConfig
     from ..launcher import LaunchSpec, run_workers
     from ..data import load_dataset
@@ -48,7 +51,7 @@ def run(args) -> int:
                       "model.pt")
     spec = LaunchSpec.from_config(cfg, resumable=False)
     task = Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
-    job = Job(cfg, task, splits=splits if spec.in_process else None)
+    job = Job(cfg, task, splits=splits)  # the workers get this data through shared memory
     result = run_workers(eval_worker, (job,), spec)
     print(json.dumps(result))
     return 0

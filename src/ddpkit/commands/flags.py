@@ -52,3 +52,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise ConfigError(f"--{key} {values[key]}: custom: names are recorded by the Python API for your own "
                               f"{key}s (Trainer(model=..., train_data=...)); the command line takes the built-in ones")
     return TrainConfig.from_dict(values)
+
+
+def visible_gpus() -> int:
+    """GPUs this process would see, guessed without importing torch (CUDA_VISIBLE_DEVICES, /dev/nvidia*)."""
+    import glob
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def prestart_if_workers(nproc: str, max_restarts: int = 0, nnodes: int = 1) -> None:
+    """Start the forkserver now if this command will fork workers (see ddpkit.prestart); under
+    torchrun the processes exist already."""
+    import os
+
+    from ..prestart import prestart_workers
+
+    if "RANK" in os.environ:
+        return
+    n = visible_gpus() if str(nproc) == "auto" else int(nproc) if str(nproc).isdecimal() else 1
+    if n > 1 or max_restarts > 0 or nnodes > 1:
+        prestart_workers()

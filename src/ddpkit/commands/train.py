@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .flags import add_config_flags, config_from_args
+from .flags import add_config_flags, config_from_args, prestart_if_workers
 
 HELP = "train a model with DistributedDataParallel"
 
@@ -13,7 +13,9 @@ def register(parser) -> None:
 
 
 def run(args) -> int:
+    cfg = config_from_args(args)
+    prestart_if_workers(cfg.nproc, cfg.max_restarts, cfg.nnodes)  # before torch is imported below
     from ..trainer import Trainer
 
-    Trainer(config_from_args(args)).fit()  # rank 0 prints the summary and where it was written
+    Trainer(cfg).fit()  # rank 0 prints the summary and where it was written
     return 0

@@ -68,12 +68,65 @@ class ImageData(Dataset):
         return cls(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels.astype(np.int64)))
 
 
+class TensorData(Dataset):
+    """A whole dataset as stacked tensors: a tuple, list or dict (or nest) of tensors [N, ...].
+
+    What a TensorDataset already is, and what a small deterministic map-style dataset becomes
+    once materialised (:mod:`ddpkit.data.materialize`). Batches are made by indexing every
+    tensor with the same indices, exactly as the DataLoader would collate those samples.
+    """
+
+    def __init__(self, tree):
+        self.tree = tree
+        lengths = {len(t) for t in tensor_leaves(tree)}
+        if len(lengths) != 1:
+            raise DataError(f"tensors of different lengths {sorted(lengths)}; every tensor needs one row per sample")
+        self.n = lengths.pop()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return self.take(i)
+
+    def take(self, index):
+        """The samples at ``index`` (an int, or a tensor of indices for a batch)."""
+        return _map(lambda t: t[index], self.tree)
+
+    def to(self, device) -> "TensorData":
+        return TensorData(_map(lambda t: t.to(device), self.tree))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in tensor_leaves(self.tree))
+
+
+
+def _map(fn, tree):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map(fn, v) for k, v in tree.items()}
+    return type(tree)(_map(fn, v) for v in tree)
+
+
+def tensor_leaves(tree) -> list:
+    """The tensors of a tuple/list/dict nest (other leaves, such as strings, are not tensors: skipped)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [leaf for v in tree.values() for leaf in tensor_leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for v in tree for leaf in tensor_leaves(v)]
+    return []
+
+
 @dataclass
 class DataSplits:
     train: Dataset
     test: Dataset
     meta: Meta | None  # None: a user dataset whose batches go to the model as they come
     collate_fn: Callable | None = None  # the user's, for DataLoader-path datasets
+    note: str = ""  # how the data is held, and why (materialised, cached, streamed): logged at start
 
 
 # ---------------------------------------------------------------------- loaders

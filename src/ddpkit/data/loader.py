@@ -33,7 +33,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import ConfigError, DdpkitError
-from . import DataSplits, ImageData, Meta
+from ..dist import cpu_threads
+from . import DataSplits, ImageData, Meta, TensorData, tensor_leaves
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import to_device
 
@@ -162,9 +163,10 @@ class ResidentSource(_Source):
 
 
 class _From(Sampler):
-    """A sampler's indices from position ``start`` on (mid-epoch resume without reading skipped samples)."""
+    """A sampler's indices from position ``start`` on (mid-epoch resume without reading skipped samples).
+    ``start`` may change between epochs: a persistent DataLoader keeps this one object."""
 
-    def __init__(self, sampler: Sampler, start: int):
+    def __init__(self, sampler: Sampler, start: int = 0):
         self.sampler, self.start = sampler, start
 
     def __iter__(self):
@@ -172,6 +174,24 @@ class _From(Sampler):
 
     def __len__(self):
         return max(0, len(self.sampler) - self.start)
+
+
+class TensorSource(_Source):
+    """A TensorData (a TensorDataset, or a materialised user dataset) batched by indexing on the device:
+    the very batches the DataLoader path collates, without a DataLoader."""
+
+    path = "device-resident"
+    on_device = True
+
+    def __init__(self, data: TensorData, cfg, ctx, per_rank_batch: int, group: int = 1):
+        super().__init__(len(data), None, cfg, ctx, per_rank_batch, group)
+        self.data = data.to(ctx.device)
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator:
+        order = epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch).to(self.ctx.device)
+        b = self.batch
+        for step in range(start_step, self.steps_per_epoch):
+            yield self.data.take(order[step * b:(step + 1) * b])
 
 
 class LoaderSource(_Source):
@@ -183,13 +203,15 @@ class LoaderSource(_Source):
         self.data, self.collate_fn = data, collate_fn
         self.sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
+        self.positioned = _From(self.sampler)
+        # Built once: with workers, they start once per run, not once per epoch.
+        self.loader = _dataloader(data, self.positioned, self.batch, cfg, ctx, collate_fn=collate_fn)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.sampler.set_epoch(epoch)
-        loader = _dataloader(self.data, _From(self.sampler, start_step * self.batch), self.batch, self.cfg, self.ctx,
-                             collate_fn=self.collate_fn)
+        self.positioned.start = start_step * self.batch
         offsets, flips = self._params(epoch)
-        for step, batch in enumerate(unwrapped(loader), start=start_step):
+        for step, batch in enumerate(unwrapped(self.loader), start=start_step):
             if step >= self.steps_per_epoch:
                 break
             batch = to_device(batch, self.ctx.device)
@@ -213,26 +235,39 @@ def unwrapped(loader: DataLoader) -> Iterator:
         raise type(exc)(last) from None
 
 
+def loader_workers(cfg, ctx) -> int:
+    """DataLoader worker processes per rank: ``--num-workers``, or (auto) this rank's cores less one
+    for the training process itself, at most 8; 0 when a rank has one core."""
+    if cfg.num_workers is not None:
+        return cfg.num_workers
+    return max(0, min(8, cpu_threads(ctx.local_world_size) - 1))
+
+
 def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, collate_fn=None) -> DataLoader:
-    workers = cfg.num_workers
+    workers = loader_workers(cfg, ctx)
     return DataLoader(data, batch_size=batch, sampler=sampler, drop_last=drop_last, num_workers=workers,
-                      pin_memory=ctx.device.type == "cuda", persistent_workers=False,
-                      prefetch_factor=2 if workers else None, collate_fn=collate_fn)
+                      pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
+                      prefetch_factor=4 if workers else None,  # batches in flight per worker
+                      collate_fn=collate_fn)
 
 
 def choose_path(data: Dataset, cfg, ctx) -> str:
     """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here."""
-    if not isinstance(data, ImageData):
+    if not isinstance(data, (ImageData, TensorData)):
         if cfg.data_path in ("device", "host"):
             raise ConfigError(f"--data-path {cfg.data_path} needs an in-memory dataset; {cfg.dataset} streams from disk")
         return "loader"
+    if cfg.data_path == "host" and isinstance(data, TensorData):
+        return "device"  # a TensorData is indexed where it is; on CPU that is host memory
     if cfg.data_path != "auto":
         return cfg.data_path
     if ctx.device.type != "cuda":
         return "device"
     free, _ = torch.cuda.mem_get_info(ctx.device)
-    nbytes = data.images.numel() + data.labels.numel() * 8
-    return "device" if nbytes <= cfg.device_data_fraction * free else "host"
+    nbytes = data.nbytes() if isinstance(data, TensorData) else data.images.numel() + data.labels.numel() * 8
+    if nbytes <= cfg.device_data_fraction * free:
+        return "device"
+    return "host" if isinstance(data, ImageData) else "loader"
 
 
 def make_train_source(splits: DataSplits, cfg, ctx, per_rank_batch: int, group: int = 1):
@@ -241,17 +276,37 @@ def make_train_source(splits: DataSplits, cfg, ctx, per_rank_batch: int, group: 
     path = choose_path(data, cfg, ctx)
     if path == "loader":
         return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, collate_fn=splits.collate_fn)
+    if isinstance(data, TensorData):
+        return TensorSource(data, cfg, ctx, per_rank_batch, group)
     return ResidentSource(data, meta, cfg, ctx, per_rank_batch, on_device=path == "device", group=group)
 
 
-def eval_batches(data: Dataset, pre: Preprocess, cfg, ctx, batch: int, collate_fn=None) -> Iterator:
-    """This rank's test samples (every world_size-th, no padding: each sample counted once)."""
-    indices = range(ctx.rank, len(data), ctx.world_size)
-    if isinstance(data, ImageData):
-        for start in range(0, len(indices), batch):
-            idx = torch.tensor(indices[start:start + batch])
-            yield pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
-        return
-    for b in unwrapped(_dataloader(data, list(indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn)):
-        b = to_device(b, ctx.device)
-        yield (pre.eval(b[0]), b[1]) if pre.meta is not None else b
+class EvalSource:
+    """This rank's test samples (every world_size-th, no padding: each sample counted once), in batches.
+    A DataLoader, where one is needed, is built once and reused for every evaluation of the run."""
+
+    def __init__(self, data: Dataset, pre: Preprocess, cfg, ctx, batch: int, collate_fn=None):
+        self.data, self.pre, self.ctx, self.batch = data, pre, ctx, batch
+        self.indices = range(ctx.rank, len(data), ctx.world_size)
+        self.loader = None
+        if not isinstance(data, (ImageData, TensorData)):
+            self.loader = _dataloader(data, list(self.indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn)
+
+    def batches(self) -> Iterator:
+        data, ctx = self.data, self.ctx
+        if self.loader is not None:
+            for b in unwrapped(self.loader):
+                b = to_device(b, ctx.device)
+                yield (self.pre.eval(b[0]), b[1]) if self.pre.meta is not None else b
+            return
+        for start in range(0, len(self.indices), self.batch):
+            idx = torch.tensor(self.indices[start:start + self.batch])
+            if isinstance(data, TensorData):
+                yield to_device(data.take(idx.to(_device_of(data))), ctx.device)
+            else:
+                yield self.pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
+
+
+def _device_of(data: TensorData) -> torch.device:
+    leaves = tensor_leaves(data.tree)
+    return leaves[0].device if leaves else torch.device("cpu")

@@ -1,0 +1,144 @@
+"""User datasets on the fast path: held in memory as tensors once, then served by indexing.
+
+    splits = materialize(splits, cfg)     # in the launcher, before any worker starts
+
+The resident path (indexing tensors, on the device when they fit) is ddpkit's fast path;
+the DataLoader path decodes or builds every sample again every epoch. So a dataset that
+fits the memory budget is held as tensors, once per node (the workers receive it through
+shared memory), with the same batches as the DataLoader would give:
+
+| dataset | becomes |
+|---|---|
+| ``ImageData`` | itself |
+| ``TensorDataset`` | ``TensorData`` over its very tensors (no copy) |
+| ``imagefolder:PATH`` | ``ImageData``, decoded in parallel the first time and cached beside the data |
+| any other map-style dataset | ``TensorData``, read once, if its samples are tensors or numbers of fixed shapes, the same on every read (no random transforms), and no ``collate_fn`` is given |
+
+Anything else stays on the DataLoader path; ``DataSplits.note`` says which path each split
+took and why, and the run's ``[start]`` line shows it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
+
+from ..dist import cpu_cores
+from . import DataSplits, ImageData, TensorData, tensor_leaves
+
+HOST_FRACTION = 0.25  # of the memory available, for all the data held in memory on a node
+
+
+def materialize(splits: DataSplits, cfg, available: int | None = None) -> DataSplits:
+    """``splits`` with each split held as tensors where it can be (see the module docstring)."""
+    if cfg.data_path == "loader":
+        return _with_note(splits, "DataLoader path, as --data-path loader asks")
+    budget = HOST_FRACTION * available if available else float("inf")
+    out, notes = {}, []
+    for name in ("train", "test"):
+        data = getattr(splits, name)
+        held, note = _held(data, name, splits, cfg, budget)
+        out[name] = held
+        budget -= _nbytes(held)
+        notes.append(note)
+    return DataSplits(out["train"], out["test"], splits.meta, splits.collate_fn, "; ".join(notes))
+
+
+def _with_note(splits: DataSplits, note: str) -> DataSplits:
+    return DataSplits(splits.train, splits.test, splits.meta, splits.collate_fn, note)
+
+
+def _nbytes(data) -> int:
+    if isinstance(data, ImageData):
+        return data.images.numel() + data.labels.numel() * 8
+    return data.nbytes() if isinstance(data, TensorData) else 0
+
+
+def _held(data: Dataset | None, split: str, splits: DataSplits, cfg, budget: float) -> tuple[Dataset, str]:
+    if data is None:  # evaluate() needs no training split
+        return None, f"no {split} split"
+    if isinstance(data, (ImageData, TensorData)):
+        return data, f"{split} in memory"
+    if isinstance(data, TensorDataset):
+        # a list, as default_collate makes of tuple samples: the batches are the DataLoader path's, type and all
+        return TensorData(list(data.tensors)), f"{split} in memory (a TensorDataset, indexed in place)"
+    folder = data.dataset if isinstance(data, Subset) else data
+    if cfg.dataset.startswith("imagefolder:") and hasattr(folder, "samples"):
+        need = len(data) * 3 * cfg.image_size ** 2
+        if need > budget:
+            return data, f"{split} streamed ({need / 2**30:.1f} GiB decoded is over the memory budget)"
+        from .folder import cached_decode
+
+        root = Path(cfg.dataset.split(":", 1)[1])
+        return cached_decode(data, root, split, cfg.image_size, cpu_cores())
+    if splits.collate_fn is not None:
+        return data, f"{split} streamed (a collate_fn is given: it may shape each batch)"
+    return _read_all(data, split, budget)
+
+
+def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
+    """A generic map-style dataset as TensorData, when that is safe; else why not."""
+    if len(data) == 0:
+        return data, f"{split} empty"
+    first, again = data[0], data[0]
+    if not _same(first, again):
+        return data, f"{split} streamed (its samples differ between reads: random transforms run per epoch)"
+    try:
+        one = default_collate([first])
+    except (TypeError, RuntimeError):
+        one = None
+    if one is None or not _only_tensors(one):
+        return data, f"{split} streamed (its samples are not tensors or numbers)"
+    per_sample = sum(t.numel() * t.element_size() for t in tensor_leaves(one))
+    if per_sample * len(data) > budget:
+        return data, f"{split} streamed ({per_sample * len(data) / 2**30:.1f} GiB is over the memory budget)"
+    t = time.perf_counter()
+    try:
+        batches = list(DataLoader(data, batch_size=256, shuffle=False, collate_fn=default_collate))
+        tree = _concat(batches)
+    except (TypeError, RuntimeError, ValueError):
+        return data, f"{split} streamed (its samples are not all of one shape)"
+    return TensorData(tree), f"{split} in memory (read once in {time.perf_counter() - t:.1f} s)"
+
+
+def _only_tensors(tree) -> bool:
+    """Every leaf a tensor (strings and other objects cannot be indexed as a batch)."""
+    if isinstance(tree, torch.Tensor):
+        return True
+    if isinstance(tree, dict):
+        return bool(tree) and all(_only_tensors(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return bool(tree) and all(_only_tensors(v) for v in tree)
+    return False
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        import numpy as np
+
+        if isinstance(a, np.ndarray):
+            return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    except ImportError:
+        pass
+    return a == b
+
+
+def _concat(batches: list):
+    """Collated batches joined along the first dimension, whatever their structure."""
+    head = batches[0]
+    if isinstance(head, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(head, dict):
+        return {k: _concat([b[k] for b in batches]) for k in head}
+    if isinstance(head, tuple) or (isinstance(head, list) and all(isinstance(x, torch.Tensor) for x in head)):
+        return type(head)(_concat([b[i] for b in batches]) for i in range(len(head)))
+    raise TypeError("not a tensor tree")
