@@ -9,9 +9,9 @@ put where it belongs:
 
 | variant | what it adds |
 |---|---|
-| bare | model fwd + cross-entropy + backward + fused SGD + LambdaLR, data already on the device |
+| bare | model fwd + cross-entropy + backward + fused SGD + LambdaLR, float data already on the device (ddpkit also normalises uint8 batches and sums its metrics) |
 | + ddpkit task | ddpkit's Classification loss and its on-device (sum, count) metrics per step |
-| + DDP (world 1) | DistributedDataParallel around the model, one process |
+| + DDP (world 1) | DistributedDataParallel around the model, one process, with DDP's defaults |
 | bare, batch 512 | fewer, larger steps: how much of the step is fixed cost |
 | bare, cudnn.benchmark | cuDNN's algorithm search on (ddpkit leaves it off) |
 | bare, CUDA graph | the whole step replayed as one graph: the launch-free floor (fixed lr) |
@@ -137,6 +137,7 @@ def profile(step, device, path: Path) -> None:
 
 def graphed(device, batch, steps) -> float:
     """The whole step captured once and replayed: no Python, no per-kernel launch cost."""
+    torch.backends.cudnn.benchmark = False
     net, opt, _, x, y = setup(device, batch, ddp=False)
     xb, yb = x[:batch].contiguous(memory_format=torch.channels_last), y[:batch].clone()
     side = torch.cuda.Stream()

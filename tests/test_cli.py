@@ -59,3 +59,33 @@ def test_help_lists_the_subcommands():
     proc = run_cli("--help")
     assert proc.returncode == 0 and "train" in proc.stdout and "eval" in proc.stdout
     assert sys.executable and cli_env()["PYTHONPATH"]
+
+
+@pytest.mark.parametrize("env,error,printed", [
+    ({}, "ConfigError", "ddpkit: error: bad\n"),  # no launcher: RANK means nothing
+    ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "ConfigError", "ddpkit: error: rank 1: bad\n"),
+    ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "NonFiniteLoss", ""),  # every rank met it: rank 0 says it
+    ({"GROUP_RANK": "1", "LOCAL_RANK": "1", "RANK": "3"}, "ConfigError", ""),  # another node: its local rank 0 says it
+    ({"GROUP_RANK": "1", "LOCAL_RANK": "0", "RANK": "2"}, "ConfigError", "ddpkit: error: rank 2: bad\n"),
+    ({"GROUP_RANK": "0", "LOCAL_RANK": "0", "RANK": "0"}, "ConfigError", "ddpkit: error: bad\n"),
+])
+def test_which_rank_prints_an_error_under_torchrun(monkeypatch, capsys, env, error, printed):
+    from ddpkit import cli, errors
+
+    monkeypatch.setattr(cli, "PEER_WAIT_S", 0.0)
+    for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    if env:
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "1")
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("RANK", env.get("RANK", "1"))  # without a launcher, a stray RANK is ignored
+
+    def fail():
+        raise getattr(errors, error)("bad")
+
+    assert cli.run_reporting_errors(fail) == getattr(errors, error).exit_code
+    assert capsys.readouterr().err == printed

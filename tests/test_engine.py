@@ -99,6 +99,11 @@ def test_ddp_skips_the_buffer_broadcast_only_when_every_buffer_is_batchnorms():
     assert only_batchnorm_buffers(convert_sync_batchnorm(ConvNet(), torch.device("cpu")))
     assert only_batchnorm_buffers(torch.nn.Linear(2, 2))  # no buffers at all
     assert not only_batchnorm_buffers(TaggedConvNet())
+
+    class Renorm(torch.nn.BatchNorm2d):  # a subclass may feed its running statistics into the forward
+        pass
+
+    assert not only_batchnorm_buffers(torch.nn.Sequential(Renorm(3)))
     assert not only_batchnorm_buffers(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(2, 2)))
 
 

@@ -17,6 +17,21 @@ def test_on_cuda_channels_last_keeps_size_one_weights_contiguous():
     assert second.is_contiguous(memory_format=torch.channels_last) and not second.is_contiguous()
 
 
+def test_on_cuda_only_convolutions_on_one_channel_are_kept_contiguous():
+    """1x1 and depthwise convolutions see many-channel NHWC input: their weights stay NHWC."""
+    from torch import nn
+
+    from ddpkit.models import resnet18
+
+    model = to_channels_last(nn.Sequential(nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, groups=4), resnet18(1, 32, 32, 10)),
+                             "cuda")
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            w = m.weight
+            assert w.stride() == (torch.empty(w.shape).stride() if m.in_channels == 1 else
+                                  torch.empty(w.shape, memory_format=torch.channels_last).stride())
+
+
 def test_on_cpu_every_weight_goes_nhwc_and_gradients_match():
     """oneDNN gives gradients the weight's own strides; a contiguous first weight would change
     the kernels, and the bits of every CPU result (tests/golden)."""

@@ -47,14 +47,7 @@ def run_reporting_errors(fn) -> int:
         return fn() or 0
     except DdpkitError as exc:
         if not getattr(exc, "reported", False):  # else its rank printed it already (dist.report_failure)
-            rank = os.environ.get("RANK", "0")
-            if rank != "0":
-                # Under torchrun every rank gets here. An error met before training (a bad flag) is
-                # usually met by every rank: rank 0 prints it, and torchrun stops the others when
-                # it exits. Wait for that, so the line is printed once and rank 0 is not stopped
-                # before it prints; a rank still alive afterwards met the error alone, and says so.
-                time.sleep(PEER_WAIT_S)
-            print(f"ddpkit: error: {'' if rank == '0' else f'rank {rank}: '}{exc}", file=sys.stderr)
+            return _report_once(exc)
         return exc.exit_code
     except WorkersFailed as exc:
         if not exc.reported:
@@ -63,6 +56,33 @@ def run_reporting_errors(fn) -> int:
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr)
         return 130
+
+
+def _report_once(exc: DdpkitError) -> int:
+    """Print ``exc`` once for the job. Under torchrun every rank gets here.
+
+    An error every rank meets alike in training is printed by global rank 0 alone. One met
+    before training (a bad flag, missing data) is usually met by every rank too, but not always
+    (data missing on one node). So the other ranks first leave rank 0 time to print it: torchrun
+    stops a node's ranks when one of them exits, and without the wait a rank that exited first
+    had a slower rank 0 stopped before it printed, and the error was not reported at all. A
+    rank still alive afterwards may have met it alone, and says so: on rank 0's node every rank,
+    on another node its local rank 0 only (those nodes' agents may learn of rank 0's exit too
+    late, so an error met everywhere is printed once per node there).
+    """
+    from .dist import under_launcher
+
+    rank = os.environ.get("RANK", "0") if under_launcher() else "0"
+    if rank != "0":
+        other_node = os.environ.get("GROUP_RANK", "0") != "0"
+        if exc.all_ranks or (other_node and os.environ.get("LOCAL_RANK", "0") != "0"):
+            return exc.exit_code
+        try:
+            time.sleep(PEER_WAIT_S)
+        except KeyboardInterrupt:
+            return 130
+    print(f"ddpkit: error: {'' if rank == '0' else f'rank {rank}: '}{exc}", file=sys.stderr)
+    return exc.exit_code
 
 
 def entry() -> None:

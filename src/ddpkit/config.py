@@ -202,7 +202,8 @@ class TrainConfig:
     # a run directory may be resumed with different values of these.
     NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
                               "nproc", "data_path", "device_data_fraction", "on_nan", "save_every_steps",
-                              "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts"})
+                              "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
+                              "ddp"})  # ddp: at world 1 the wrapper changes no bit (tests/test_engine.py)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}

@@ -99,10 +99,14 @@ class Engine:
         # bucket copies, buffer broadcasts) cost a third of the seed ConvNet's step on an H100
         # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
         if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
+            sync_buffers = not only_batchnorm_buffers(raw)
             ddp = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
                       gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
-                      **{SYNC_BUFFERS: not only_batchnorm_buffers(raw)},
+                      **{SYNC_BUFFERS: sync_buffers},
                       static_graph=static_graph)
+            if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
+                for buf in raw.buffers():
+                    ctx.broadcast(buf)
         wrapped = ddp or raw
         if cfg.compile:
             wrapped = torch.compile(wrapped, mode=cfg.compile_mode)

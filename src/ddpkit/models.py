@@ -128,20 +128,21 @@ def uses_conv(model: nn.Module) -> bool:
 
 
 def to_channels_last(model: nn.Module, device_type: str) -> nn.Module:
-    """``model`` in NHWC; on CUDA, except 4-D weights with a size-1 dimension (a conv on 1-channel images).
+    """``model`` in NHWC; on CUDA, except the weights of convolutions on 1-channel input.
 
-    Their bytes are the same in both layouts and only the strides differ, but cuDNN's backward
-    makes their gradient with the contiguous strides. Under DDP, a gradient whose strides
-    differ from its bucket view is copied into the bucket every step ("Grad strides do not
-    match bucket view strides", seen on an H100 with the seed ConvNet); so on CUDA these
-    weights keep the strides their gradients get. On CPU, oneDNN gives the gradient the
-    weight's own strides either way, and the contiguous weight would pick other kernels (and
+    Such a weight ([out, 1, k, k]) has the same bytes in both layouts, only other strides, and
+    cuDNN's backward makes its gradient with the contiguous ones. Under DDP, a gradient whose
+    strides differ from its bucket view is copied into the bucket every step ("Grad strides do
+    not match bucket view strides", seen on an H100 with the seed ConvNet); so on CUDA these
+    weights keep the strides their gradients get. Only this measured case is changed: 1x1 and
+    depthwise convolutions see NHWC input with many channels. On CPU, oneDNN gives the
+    gradient the weight's own strides, and a contiguous weight would pick other kernels (and
     other rounding) than every CPU run so far: there the weights stay as they are.
     """
     model = model.to(memory_format=torch.channels_last)
-    for p in model.parameters():
-        if device_type == "cuda" and p.dim() == 4 and 1 in p.shape[1:]:
-            # not .contiguous(): it returns the NHWC tensor itself, which counts as contiguous
-            p.data = p.data.clone(memory_format=torch.contiguous_format)
+    if device_type == "cuda":
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d) and m.in_channels == 1:
+                # not .contiguous(): it returns the NHWC tensor itself, which counts as contiguous
+                m.weight.data = m.weight.data.clone(memory_format=torch.contiguous_format)
     return model
-

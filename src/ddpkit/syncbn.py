@@ -100,16 +100,23 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "
     return model
 
 
+# BatchNorm classes whose training forward normalises with the batch's statistics. Exact types:
+# a subclass (batch renormalisation, say) may feed the running statistics into the forward.
+PLAIN_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+                   nn.LazyBatchNorm3d, nn.SyncBatchNorm, AllReduceBatchNorm)
+
+
 def only_batchnorm_buffers(model: nn.Module) -> bool:
-    """Whether every buffer of ``model`` is a BatchNorm running statistic.
+    """Whether every buffer of ``model`` is a running statistic of a plain BatchNorm.
 
     DDP broadcasts rank 0's buffers at every forward (two collectives per step for the seed
-    ConvNet, ~0.2 ms of host time each step on an H100). BatchNorm's running statistics do not
-    enter the training forward, and rank 0's own sequence of them is the same with or without
-    the broadcast; the engine broadcasts them once before each evaluation, so model.pt and every
-    reported figure are unchanged (tests/test_engine.py compares them bitwise). Any other
-    buffer (a user's step counter, spectral norm's vectors) may shape the forward: then DDP keeps
-    broadcasting.
+    ConvNet, ~0.2 ms of host time each step on an H100). In training mode a plain BatchNorm's
+    running statistics do not enter the forward (a BatchNorm frozen in eval mode uses them, but
+    does not change them), and rank 0's own sequence of them is the same with or without the
+    broadcast. The engine broadcasts every buffer once after wrapping and again before each
+    evaluation, so model.pt and every reported figure are unchanged (tests/test_engine.py
+    compares them bitwise). Any other buffer (a user's step counter, spectral norm's vectors)
+    may shape the forward: then DDP keeps broadcasting.
     """
-    bn = {id(b) for m in model.modules() if isinstance(m, _BatchNorm) for b in m.buffers(recurse=False)}
+    bn = {id(b) for m in model.modules() if type(m) in PLAIN_BATCHNORM for b in m.buffers(recurse=False)}
     return all(id(b) in bn for b in model.buffers())

@@ -32,7 +32,7 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozense
         flag = "--" + f.name.replace("_", "-")
         typ = _parse_type(str(f.type))
         shown = "recipe" if f.default is None else f.default
-        text = f"{f.metadata['help']} (default: {shown})"
+        text = f.metadata["help"] if "default:" in f.metadata["help"] else f"{f.metadata['help']} (default: {shown})"
         if typ is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
