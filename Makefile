@@ -9,10 +9,12 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.2
 .PHONY: venv train-mnist test clean
 venv: $(VENV)/.installed
 
+# pip install gets three tries: a download broken off mid-file (IncompleteRead) is not retried by pip itself.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q $(TORCH_PINS) -e '.[test]'
+	for try in 1 2 3; do $(VENV)/bin/python -m pip install -q $(TORCH_PINS) -e '.[test]' && exit 0; \
+	  echo "pip install failed (try $$try of 3)" >&2; sleep 5; done; exit 1
 	touch $@
 
 train-mnist: venv
