@@ -73,6 +73,15 @@ def check_host_only(tree, what: str) -> None:
             check_host_only(value, what)
 
 
+def weights_mismatch(mine: dict, theirs: dict) -> str:
+    """How ``theirs`` (a state dict) fails to fit ``mine``, name for name and shape for shape; "" if it fits."""
+    missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    shapes = sorted(k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape))
+    parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+             f"other shapes {shapes[:5]}" if shapes else ""]
+    return "; ".join(p for p in parts if p)
+
+
 def read_weights(path: str | Path, what: str = "weights file") -> dict:
     """Model weights from a model.pt (a plain state_dict) or a ddpkit snapshot, onto the CPU.
 

@@ -25,9 +25,9 @@ The CUDA-only branches in ddpkit, and why each cannot be shared with the CPU pat
 * ``checkpoint.py``: the CUDA generator's state joins the CPU ones.
 * ``metrics.py``: peak memory is CUDA's allocator peak, or the process's peak RSS on CPU.
 * ``engine.py``: DDP gets ``device_ids`` on CUDA, as DDP requires for single-device modules.
-* ``models.py``: ``to_channels_last`` keeps conv weights with a size-1 dimension contiguous on
-  CUDA, where cuDNN makes their gradients so; on CPU oneDNN follows the weight's strides,
-  and changing them would change CPU results.
+* ``models.py``: ``to_channels_last`` keeps the weights of convolutions on 1-channel input
+  contiguous on CUDA, where cuDNN makes their gradients so; on CPU oneDNN follows the
+  weight's strides, and changing them would change CPU results.
 """
 
 from __future__ import annotations

@@ -22,13 +22,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import Checkpointer, read_weights, set_rng_state
+from .checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
 from .data import DataSplits, ImageData
 from .data.loader import EvalSource, Preprocess, make_train_source
 from .dist import DistContext
 from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
-from .metrics import Accumulator, MetricLogger, peak_memory_mb
+from .metrics import Accumulator, MetricLogger, means, peak_memory_mb
 from .models import to_channels_last, uses_conv
 from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule, user_optimizer, user_schedule
 from .rundir import on_rank0, write_config, write_model, write_summary
@@ -148,10 +148,10 @@ class Engine:
     def _fits(self, snap: dict) -> None:
         """Raise unless ``snap`` can be loaded into this run as it is: checked before anything is
         changed, so a damaged or foreign snapshot is skipped for the one before it."""
-        state, mine = snap["trainer"], self.raw.state_dict()
-        theirs = state["model"]
-        if set(theirs) != set(mine) or any(tuple(theirs[k].shape) != tuple(v.shape) for k, v in mine.items()):
-            raise ValueError("its model weights are not this model's (other names or shapes)")
+        state = snap["trainer"]
+        problem = weights_mismatch(self.raw.state_dict(), state["model"])
+        if problem:
+            raise ValueError(f"its model weights are not this model's: {problem}")
         groups = state["optimizer"]["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.opt.param_groups]:
             raise ValueError("its optimizer state is for other parameters")
@@ -319,8 +319,9 @@ class Engine:
 
     def _evaluate(self) -> tuple[dict, torch.Tensor]:
         model = self.ema.module if self.ema is not None else self.raw
-        # DDP broadcasts rank 0's buffers (BN running stats) at the start of each forward, so after
-        # the last step every other rank still holds its own. Evaluate what model.pt will hold.
+        # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
+        # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
+        # what model.pt (rank 0's) will hold.
         for buf in model.buffers():
             self.ctx.broadcast(buf)
         return evaluate(model, self.eval_src, self.task, self.cfg, self.ctx)
@@ -336,12 +337,8 @@ class Engine:
         out = []
         for rank, row in enumerate(rows):
             train, test = row[:2 * k], row[2 * k:]
-            figures = {"rank": rank, **self.acc.means(train, "train_")}
-            m = len(test_names)
-            figures.update({f"test_{name}": (test[i] / test[m + i] if test[m + i] else None)
-                            for i, name in enumerate(test_names)})
-            figures["test_samples"] = int(test[-1])
-            out.append(figures)
+            out.append({"rank": rank, **self.acc.means(train, "train_"), **means(test_names, test[:-1], "test_"),
+                        "test_samples": int(test[-1])})
         return out
 
     def _finish(self) -> dict:

@@ -81,10 +81,13 @@ class Accumulator:
         self.counts.copy_(values[k:])
 
     def means(self, totals: list[float], prefix: str = "") -> dict[str, float | None]:
-        """{prefix+name: sum/count} from a [sums..., counts...] list (None where nothing was counted)."""
-        k = len(self.names)
-        return {prefix + name: (totals[i] / totals[k + i] if totals[k + i] else None)
-                for i, name in enumerate(self.names)}
+        return means(self.names, totals, prefix)
+
+
+def means(names: tuple[str, ...], totals: list[float], prefix: str = "") -> dict[str, float | None]:
+    """{prefix+name: sum/count} from a [sums..., counts...] list (None where nothing was counted)."""
+    k = len(names)
+    return {prefix + name: (totals[i] / totals[k + i] if totals[k + i] else None) for i, name in enumerate(names)}
 
 
 def peak_memory_mb(ctx: DistContext) -> float:

@@ -13,6 +13,7 @@ TOML values always win; the resolved values are what config.toml records.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -20,13 +21,14 @@ from .errors import ConfigError
 BASE = dict(model="convnet", optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4,
             schedule="onecycle", warmup_frac=0.2, label_smoothing=0.0, ema=0.0, tta=False, batch_size=256, amp="none")
 
+# Seed ConvNet on MNIST: Nesterov SGD with a short linear warm-up then linear decay to 0.
+MNIST = dict(model="convnet", batch_size=128, lr=0.1, weight_decay=5e-4, schedule="onecycle", warmup_frac=0.15)
+
 RECIPES: dict[str, dict] = {
-    # Seed ConvNet on MNIST: Nesterov SGD with a short linear warm-up then linear decay to 0.
-    "mnist": dict(model="convnet", batch_size=128, lr=0.1, weight_decay=5e-4, schedule="onecycle", warmup_frac=0.15),
+    "mnist": MNIST,
     # The same with bf16 autocast, for CPUs that have bf16 instructions; emulated elsewhere, bf16 is ~8x slower
     # (seed ConvNet, 100 images, one AVX2 thread: 74 ms fp32, 584 ms bf16).
-    "mnist-cpu-bf16": dict(model="convnet", batch_size=128, lr=0.1, weight_decay=5e-4, schedule="onecycle",
-                           warmup_frac=0.15, amp="bf16"),
+    "mnist-cpu-bf16": {**MNIST, "amp": "bf16"},
     # Page-style ResNet-9 (DAWNBench): lr 0.4 per mean-loss batch of 512, linear up for the
     # first quarter then linear down, label smoothing 0.2, flip TTA at eval.
     "cifar10-resnet9": dict(model="resnet9", batch_size=512, lr=0.4, weight_decay=5e-4, schedule="onecycle",
@@ -58,7 +60,7 @@ def native_cpu_bf16(device: str) -> bool:
     if resolve_device_type(device) != "cpu":
         return False
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .checkpoint import read_weights
+from .checkpoint import read_weights, weights_mismatch
 from .config import TrainConfig
 from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
 from .data.batch import first_tensor
@@ -252,13 +252,9 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> N
 
 def check_weights_fit(model: nn.Module, path: str | Path, what: str = "--init-from") -> None:
     """The file's tensors must be the model's, name for name and shape for shape."""
-    theirs, mine = read_weights(path, what), model.state_dict()
-    missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
-    shapes = [k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape)]
-    if missing or unexpected or shapes:
-        parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
-                 f"other shapes {sorted(shapes)[:5]}" if shapes else ""]
-        raise ConfigError(f"{what} {path} does not fit the model: {'; '.join(p for p in parts if p)}")
+    problem = weights_mismatch(model.state_dict(), read_weights(path, what))
+    if problem:
+        raise ConfigError(f"{what} {path} does not fit the model: {problem}")
 
 
 def sample_batch(splits: DataSplits, n: int = 2) -> Any:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import ConfigError, DataError
+from .batch import tensor_leaves, tree_map
 from .cifar import LAYOUTS as CIFAR_LAYOUTS
 from .cifar import read_cifar_split
 from .idx import read_idx_pair
@@ -91,33 +92,13 @@ class TensorData(Dataset):
 
     def take(self, index):
         """The samples at ``index`` (an int, or a tensor of indices for a batch)."""
-        return _map(lambda t: t[index], self.tree)
+        return tree_map(lambda t: t[index], self.tree)
 
     def to(self, device) -> "TensorData":
-        return TensorData(_map(lambda t: t.to(device), self.tree))
+        return TensorData(tree_map(lambda t: t.to(device), self.tree))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in tensor_leaves(self.tree))
-
-
-
-def _map(fn, tree):
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map(fn, v) for k, v in tree.items()}
-    return type(tree)(_map(fn, v) for v in tree)
-
-
-def tensor_leaves(tree) -> list:
-    """The tensors of a tuple/list/dict nest (other leaves, such as strings, are not tensors: skipped)."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [leaf for v in tree.values() for leaf in tensor_leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for v in tree for leaf in tensor_leaves(v)]
-    return []
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Batches of any structure: tensors, tuples, lists, dicts and nests of them.
 
     batch = to_device(batch, device)     # every tensor moved (non-blocking), structure kept
+    tree_map(fn, batch), tensor_leaves(batch)
     leading_size(batch)                  # samples in it: the first tensor's first dimension
     structure(sample)                    # types, shapes and dtypes, for a dataset's fingerprint
 """
@@ -8,34 +9,40 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
+def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor; other leaves (strings, numbers) unchanged."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):  # a plain dict whatever the mapping type: what model(**batch) needs
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(tree_map(fn, v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(tree_map(fn, v) for v in tree)
+    return tree
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree``, depth first, in insertion order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, Mapping) else tree if isinstance(tree, (list, tuple)) else ()
+    return [leaf for value in values for leaf in tensor_leaves(value)]
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device``; other leaves (strings, numbers) unchanged."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):  # a plain dict whatever the mapping type: what model(**batch) needs
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    """``batch`` with every tensor on ``device`` (non-blocking), structure kept."""
+    return tree_map(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
-    """The first tensor in ``batch``, depth first, in insertion order."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        found = first_tensor(value)
-        if found is not None:
-            return found
-    return None
+    leaves = tensor_leaves(batch)
+    return leaves[0] if leaves else None
 
 
 def leading_size(batch: Any) -> int:

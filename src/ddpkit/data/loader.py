@@ -34,9 +34,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import ConfigError, DdpkitError
 from ..dist import cpu_threads
-from . import DataSplits, ImageData, Meta, TensorData, tensor_leaves
+from . import DataSplits, ImageData, Meta, TensorData
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
-from .batch import to_device
+from .batch import tensor_leaves, to_device
 
 
 def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:

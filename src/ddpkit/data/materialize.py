@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
 from ..dist import cpu_cores
-from . import DataSplits, ImageData, TensorData, tensor_leaves
+from . import DataSplits, ImageData, TensorData
+from .batch import tensor_leaves
 
 HOST_FRACTION = 0.25  # of the memory available, for all the data held in memory on a node
 
