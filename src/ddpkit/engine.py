@@ -96,7 +96,7 @@ class Engine:
             raw = to_channels_last(raw, ctx.device.type)
         ddp = None
         # At world size 1 there is nothing to all-reduce, and the wrapper's per-step work (hooks,
-        # bucket copies, buffer broadcasts) cost a third of the seed ConvNet's step on an H100
+        # bucket copies, buffer broadcasts) took 20-37% of the seed ConvNet's step on an H100
         # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
         if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
             sync_buffers = not only_batchnorm_buffers(raw)
