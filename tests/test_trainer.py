@@ -15,8 +15,8 @@ from conftest import cli_env, run_cli
 from ddpkit import TrainConfig, Trainer
 from ddpkit.errors import ConfigError, RunDirError, TaskError
 from ddpkit.models import ConvNet
-from user_code import (CharModel, DictData, OwnLossModel, RegressionMLP, Sequences, dict_mae, mae, mse,
-                       per_token_loss, regression_data, token_loss)
+from user_code import (CharModel, DictData, OwnLossModel, RegressionMLP, Sequences, dict_mae, first_token_share, mae,
+                       mse, per_token_loss, regression_data, token_loss)
 
 SMALL = dict(batch_size=32, epochs=2, lr=0.05, progress=False, device="cpu", num_workers=0, log_every=5)
 
@@ -101,7 +101,7 @@ def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
     for nproc in ("1", "2", "3"):
         trainer = Trainer(TrainConfig(nproc=nproc, run_dir=str(tmp_path / nproc), **SMALL), model=model,
                           train_data=Sequences(64, 0), test_data=test, loss_fn=token_loss,
-                          metrics={"loss": per_token_loss, "share": lambda out, b: (b[2][:, 0].sum(), len(b[2]))})
+                          metrics={"loss": per_token_loss, "share": first_token_share})
         results[nproc] = trainer.evaluate()
     for nproc, r in results.items():
         assert r["world_size"] == int(nproc) and r["test_samples"] == 101

@@ -107,6 +107,11 @@ def per_token_loss(losses, batch):
     return (losses * mask).sum(), mask.sum()
 
 
+def first_token_share(outputs, batch):
+    """A per-sample metric: the share of sequences whose first token counts (all of them)."""
+    return batch[2][:, 0].sum(), len(batch[2])
+
+
 # ---------------------------------------------------------------- dict batches, model's own loss
 class DictData(Dataset):
     def __init__(self, n: int, seed: int):
@@ -157,3 +162,33 @@ class TaggedConvNet(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+# ---------------------------------------------------------------- models ddpkit check must reject
+class RankNoiseMLP(RegressionMLP):
+    """Adds noise that depends on the rank: N processes cannot compute what 1 does."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return super().forward(x) + 1e-3 * rank
+
+
+class BatchNormMLP(nn.Module):
+    """BatchNorm on features whose scale differs per rank's share of the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def uneven_data(n: int) -> TensorDataset:
+    """Sample i has scale 1 + 3 * (i % 2): with 2 ranks taking alternate indices of a shuffled order,
+    each rank's batch statistics differ from the global batch's."""
+    x, y = regression_data(n, 0).tensors
+    scale = 1 + 3 * (torch.arange(n) % 2).float()[:, None]
+    return TensorDataset(x * scale, y)

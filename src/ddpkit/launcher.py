@@ -49,7 +49,7 @@ import torch
 
 from .dist import cpu_threads, distributed, resolve_device_type, timeout_message, under_launcher, write_error_file
 from .errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped, WorkersFailed
-from .prestart import forkserver_available, forkserver_running, prestart_workers
+from .prestart import forkserver_available, prestart_workers
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 
 RESULT_GRACE_S = 5.0  # after returning a stop or failure, a worker exits this long later if nobody reads it
@@ -285,22 +285,21 @@ def refuse_if_importing_main() -> None:
 def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:
     """How workers start.
 
-    * ``fork`` from this process where that is safe (CPU, CUDA untouched here: a forked child
-      cannot use its parent's CUDA context) and costs nothing: each rank gets one intra-op
-      thread anyway (as many ranks as cores), the one thread a forked child may run. torch is
-      loaded here already, so this is the quickest start, as for a Python script or notebook.
-    * the forkserver (:mod:`ddpkit.prestart`) when it can import ``fn`` and its arguments: the
+    * the forkserver (:mod:`ddpkit.prestart`) when it can import ``fn`` and its arguments: a
+      single-threaded process that imported torch once, so each fork is safe and quick. The
       CLI starts it first thing, so its import of torch overlaps the launcher's.
-    * ``fork`` where nothing else can import ``fn`` (a notebook's or ``python -c``'s code, a lambda).
+    * ``spawn`` where a platform has no forkserver.
+    * ``fork`` from this process only where nothing else can import ``fn`` (a notebook's or
+      ``python -c``'s code, a lambda), and only on CPU with CUDA untouched here. It is the last
+      resort because this process is multi-threaded by then (the elastic agent's store server
+      and keep-alive timer, OpenMP's pool), and a child forked while another thread holds a
+      lock can deadlock: once in ~1500 forks a rank hung before joining the process group, in
+      CI. Python 3.14 moved its own default from fork to forkserver for the same reason.
     """
-    fork_safe = device_type == "cpu" and not torch.cuda.is_initialized() and "fork" in \
-        multiprocessing.get_all_start_methods()
-    if fork_safe and cpu_threads(nproc) == 1 and not forkserver_running():
-        return "fork"
     problem = unspawnable(fn, args)
     if problem is None:
         return "forkserver" if forkserver_available() else "spawn"
-    if fork_safe:
+    if device_type == "cpu" and not torch.cuda.is_initialized() and "fork" in multiprocessing.get_all_start_methods():
         return "fork"
     raise ConfigError(f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
                       f"Move it into a .py file and import it from there")

@@ -31,9 +31,3 @@ def prestart_workers() -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
 
-
-def forkserver_running() -> bool:
-    """Whether this process has started its forkserver (a CPython detail, read defensively)."""
-    from multiprocessing import forkserver
-
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
