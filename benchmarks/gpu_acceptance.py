@@ -124,7 +124,7 @@ def epoch_records(run_dir: str) -> list[dict]:
 def resnet9_throughput(env: Env) -> Check:
     c = Check("resnet9, CIFAR-shaped synthetic, bf16, channels_last, 1 GPU", ">= 60,000 img/s training")
     # tiny: fp32 and 16x16, since bf16 convolutions on this CPU are ~100x slower than fp32 (BENCHMARKS.md)
-    size, batch, shape, amp = (256, 32, "3,16,16", "none") if env.tiny else (25_600, 512, "3,32,32", "bf16")
+    size, batch, shape, amp = (96, 32, "3,16,16", "none") if env.tiny else (25_600, 512, "3,32,32", "bf16")
     run_dir = env.run_dir()
     env.train(dataset="synthetic", synthetic_size=size, synthetic_shape=shape, model="resnet9", batch_size=batch,
               amp=amp, channels_last=True, epochs=3, run_dir=run_dir)
@@ -159,8 +159,9 @@ def world_one_overhead(env: Env) -> Check:
 
 
 def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
-    n, batch, kill_at = (2000, 100, 25) if env.tiny else (12_800, 128, 130)
-    args = ["--dataset", "mnist", "--limit-train", str(n), "--limit-test", "2000", "--batch-size", str(batch),
+    n, batch, kill_at = (1000, 50, 25) if env.tiny else (12_800, 128, 130)
+    args = ["--dataset", "mnist", "--limit-train", str(n), "--limit-test", "500" if env.tiny else "2000",
+            "--batch-size", str(batch),
             "--lr", "0.05", "--epochs", "2", "--log-every", "5", "--save-every-steps", "20", "--no-progress",
             "--device", env.device, "--nproc", "1", "--max-restarts", "1"]
     args += ["--deterministic"] if deterministic else []

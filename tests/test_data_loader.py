@@ -75,15 +75,30 @@ def test_mid_epoch_start_matches_the_uninterrupted_tail():
 
 
 def test_each_sample_gets_its_own_crop_and_flip():
-    offsets, flips = epoch_params(256, seed=0, epoch=0, rank=0, augment="crop-flip")
+    offsets, flips = epoch_params(256, seed=0, epoch=0, augment="crop-flip")
     assert len(set(map(tuple, offsets.tolist()))) > 40  # 81 possible offsets
     assert 0.3 < flips.float().mean() < 0.7
     x = torch.full((256, 1, 8, 8), 7, dtype=torch.uint8)
     x[:, :, 0, 0] = 200
     out = crop_flip(x, offsets, flips, pad=4)
     assert len({tuple(o.flatten().tolist()) for o in out}) > 40  # different samples, different views
-    other_rank = epoch_params(256, seed=0, epoch=0, rank=1, augment="crop-flip")[0]
-    assert not torch.equal(offsets, other_rank)
+    next_epoch = epoch_params(256, seed=0, epoch=1, augment="crop-flip")[0]
+    assert not torch.equal(offsets, next_epoch)
+
+
+def test_a_samples_augmentation_is_the_same_whatever_the_world_size():
+    """Regression: draws came from (seed, epoch, rank) by position, so 2 ranks augmented each sample
+    differently from 1 rank, and `ddpkit check` failed every augmented dataset."""
+    images = torch.arange(64, dtype=torch.uint8).view(64, 1, 1, 1).expand(64, 3, 8, 8).contiguous()
+    data = ImageData(images, torch.arange(64))
+    seen = {}
+    for world in (1, 2):
+        for rank in range(world):
+            src = ResidentSource(data, META, cfg(), ctx(rank, world), per_rank_batch=32 // world, on_device=True)
+            for x, y in src.batches(0):
+                for img, label in zip(x, y):
+                    seen.setdefault(int(label), []).append(img)
+    assert len(seen) == 64 and all(len(v) == 2 and torch.equal(v[0], v[1]) for v in seen.values())
 
 
 def test_crop_and_flip_on_a_hand_built_image():

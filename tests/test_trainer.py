@@ -390,3 +390,18 @@ def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert errors == ["ddpkit: error: rank 1 raised ValueError: my bug on rank 1 (its traceback is above)"], \
         proc.stderr[-2000:]
+
+
+def test_max_steps_stops_mid_epoch_and_float64_reaches_the_model_and_its_batches(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = RegressionMLP()  # float32: --dtype float64 converts it, and the float32 data too
+    result = Trainer(TrainConfig(nproc="1", max_steps=3, dtype="float64", quiet=True, run_dir=str(tmp_path / "r"),
+                                 **dict(SMALL, epochs=5)), model=model, train_data=regression_data(256, 0),
+                     test_data=regression_data(64, 1), loss_fn=mse).fit()
+    assert result["steps"] == 3 and result["epochs"] == 5  # 8 steps per epoch: stopped 3 steps in
+    state = torch.load(result.run_dir / "model.pt", weights_only=True)
+    assert all(v.dtype == torch.float64 for v in state.values())
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "step"] == [3]  # the last step always logs
+    assert len([r for r in records if r["event"] == "epoch"]) == 1
+    assert "[epoch]" not in capsys.readouterr().out  # quiet

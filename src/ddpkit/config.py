@@ -68,6 +68,10 @@ class TrainConfig:
                            "they break with BatchNorm under DDP)", ("default", "max-autotune-no-cudagraphs"))
     ddp: Optional[bool] = _f(None, "model", "wrap in DistributedDataParallel (default: when world size > 1; --ddp at "
                              "world size 1 to measure the wrapper)")
+    comm_hook: str = _f("none", "model", "DDP communication hook: gradients all-reduced as bf16 or fp16 (half the "
+                        "bytes), or PowerSGD rank-1 compressed (its error-feedback state is not saved in snapshots)",
+                        ("none", "bf16", "fp16", "powersgd"))
+    zero: bool = _f(False, "model", "ZeroRedundancyOptimizer: each rank holds 1/world_size of the optimizer state")
     # [optim]
     recipe: str = _f("auto", "optim", "named preset filling every unset field below (auto: by dataset)")
     optimizer: Optional[str] = _f(None, "optim", "sgd | adam | adamw", (None, "sgd", "adam", "adamw"))
@@ -88,6 +92,15 @@ class TrainConfig:
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
     grad_accum: int = _f(1, "train", "micro-batches per optimizer step: each rank runs batch_size // world_size "
                          "// grad_accum samples at a time and all-reduces once per step")
+    max_steps: int = _f(0, "train", "stop after this many optimizer steps in all (0 = run every epoch); the LR "
+                        "schedule spans them, and a partial last epoch counts as one")
+    dtype: str = _f("float32", "train", "parameter and input dtype: float64 makes reduction-order noise ~1e-16 "
+                    "(exact comparisons on CPU; see ddpkit check)", ("float32", "float64"))
+    join: bool = _f(False, "train", "uneven inputs: each rank takes its own share of every epoch, none dropped or "
+                    "padded (ranks' step counts may differ by one); DDP's Join stands in for ranks that finish "
+                    "first. DataLoader path; logs and snapshots at epoch ends only")
+    grad_sync: bool = _f(True, "train", "all-reduce gradients; off only for ddpkit bench's compute-only timing "
+                         "(the ranks then diverge)", cli=False)
     amp: Optional[str] = _f(None, "train", "mixed precision: bf16 | fp16 (with GradScaler) | none (default: the "
                             "recipe's: none, or bf16 on CPUs with native bf16 for MNIST)", (None, "none", "bf16", "fp16"))
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
@@ -99,6 +112,8 @@ class TrainConfig:
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
+    quiet: bool = _f(False, "run", "no per-interval or per-epoch lines on the console (metrics.jsonl still gets "
+                     "them); warnings and errors still print")
     resume: str = _f("auto", "run", "auto: continue from the run dir's newest snapshot (or return its result if "
                      "finished) | never: refuse a run dir that already holds a run", ("auto", "never"))
     on_nan: str = _f("stop", "run", "non-finite loss or weights, checked at log intervals and before each snapshot: "
@@ -163,7 +178,21 @@ class TrainConfig:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.clip_grad_norm < float("inf"):
             raise ConfigError(f"--clip-grad-norm must be >= 0 (0 = off), got {self.clip_grad_norm}")
-        nonneg = {"limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
+        if self.dtype == "float64" and self.amp not in (None, "none"):
+            raise ConfigError(f"--dtype float64 and --amp {self.amp} contradict each other; drop one")
+        if self.zero and (self.ema or str(self.optimizer).startswith("custom:")):
+            raise ConfigError("--zero shards ddpkit's own optimizer; it cannot wrap your own optimizer or run "
+                              "with --ema")
+        if self.join:
+            clash = [flag for flag, on in (("--sync-bn", self.sync_bn), ("--max-steps", self.max_steps),
+                                           ("--save-every-steps", self.save_every_steps), ("--ema", self.ema),
+                                           ("--grad-accum", self.grad_accum > 1), ("--amp fp16", self.amp == "fp16"),
+                                           ("--data-path device/host", self.data_path in ("device", "host")))
+                     if on]
+            if clash:
+                raise ConfigError(f"--join cannot be combined with {', '.join(clash)}: Join stands in only for DDP's "
+                                  f"and ZeRO's own all-reduces, and ranks run different step counts")
+        nonneg = {"max_steps": self.max_steps, "limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
                   "save_every_steps": self.save_every_steps, "max_restarts": self.max_restarts,
                   "weight_decay": self.weight_decay, "momentum": self.momentum}
         for name, value in nonneg.items():
@@ -201,7 +230,7 @@ class TrainConfig:
     # Fields that change where or how verbosely a run happens, not what it computes:
     # a run directory may be resumed with different values of these.
     NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
-                              "nproc", "data_path", "device_data_fraction", "on_nan", "save_every_steps",
+                              "nproc", "data_path", "device_data_fraction", "on_nan", "quiet", "save_every_steps",
                               "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
                               "ddp"})  # ddp: at world 1 the wrapper changes no bit (tests/test_engine.py)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,13 +25,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
 from .data import DataSplits, ImageData
-from .data.loader import EvalSource, Preprocess, make_train_source
+from .data.loader import EvalSource, Preprocess, float_dtype, make_train_source
 from .dist import DistContext
 from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
 from .metrics import Accumulator, MetricLogger, means, peak_memory_mb
 from .models import to_channels_last, uses_conv
-from .optim import EMA, autocast, build_optimizer, build_scaler, build_schedule, user_optimizer, user_schedule
+from .optim import (EMA, autocast, build_optimizer, build_scaler, build_schedule, optimizer_state, user_optimizer,
+                    user_schedule)
 from .rundir import on_rank0, write_config, write_model, write_summary
 from .signals import StopSignal
 from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
@@ -42,6 +44,47 @@ SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signa
     else "broadcast_buffers"
 
 
+def make_sources(splits: DataSplits, cfg, ctx: DistContext):
+    """This rank's train and eval batch sources (the engine's, and what ``ddpkit check`` counts)."""
+    per_rank_batch = cfg.batch_size // ctx.world_size
+    train_src = make_train_source(splits, cfg, ctx, per_rank_batch // cfg.grad_accum, group=cfg.grad_accum)
+    test = splits.test
+    if getattr(train_src, "on_device", False) and isinstance(test, ImageData):
+        test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
+    eval_src = EvalSource(test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last), float_dtype(cfg)), cfg,
+                          ctx, max(256, per_rank_batch), splits.collate_fn)
+    return train_src, eval_src
+
+
+def register_comm_hook(ddp: DDP, name: str) -> None:
+    """``--comm-hook``: all-reduce gradients as bf16/fp16 (cast back after), or PowerSGD rank-1.
+
+    PowerSGD all-reduces plainly for its first 10 steps, then compresses each gradient matrix
+    to rank 1 with error feedback; that feedback state lives in the hook and is not part of
+    snapshots, so a resumed PowerSGD run restarts it (not bitwise-exact).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "none":
+        return
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return
+    ddp.register_comm_hook(None, {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[name])
+
+
+def ddp_timers(ddp: DDP | None) -> dict | None:
+    """DDP's own averages (ns) of forward, backward compute, backward comm and their overlap, where the
+    installed torch exposes them (``_get_ddp_logging_data``, a private API; sampled every 100 iterations)."""
+    try:
+        data = ddp._get_ddp_logging_data() if ddp is not None else {}
+    except Exception:  # a private API: gone or changed in this torch
+        return None
+    timers = {k: int(v) for k, v in data.items() if k.startswith("avg_") and str(v).lstrip("-").isdigit()}
+    return timers or None
+
+
 class Engine:
     def __init__(self, cfg, ctx: DistContext, model: nn.Module, splits: DataSplits, task: Task,
                  optimizer=None, scheduler=None, static_graph: bool = False, t0: float | None = None):
@@ -49,21 +92,19 @@ class Engine:
         self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
-        self.train_src = make_train_source(splits, cfg, ctx, self.per_rank_batch // self.accum, group=self.accum)
-        self.steps_per_epoch = self.train_src.steps_per_epoch // self.accum  # optimizer steps
-        test = splits.test
-        if getattr(self.train_src, "on_device", False) and isinstance(test, ImageData):
-            test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
-        self.eval_src = EvalSource(test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last)), cfg, ctx,
-                                   max(256, self.per_rank_batch), splits.collate_fn)
+        self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
+        # Optimizer steps per epoch; with --join this rank may run fewer, and catches up after the Join.
+        self.steps_per_epoch = getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
         self.data_note = splits.note
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
-        self.raw, self.ddp, self.model = self._setup_model(model, static_graph and self.accum == 1)
+        self.raw, self.ddp, self.model = self._setup_model(model, static_graph and self.accum == 1 and cfg.grad_sync)
         self.opt = user_optimizer(optimizer, self.raw) if optimizer is not None else \
-            build_optimizer(self.raw, cfg, ctx.device)
+            build_optimizer(self.raw, cfg, ctx.device, zero=cfg.zero)
         self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = user_schedule(scheduler, self.opt, self.total_steps) if scheduler is not None else \
             build_schedule(self.opt, cfg, self.total_steps)
         self.scaler = build_scaler(cfg, ctx.device)
@@ -74,7 +115,7 @@ class Engine:
         self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
         self._no_norm = [(0.0, 0.0)] * len(extra)
         self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots)
-        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress)
+        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress, cfg.quiet)
         # position and totals: part of every snapshot
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.train_time_s = self.compile_time_s = 0.0
@@ -90,6 +131,8 @@ class Engine:
     def _setup_model(self, model: nn.Module, static_graph: bool) -> tuple[nn.Module, DDP | None, nn.Module]:
         cfg, ctx = self.cfg, self.ctx
         raw = model.to(ctx.device)
+        if cfg.dtype == "float64":  # float32 (the default) leaves a user's own float64 model as it is
+            raw = raw.double()
         if cfg.sync_bn:
             raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
         if cfg.channels_last and uses_conv(raw):
@@ -107,6 +150,7 @@ class Engine:
             if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
                 for buf in raw.buffers():
                     ctx.broadcast(buf)
+            register_comm_hook(ddp, cfg.comm_hook)
         wrapped = ddp or raw
         if cfg.compile:
             wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
@@ -115,7 +159,7 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"model": self.raw.state_dict(), "optimizer": self.opt.state_dict(),
+        return {"model": self.raw.state_dict(), "optimizer": optimizer_state(self.opt, self.ctx),
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                 "ema": self.ema.state_dict() if self.ema else None,
                 "position": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step},
@@ -179,7 +223,7 @@ class Engine:
                      grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
         try:
             with self._stop:
-                while self.epoch < self.cfg.epochs:
+                while self.epoch < self.cfg.epochs and self.global_step < self.total_steps:
                     self._run_epoch()
         finally:
             self.log.close()
@@ -194,36 +238,80 @@ class Engine:
         self._epoch_t0 = time.perf_counter() - self.epoch_elapsed_s
         self._interval_start(time.perf_counter(), totals)
         micro = self.train_src.batches(self.epoch, self.step_in_epoch * self.accum)
-        for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
-            if self._first_step_at is None:
-                self._first_step_at = time.time()
-            if cfg.compile and self.global_step == 0:
-                self._compile_step(group)
-                self._epoch_t0 += self.compile_time_s
-                self._interval_start(time.perf_counter(), totals)
-            else:
-                self._step(group)
-            self.step_in_epoch += 1
-            self.global_step += 1
-            last = self.step_in_epoch == self.steps_per_epoch
-            if self.step_in_epoch % cfg.log_every == 0 or last:
-                self._log_interval()
-            if not last and cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0:
-                self._snapshot()  # the epoch's last step is saved by _end_epoch, after eval
+        with self._join():
+            for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
+                if self._first_step_at is None:
+                    self._first_step_at = time.time()
+                if cfg.compile and self.global_step == 0:
+                    self._compile_step(group)
+                    self._epoch_t0 += self.compile_time_s
+                    self._interval_start(time.perf_counter(), totals)
+                else:
+                    self._step(group)
+                self.step_in_epoch += 1
+                self.global_step += 1
+                if cfg.join:
+                    continue  # ranks run different step counts: no collective of ours until all have joined
+                last = self.step_in_epoch == self.steps_per_epoch or self.global_step == self.total_steps  # --max-steps
+                if self.step_in_epoch % cfg.log_every == 0 or last:
+                    self._log_interval()
+                if last:
+                    break
+                if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0:
+                    self._snapshot()  # the epoch's last step is saved by _end_epoch, after eval
+        if cfg.join:
+            self._rejoin()
         # The epoch's last step always logs, and that all-reduce synced the device: reuse its totals.
         epoch_time = time.perf_counter() - self._epoch_t0
         self.epoch_elapsed_s = 0.0
         self.train_time_s += epoch_time
         self._end_epoch(self.acc.means(self._totals_last, "train_"), epoch_time,
-                        self.steps_per_epoch * self.per_rank_batch * self.ctx.world_size)
+                        self.step_in_epoch * self.per_rank_batch * self.ctx.world_size)
+
+    def _join(self):
+        """``--join``: DDP's (and ZeRO's) Join, under which a rank out of batches keeps answering the
+        others' gradient all-reduces with zeros until every rank is out."""
+        if not self.cfg.join or self.ddp is None:
+            return nullcontext()
+        from torch.distributed.algorithms.join import Join
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return Join([self.ddp, *([self.opt] if isinstance(self.opt, ZeroRedundancyOptimizer) else [])])
+
+    def _rejoin(self) -> None:
+        """After an uneven epoch, make the ranks alike again: the Join gave every rank the last
+        joiner's weights, but a rank that ran fewer steps skipped their schedule steps and
+        optimizer updates. It steps its schedule up to rank 0's count (rank 0 always has the most
+        batches) and takes rank 0's optimizer state; then the epoch's one log interval."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        missing = self.steps_per_epoch - self.step_in_epoch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
+            for _ in range(missing):
+                self.sched.step()
+        self.step_in_epoch += missing
+        self.global_step += missing
+        if not isinstance(self.opt, ZeroRedundancyOptimizer):  # ZeRO's own join hook keeps its shards
+            for group in self.opt.param_groups:
+                for p in group["params"]:
+                    state = self.opt.state.get(p, {})
+                    for key in sorted(state):
+                        if torch.is_tensor(state[key]):
+                            on_device = state[key].to(self.ctx.device)  # e.g. Adam's step count lives on the CPU
+                            self.ctx.broadcast(on_device)
+                            state[key].copy_(on_device)
+        self._log_interval()
 
     def _step(self, micro: tuple) -> None:
         """One optimisation step over ``grad_accum`` micro-batches. Hot path: no host sync of any kind."""
         self.opt.zero_grad(set_to_none=True)
         k = len(micro)
         for i, batch in enumerate(micro):
-            # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads.
-            with self.ddp.no_sync() if self.ddp is not None and i < k - 1 else nullcontext():
+            # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads
+            # (unless grad_sync is off: ddpkit bench's compute-only timing).
+            skip = self.ddp is not None and (i < k - 1 or not self.cfg.grad_sync)
+            with self.ddp.no_sync() if skip else nullcontext():
                 with self.autocast:
                     loss, outputs = self.task.loss(self.model, batch)
                 self.scaler.scale(loss / k if k > 1 else loss).backward()
@@ -359,7 +447,7 @@ class Engine:
                    **{f"final_{k}": v for k, v in self.final_train.items()}, **result,
                    "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
                    "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
-                   "finished_at": round(time.time(), 3), "per_rank": per_rank}
+                   "finished_at": round(time.time(), 3), "per_rank": per_rank, "ddp_timers": ddp_timers(self.ddp)}
         write_summary(cfg.run_dir, summary, ctx)
         self.log.log("summary", **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
                      **{k: summary[k] for k in ("train_time_s", "samples_per_s", "run_dir")})

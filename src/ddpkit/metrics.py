@@ -103,12 +103,13 @@ def peak_memory_mb(ctx: DistContext) -> float:
 class MetricLogger:
     """metrics.jsonl, console lines and a rich progress bar, all from global rank 0 only."""
 
-    def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True):
-        self.main = ctx.is_main
+    def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True,
+                 quiet: bool = False):
+        self.main, self.quiet = ctx.is_main, quiet
         self.path = Path(run_dir) / "metrics.jsonl"
         self.error: RunDirError | None = None  # a failed append; the engine's next all-reduce stops every rank
         self.bar = None
-        if self.main and progress and sys.stderr.isatty():
+        if self.main and progress and not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -126,7 +127,7 @@ class MetricLogger:
                     fh.write(json.dumps(record) + "\n")
             except OSError as exc:
                 self.error = RunDirError(describe_io_error(exc, self.path))
-        if event != "step" or self.bar is None:  # with a bar, step figures go into the bar instead
+        if not self.quiet and (event != "step" or self.bar is None):  # with a bar, step figures go into it
             self.print(_format(record))
 
     def rewind(self, global_step: int, epoch: int) -> None:

@@ -17,7 +17,7 @@ from .errors import ConfigError
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg, device: torch.device, zero: bool = False) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
         kwargs = dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
@@ -28,7 +28,24 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
     # 2.4), foreach elsewhere; both are exact re-orderings of the same per-parameter update, so
     # results match the for-loop version to rounding.
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if zero:
+        # Each rank keeps the optimizer state of its own shard of the parameters and broadcasts
+        # its updated shard; the update itself is the same arithmetic.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[cfg.optimizer], **kwargs, **impl)
     return OPTIMIZERS[cfg.optimizer](params, **kwargs, **impl)
+
+
+def optimizer_state(opt: torch.optim.Optimizer, ctx):
+    """The optimizer's whole state for a snapshot. Called on every rank: ZeRO gathers its shards
+    to global rank 0 (a collective), which alone returns them; the others return None."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(opt, ZeroRedundancyOptimizer):
+        return opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    return opt.state_dict() if ctx.rank == 0 else None
 
 
 def user_optimizer(spec, model: nn.Module) -> torch.optim.Optimizer:

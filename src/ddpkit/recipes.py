@@ -48,7 +48,7 @@ def pick(cfg) -> str:
     if cfg.dataset.startswith("imagefolder:"):
         return "imagefolder"
     name = AUTO.get(cfg.dataset, "none")
-    if name == "mnist" and native_cpu_bf16(cfg.device):
+    if name == "mnist" and cfg.dtype != "float64" and native_cpu_bf16(cfg.device):
         return "mnist-cpu-bf16"
     return name
 

@@ -2,7 +2,8 @@
 
 torch's ``nn.SyncBatchNorm`` computes its statistics with CUDA-only kernels, raises on
 CPU input, and DDP refuses it in CPU modules. :class:`AllReduceBatchNorm` computes the
-per-channel sum, sum of squares and count locally, in float32 on the input's device,
+per-channel sum, sum of squares and count locally, in float32 (float64 for a float64
+input) on the input's device,
 and all-reduces them through :class:`_AllReduceSum`, whose backward all-reduces the
 gradient, so autograd gives the same gradients as torch's kernels. Under autocast
 (``--amp bf16|fp16``) the statistics stay in float32 and the output takes the input's
@@ -55,10 +56,12 @@ class AllReduceBatchNorm(_BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or not dist.is_initialized() or dist.get_world_size() == 1:
             return super().forward(x)
-        xf = x.float()  # statistics in float32 whatever autocast made the activations
+        # Statistics in float32 whatever autocast made the activations, and in float64 for a
+        # float64 model (in float32 they moved a float64 run by ~1e-5 from 1 process: ddpkit check).
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         dims = [0] + list(range(2, x.dim()))
-        # Built on x's device in float32: exact up to 2**24 samples per channel over all ranks.
-        count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float32, device=x.device)
+        # Built on x's device: exact up to 2**24 samples per channel over all ranks in float32.
+        count = torch.full((1,), x.numel() // x.shape[1], dtype=xf.dtype, device=x.device)
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
         total = _AllReduceSum.apply(local)  # [sum (C), sum of squares (C), samples per channel (1)]
         c = x.shape[1]

@@ -40,7 +40,7 @@ from .config import TrainConfig
 from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.materialize import materialize
-from .data.loader import EvalSource, Preprocess
+from .data.loader import EvalSource, Preprocess, float_dtype
 from .dist import cpu_cores, distributed, under_launcher
 from .engine import Engine
 from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError, TaskError
@@ -455,9 +455,13 @@ def eval_worker(job: Job) -> dict:
         if model is None:
             m = splits.meta
             model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+            if cfg.dtype == "float64":
+                model.double()  # before loading: float64 weights would be rounded into float32 ones
             model.load_state_dict(read_weights(Path(cfg.run_dir) / "model.pt"))
         model.to(ctx.device)
-        source = EvalSource(splits.test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last)), cfg, ctx, 256,
-                            splits.collate_fn)
+        if cfg.dtype == "float64":
+            model.double()
+        source = EvalSource(splits.test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last), float_dtype(cfg)),
+                            cfg, ctx, 256, splits.collate_fn)
         result, _ = evaluate(model, source, job.task, cfg, ctx)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}

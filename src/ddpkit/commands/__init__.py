@@ -1,6 +1,6 @@
 """CLI subcommands: a plain dict of modules, each with ``HELP``, ``register(parser)`` and a ``run``."""
 
+from . import bench, check, train
 from . import eval as eval_cmd
-from . import train
 
-COMMANDS = {"train": train, "eval": eval_cmd}
+COMMANDS = {"train": train, "eval": eval_cmd, "check": check, "bench": bench}

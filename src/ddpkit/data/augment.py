@@ -1,9 +1,11 @@
 """Batched, per-sample augmentation and normalisation on uint8 image tensors.
 
 Every sample gets its own crop offset and flip, drawn for a whole epoch at once from
-(seed, epoch, rank), so a batch's augmentation depends only on its position in the
-epoch: the DataLoader path and the device-resident path produce identical batches,
-and a resumed run sees the same augmentations as one that never stopped. The same
+(seed, epoch) and indexed by the sample's index in the dataset. So a sample's augmentation
+does not depend on which rank draws it, or at which position: the DataLoader path and the
+device-resident path produce identical batches, a resumed run sees the same augmentations
+as one that never stopped, and N ranks see what 1 rank sees (``ddpkit check`` compares
+them; drawn per rank, they made augmented datasets fail it). The same
 code runs on CPU and CUDA tensors; there is no Python loop over samples and no PIL.
 """
 
@@ -16,9 +18,10 @@ import torch.nn.functional as F
 CROP_PAD = 4  # pixels of zero padding for random crops, as in the CIFAR seeds
 
 
-def epoch_params(n: int, seed: int, epoch: int, rank: int, augment: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Crop offsets [n, 2] (int64, 0..2*pad) and flip flags [n] (bool) for one rank's epoch."""
-    mixed = int(np.random.SeedSequence([seed, epoch, rank, 0xA06]).generate_state(1)[0])
+def epoch_params(n: int, seed: int, epoch: int, augment: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Crop offsets [n, 2] (int64, 0..2*pad) and flip flags [n] (bool) for every sample of an
+    ``n``-sample dataset in ``epoch``, by sample index."""
+    mixed = int(np.random.SeedSequence([seed, epoch, 0xA06]).generate_state(1)[0])
     gen = torch.Generator().manual_seed(mixed)
     pad = CROP_PAD if augment == "crop-flip" else 0
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=gen)

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DdpkitError
 from ..dist import cpu_threads
 from . import DataSplits, ImageData, Meta, TensorData
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
-from .batch import tensor_leaves, to_device
+from .batch import tensor_leaves, to_device, tree_map
 
 
 def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -47,11 +47,21 @@ def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.T
     return perm[rank:total:world]
 
 
-class Preprocess:
-    """uint8 batch on the device -> augmented (train) or plain (eval) normalised float batch."""
+def float_dtype(cfg) -> torch.dtype:
+    """The dtype ``--dtype`` asks for (float32 unless float64)."""
+    return torch.float64 if getattr(cfg, "dtype", "float32") == "float64" else torch.float32
 
-    def __init__(self, meta: Meta | None, device: torch.device, channels_last: bool):
-        self.meta = meta
+
+class Preprocess:
+    """uint8 batch on the device -> augmented (train) or plain (eval) normalised float batch.
+
+    With ``dtype`` float64 the image batch comes out in float64, and so do the floating
+    tensors of any other batch (:meth:`cast`); float32 leaves the user's tensors as they are.
+    """
+
+    def __init__(self, meta: Meta | None, device: torch.device, channels_last: bool,
+                 dtype: torch.dtype = torch.float32):
+        self.meta, self.dtype = meta, dtype
         self.norm = Normalize(meta.mean, meta.std, device, channels_last) if meta else None
         self.pad = CROP_PAD if meta and meta.augment == "crop-flip" else 0
 
@@ -60,10 +70,16 @@ class Preprocess:
             return x
         if self.meta.augment != "none":
             x = crop_flip(x, offsets, flips, self.pad)
-        return self.norm(x)
+        return self.norm(x).to(self.dtype)
 
     def eval(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.norm is None else self.norm(x)
+        return x if self.norm is None else self.norm(x).to(self.dtype)
+
+    def cast(self, batch):
+        """A user's batch with its floating tensors in float64 when that is asked for."""
+        if self.dtype == torch.float32:
+            return batch
+        return tree_map(lambda t: t.to(self.dtype) if t.is_floating_point() else t, batch)
 
 
 class _Source:
@@ -75,12 +91,22 @@ class _Source:
         self.n, self.meta, self.cfg, self.ctx, self.batch = n, meta, cfg, ctx, per_rank_batch
         self.per_rank = n // ctx.world_size
         self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
-        self.pre = Preprocess(meta, ctx.device, bool(cfg.channels_last))
+        self.pre = Preprocess(meta, ctx.device, bool(cfg.channels_last), float_dtype(cfg))
+
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """This rank's sample indices for ``epoch``, in the order its batches take them (what
+        ``ddpkit check`` counts): every index the epoch's steps use, and no other."""
+        return epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)[:self.used]
+
+    @property
+    def used(self) -> int:
+        return self.steps_per_epoch * self.batch
 
     def _params(self, epoch: int):
-        offsets, flips = epoch_params(self.per_rank, self.cfg.seed, epoch, self.ctx.rank,
-                                      self.meta.augment if self.meta else "none")
-        return offsets.to(self.ctx.device), flips.to(self.ctx.device)
+        """This rank's epoch of augmentation draws, in the order its batches take the samples."""
+        offsets, flips = epoch_params(self.n, self.cfg.seed, epoch, self.meta.augment if self.meta else "none")
+        mine = self.epoch_indices(epoch)
+        return offsets[mine].to(self.ctx.device), flips[mine].to(self.ctx.device)
 
 
 class HostStager:
@@ -144,7 +170,7 @@ class ResidentSource(_Source):
             self.stager = HostStager(data.images, data.labels, per_rank_batch, ctx.device)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)
+        order = self.epoch_indices(epoch)
         offsets, flips = self._params(epoch)
         b, steps = self.batch, self.steps_per_epoch
         if self.on_device:
@@ -188,10 +214,29 @@ class TensorSource(_Source):
         self.data = data.to(ctx.device)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
-        order = epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch).to(self.ctx.device)
+        order = self.epoch_indices(epoch).to(self.ctx.device)
         b = self.batch
         for step in range(start_step, self.steps_per_epoch):
-            yield self.data.take(order[step * b:(step + 1) * b])
+            yield self.pre.cast(self.data.take(order[step * b:(step + 1) * b]))
+
+
+class UnevenSampler(Sampler):
+    """DistributedSampler's shuffle without its padding or dropping: rank r takes every
+    world_size-th index of the epoch's permutation from r on, so every sample is used once and
+    the ranks' shares differ by at most one sample (``--join``)."""
+
+    def __init__(self, n: int, world: int, rank: int, seed: int):
+        self.n, self.world, self.rank, self.seed, self.epoch = n, world, rank, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=gen)[self.rank::self.world].tolist())
+
+    def __len__(self):
+        return len(range(self.rank, self.n, self.world))
 
 
 class LoaderSource(_Source):
@@ -201,11 +246,29 @@ class LoaderSource(_Source):
                  collate_fn=None):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.data, self.collate_fn = data, collate_fn
-        self.sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                          seed=cfg.seed, drop_last=True)
+        self.uneven = bool(getattr(cfg, "join", False))
+        if self.uneven:
+            self.sampler = UnevenSampler(len(data), ctx.world_size, ctx.rank, cfg.seed)
+            own = len(self.sampler)
+            self.steps_per_epoch = -(-own // per_rank_batch)  # this rank's, the last batch partial
+            self.max_steps_per_epoch = -(-len(range(0, self.n, ctx.world_size)) // per_rank_batch)  # rank 0's
+        else:
+            self.sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                              seed=cfg.seed, drop_last=True)
+            self.max_steps_per_epoch = self.steps_per_epoch
         self.positioned = _From(self.sampler)
         # Built once: with workers, they start once per run, not once per epoch.
-        self.loader = _dataloader(data, self.positioned, self.batch, cfg, ctx, collate_fn=collate_fn)
+        self.loader = _dataloader(data, self.positioned, self.batch, cfg, ctx, drop_last=not self.uneven,
+                                  collate_fn=collate_fn)
+
+    @property
+    def used(self) -> int:
+        return len(self.sampler) if self.uneven else self.steps_per_epoch * self.batch
+
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """The DistributedSampler's indices for ``epoch`` that the DataLoader's steps use."""
+        self.sampler.set_epoch(epoch)
+        return torch.tensor(list(itertools.islice(iter(self.sampler), self.used)), dtype=torch.long)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.sampler.set_epoch(epoch)
@@ -217,8 +280,10 @@ class LoaderSource(_Source):
             batch = to_device(batch, self.ctx.device)
             if self.meta is not None:  # an image dataset: uint8 (images, labels), augmented here
                 x, y = batch
-                sl = slice(step * self.batch, (step + 1) * self.batch)
+                sl = slice(step * self.batch, step * self.batch + len(y))
                 batch = (self.pre.train(x, offsets[sl], flips[sl]), y)
+            else:
+                batch = self.pre.cast(batch)
             yield batch
 
 
@@ -253,6 +318,8 @@ def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, col
 
 def choose_path(data: Dataset, cfg, ctx) -> str:
     """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here."""
+    if getattr(cfg, "join", False):
+        return "loader"  # its sampler is the one that neither pads nor drops
     if not isinstance(data, (ImageData, TensorData)):
         if cfg.data_path in ("device", "host"):
             raise ConfigError(f"--data-path {cfg.data_path} needs an in-memory dataset; {cfg.dataset} streams from disk")
@@ -297,12 +364,12 @@ class EvalSource:
         if self.loader is not None:
             for b in unwrapped(self.loader):
                 b = to_device(b, ctx.device)
-                yield (self.pre.eval(b[0]), b[1]) if self.pre.meta is not None else b
+                yield (self.pre.eval(b[0]), b[1]) if self.pre.meta is not None else self.pre.cast(b)
             return
         for start in range(0, len(self.indices), self.batch):
             idx = torch.tensor(self.indices[start:start + self.batch])
             if isinstance(data, TensorData):
-                yield to_device(data.take(idx.to(_device_of(data))), ctx.device)
+                yield self.pre.cast(to_device(data.take(idx.to(_device_of(data))), ctx.device))
             else:
                 yield self.pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
 
