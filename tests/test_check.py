@@ -69,6 +69,15 @@ def test_check_fails_on_batchnorm_without_syncbn_and_passes_with_it():
     assert with_sync.passed, with_sync.text()
 
 
+def test_a_batch_that_does_not_divide_is_a_config_error_before_any_run(tmp_path):
+    from ddpkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--batch-size 15 .* must divide by --nproc 2.*use 14 or 16"):
+        check(RegressionMLP(), regression_data(64, 0), config=TrainConfig(**dict(TINY, batch_size=15)), nproc=2,
+              loss_fn=mse, work_dir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
 def test_compare_takes_its_tolerance_per_tensor_from_the_noise_run():
     ref = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "n": torch.tensor(3)}
     noisy = {"w": ref["w"] + 1e-6, "n": torch.tensor(3)}

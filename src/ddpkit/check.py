@@ -44,7 +44,7 @@ from torch import nn
 from .checkpoint import read_weights
 from .config import TrainConfig
 from .dist import distributed, resolve_device_type
-from .errors import ConfigError
+from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, WorkersFailed
 from .launcher import LaunchSpec, run_workers
 
 NOISE_FACTOR = 10.0
@@ -152,6 +152,10 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     base = config or TrainConfig()
+    batch = base.resolved().batch_size
+    if batch % nproc:
+        raise ConfigError(f"--batch-size {batch} (global) must divide by --nproc {nproc} for the N-process run to "
+                          f"see the same global batch; use {batch - batch % nproc or nproc} or {batch + nproc - batch % nproc}")
     if test_data is None and train_data is not None:
         test_data = train_data
     if callable(model) and not isinstance(model, nn.Module):
@@ -167,15 +171,7 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
         m = load_dataset(cfg).meta
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
-    model = copy.deepcopy(model)
-    dropouts = [n for n, m in model.named_modules() if isinstance(m, DROPOUT) and m.p > 0]
-    if dropouts:
-        for m in model.modules():
-            if isinstance(m, DROPOUT):
-                m.p = 0.0
-        notes.append(f"rank-dependent randomness: {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''} "
-                     f"draw their masks from each rank's own seed (allowed: ranks should not drop the same units), "
-                     f"so N processes cannot equal 1; checked with dropout off")
+    model = without_dropout(copy.deepcopy(model), notes)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if sync_bn is None:
         sync_bn = has_bn or base.sync_bn
@@ -202,15 +198,7 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
                   sync_bn=sync_bn, dtype=dtype, amp="none", ema=0.0,
                   save_every_steps=0, max_restarts=0, nnodes=1)
     cfg = dataclasses.replace(base, **common)
-    conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    if conv:
-        noise_cfg = dataclasses.replace(cfg, channels_last=not (cfg.channels_last is None or cfg.channels_last))
-        noise_run = "1 process in the other memory format (NCHW/NHWC)"
-    elif not has_bn:
-        noise_cfg = dataclasses.replace(cfg, grad_accum=2 * cfg.grad_accum)
-        noise_run = "1 process with the batch as 2 accumulated halves"
-    else:  # half-batches would change BatchNorm's statistics, not just the rounding
-        noise_cfg, noise_run = cfg, "1 process, run again"
+    noise_cfg, noise_run = noise_config(cfg, model, has_bn)
     runs = {"reference": dataclasses.replace(cfg, nproc="1"), "noise": dataclasses.replace(noise_cfg, nproc="1"),
             "test": dataclasses.replace(cfg, nproc=str(nproc))}
     weights, coverage, error = {}, {"ok": False, "lines": []}, ""
@@ -223,10 +211,10 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
             weights[name] = read_weights(result.run_dir / "model.pt")
             if name == "test":
                 coverage = data_coverage(trainer, nproc)
-    except Exception as exc:  # a run that fails is the check's finding, said with what explains it
-        from .errors import DdpkitError, WorkersFailed
-
-        if not isinstance(exc, (DdpkitError, WorkersFailed)):
+    except (DdpkitError, WorkersFailed) as exc:
+        # A run that fails in its workers is the check's finding, said with the notes that explain it
+        # (DDP on unused parameters, say); a mistake in the input is the user's, said as for train.
+        if isinstance(exc, (ConfigError, DataError, TaskError, RunDirError)):
             raise
         error = str(exc)
     finally:
@@ -234,6 +222,30 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
             shutil.rmtree(work, ignore_errors=True)
     tensors = compare(weights["reference"], weights["test"], weights["noise"], dtype) if len(weights) == 3 else []
     return CheckReport(nproc, steps, dtype, noise_run, tensors, coverage, notes, error)
+
+
+def without_dropout(model: nn.Module, notes: list[str]) -> nn.Module:
+    """``model`` with its dropout off, noted: each rank draws its masks from its own seed (as it
+    should), so with dropout N processes cannot equal 1."""
+    dropouts = [n for n, m in model.named_modules() if isinstance(m, DROPOUT) and m.p > 0]
+    if dropouts:
+        for m in model.modules():
+            if isinstance(m, DROPOUT):
+                m.p = 0.0
+        notes.append(f"rank-dependent randomness: {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''} "
+                     f"draw their masks from each rank's own seed (allowed: ranks should not drop the same units), "
+                     f"so N processes cannot equal 1; checked with dropout off")
+    return model
+
+
+def noise_config(cfg: TrainConfig, model: nn.Module, has_bn: bool) -> tuple[TrainConfig, str]:
+    """The 1-process run that differs from the reference in rounding only, and what it is."""
+    if any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return (dataclasses.replace(cfg, channels_last=not (cfg.channels_last is None or cfg.channels_last)),
+                "1 process in the other memory format (NCHW/NHWC)")
+    if not has_bn:
+        return dataclasses.replace(cfg, grad_accum=2 * cfg.grad_accum), "1 process with the batch as 2 accumulated halves"
+    return cfg, "1 process, run again"  # half-batches would change BatchNorm's statistics, not just the rounding
 
 
 def runs_in_float64(model: nn.Module, trainer, splits) -> bool:
