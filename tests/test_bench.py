@@ -29,7 +29,7 @@ def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     assert rows[1]["speedup"] == 1.0 and rep["link"]["busbw"] > 0
     assert [p["world"] for p in rep["predictions"]["h100-nvlink"]] == [1, 2, 4, 8]
     table = (out / "bench.md").read_text()
-    assert "| world | global batch | samples/s" in table and "Predicted with h100-nvlink" in table
+    assert "| world | global batch | samples/s" in table and "Predicted from the world-1 step with h100-nvlink" in table
     png = (out / "scaling.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
@@ -59,3 +59,18 @@ def test_zero_matches_the_plain_optimizer_within_the_checks_tolerance(tmp_path):
     for name, ref in states[False].items():
         diff = (ref - states[True][name]).abs().max().item() / ref.abs().max().item()
         assert diff <= FLOOR["float64"], name
+
+
+def test_windows_cut_short_by_an_epoch_end_are_left_out(tmp_path):
+    """Regression: an epoch's last step logs too, and its short window (1-2 steps) counted as a
+    window, so bench.md's "windows of N" was not what was timed."""
+    from ddpkit.bench import windows
+    from ddpkit.errors import ConfigError
+
+    path = tmp_path / "metrics.jsonl"
+    steps = [(5, 100.0), (10, 100.0), (12, 10.0), (17, 50.0), (22, 50.0)]  # 12: the end of a 12-step epoch
+    path.write_text("".join(json.dumps({"event": "step", "step": s, "samples_per_s": r}) + "\n" for s, r in steps))
+    assert windows(path, 64, 5) == [64 / 100.0, 64 / 50.0, 64 / 50.0]  # 4 whole windows, the first dropped
+    path.write_text(json.dumps({"event": "step", "step": 3, "samples_per_s": 1.0}) + "\n")
+    with pytest.raises(ConfigError, match="fewer steps than a window"):
+        windows(path, 64, 5)

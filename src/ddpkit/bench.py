@@ -40,11 +40,18 @@ WARMUP_FRAC = 0.2  # of the windows, dropped from the front (at least one)
 PROBE_BYTES = (1 << 20, 8 << 20, 25 << 20)  # DDP's first bucket, a middle one, a full 25 MiB bucket
 
 
-def windows(metrics_jsonl: Path, global_batch: int) -> list[float]:
-    """Step times (s) per logged window, warm-up dropped: global batch / the window's samples/s."""
-    steps = [json.loads(line) for line in metrics_jsonl.read_text().splitlines()]
-    rates = [r["samples_per_s"] for r in steps if r.get("event") == "step"]
-    drop = max(1, int(len(rates) * WARMUP_FRAC)) if len(rates) > 1 else 0
+def windows(metrics_jsonl: Path, global_batch: int, window: int) -> list[float]:
+    """Step times (s) per logged window of exactly ``window`` steps, warm-up dropped: global batch /
+    the window's samples/s. An epoch's last step also logs, cutting a shorter window, which is left
+    out. (Each epoch's first window starts after the previous epoch's evaluation: eval is not timed.)"""
+    records = [json.loads(line) for line in metrics_jsonl.read_text().splitlines()]
+    steps = [r for r in records if r.get("event") == "step"]
+    rates = [r["samples_per_s"] for prev, r in zip([{"step": 0}, *steps], steps) if r["step"] - prev["step"] == window]
+    if len(rates) < 2:
+        raise ConfigError(f"only {len(rates)} whole window(s) of {window} steps: an epoch of this dataset holds fewer "
+                          f"steps than a window, or --steps is too small; raise --limit-train or --steps, or lower "
+                          f"--window")
+    drop = max(1, int(len(rates) * WARMUP_FRAC))
     return [global_batch / r for r in rates[drop:]]
 
 
@@ -114,7 +121,7 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
                 run_cfg = dataclasses.replace(cfg, grad_sync=sync, run_dir=str(work / f"w{n}-{'sync' if sync else 'nosync'}"))
                 result = Trainer(run_cfg, model=copy.deepcopy(model), train_data=train_data, test_data=test_data,
                                  loss_fn=loss_fn, metrics=metrics).fit()  # a copy: fit() trains the object it gets
-                s = spread(windows(result.run_dir / "metrics.jsonl", global_batch))
+                s = spread(windows(result.run_dir / "metrics.jsonl", global_batch, window))
                 if sync:
                     row.update(step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers"))
                 else:
@@ -252,8 +259,13 @@ def _predictions_md(rep: dict, lines: list[str]) -> str:
         lines += ["", f"All-reduce probe ({link['name']}): bus bandwidth {link['busbw'] / 1e9:.2f} GB/s, "
                       f"latency {link['latency_s'] * 1e6:.0f} us per ring step."]
     for name, preds in rep["predictions"].items():
-        lines += ["", f"Predicted with {name}:", "", "| world | step ms | comm ms | exposed comm ms | samples/s | efficiency |",
-                  "|---|---|---|---|---|---|"]
+        how = ("compute = the world-1 step, scaled by core sharing (N ranks on "
+               f"{rep['config']['cores']} cores get cores/N threads each, a fraction of a core past N = cores), "
+               "+ the modelled comm; the table above instead uses the compute measured at each size"
+               if name.startswith("measured") else
+               "compute = the GPU's world-1 step (each GPU computes alone), + the comm the backward does not hide")
+        lines += ["", f"Predicted from the world-1 step with {name} ({how}):", "",
+                  "| world | step ms | comm ms | exposed comm ms | samples/s | efficiency |", "|---|---|---|---|---|---|"]
         for p in preds:
             lines.append(f"| {p['world']} | {p['step_s'] * 1e3:.2f} | {p['comm_s'] * 1e3:.2f} | "
                          f"{p['exposed_comm_s'] * 1e3:.2f} | {p['samples_per_s']:,.0f} | {p['efficiency']:.0%} |")

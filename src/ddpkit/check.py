@@ -106,15 +106,23 @@ class CheckReport:
             lines.append(f"  weights: {len(self.tensors) - len(bad)} of {len(self.tensors)} tensors within tolerance "
                          f"(tolerance = max({NOISE_FACTOR:g} x rounding noise, {FLOOR[self.dtype]:g}); noise from "
                          f"{self.noise_run})")
-            lines.append(f"  largest difference: {max(t.diff for t in self.tensors):.3g} relative; worst against "
-                         f"its tolerance: {worst.name} ({worst.diff:.3g} vs {worst.tol:.3g}, noise {worst.noise:.3g})")
-            for t in bad[:5]:
+            largest = max(self.tensors, key=lambda t: t.diff)
+            lines.append(f"  largest difference: {largest.diff:.3g} relative ({largest.name}); worst against its "
+                         f"tolerance: {worst.name} ({worst.diff:.3g} vs {worst.tol:.3g}, noise {worst.noise:.3g})")
+            for t in sorted(bad, key=lambda t: -t.ratio)[:20]:
                 lines.append(f"  DIVERGED: {t.name}: {t.diff:.3g} relative, tolerance {t.tol:.3g}")
+            if len(bad) > 20:
+                lines.append(f"  ... and {len(bad) - 20} more diverged (all of them in --json)")
         for line in self.coverage.get("lines", []):
             lines.append(f"  data: {line}")
         for note in self.notes:
             lines.append(f"  note: {note}")
-        lines.append("PASSED: N processes compute what 1 process does" if self.passed else "FAILED")
+        if self.passed:
+            lines.append(f"PASSED: {self.world} processes compute what 1 process does")
+        elif any(n.startswith("BatchNorm without SyncBN") for n in self.notes):
+            lines.append(f"FAILED: {self.world} processes differ from 1, as expected for BatchNorm without SyncBN")
+        else:
+            lines.append(f"FAILED: {self.world} processes do not compute what 1 process does")
         return "\n".join(lines)
 
 
@@ -137,13 +145,15 @@ def compare(reference: dict, other: dict, noise: dict, dtype: str) -> list[Tenso
 def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=None, test_data=None, *,
           config: TrainConfig | None = None, nproc: int = 2, steps: int = 5, loss_fn: Callable | None = None,
           metrics: Mapping[str, Callable] | None = None, meta=None, collate_fn: Callable | None = None,
-          sync_bn: bool | None = None, dtype: str | None = None, work_dir: str | Path | None = None) -> CheckReport:
+          batch_size: int | None = None, device: str | None = None, sync_bn: bool | None = None,
+          dtype: str | None = None, work_dir: str | Path | None = None) -> CheckReport:
     """Check that ``nproc`` processes train ``model`` as one process does (see the module docstring).
 
     ``model`` is a module or a function returning one (None: the config's registry model);
     ``train_data``/``test_data`` the datasets (None: the config's; test_data defaults to
-    train_data). ``sync_bn`` None turns SyncBN on for a model with BatchNorm. ``dtype`` None
-    is float64 on CPU where the model runs in it, else the config's.
+    train_data). ``batch_size`` (global) and ``device`` override the config's (any other
+    setting goes in ``config=TrainConfig(...)``). ``sync_bn`` None turns SyncBN on for a model
+    with BatchNorm. ``dtype`` None is float64 on CPU where the model runs in it, else the config's.
     """
     from .trainer import Trainer, sample_batch
 
@@ -152,6 +162,8 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     base = config or TrainConfig()
+    overrides = {k: v for k, v in (("batch_size", batch_size), ("device", device)) if v is not None}
+    base = dataclasses.replace(base, **overrides)
     batch = base.resolved().batch_size
     if batch % nproc:
         raise ConfigError(f"--batch-size {batch} (global) must divide by --nproc {nproc} for the N-process run to "

@@ -28,8 +28,8 @@ def scaling_plot(rep: dict, path: str | Path) -> Path:
     styles = [("s--", "tab:blue"), ("^:", "tab:orange"), ("D-.", "tab:green")]
     for (name, preds), (style, colour) in zip(rep["predictions"].items(), styles):
         w = [p["world"] for p in preds]
-        label = f"predicted: {name}" + (f" (world-1 step {rep['gpu_step_s'] * 1e3:.2g} ms)"
-                                        if rep.get("gpu_step_s") and not name.startswith("measured") else "")
+        label = f"predicted: {name}" + (", cores shared" if name.startswith("measured") else
+                                        f" (world-1 step {rep['gpu_step_s'] * 1e3:.2g} ms)" if rep.get("gpu_step_s") else "")
         ax1.plot(w, [p["samples_per_s"] for p in preds], style, color=colour, label=label)
         ax2.plot(w, [100 * p["efficiency"] for p in preds], style, color=colour, label=label)
     all_worlds = sorted({*worlds, *(p["world"] for preds in rep["predictions"].values() for p in preds)})

@@ -22,6 +22,9 @@ def register(parser) -> None:
     for action in parser._actions:
         if action.dest == "dtype":
             action.help = "dtype of the runs compared (default: float64 on CPU where the model runs in it, else float32)"
+        if action.dest == "sync_bn":
+            action.help = ("SyncBatchNorm in every run (default: on for models with BatchNorm; --no-sync-bn shows "
+                           "how far N processes then differ from 1)")
     parser.set_defaults(run=run)
 
 
