@@ -89,3 +89,10 @@ def test_which_rank_prints_an_error_under_torchrun(monkeypatch, capsys, env, err
 
     assert cli.run_reporting_errors(fail) == getattr(errors, error).exit_code
     assert capsys.readouterr().err == printed
+
+
+def test_version():
+    from ddpkit import __version__
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ddpkit {__version__}"

@@ -36,3 +36,37 @@ def test_other_ranks_never_touch_the_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 99}\n')
     MetricLogger(SimpleNamespace(is_main=False), tmp_path, 10, False).rewind(1, 0)
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"event": "step", "step": 99}]
+
+
+def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(tmp_path):
+    """Under a pseudo-terminal: the bar passes through step counts between log intervals (it only
+    moved at log intervals before), and "[start]"/"[epoch]" lines are printed whole (rich parsed them
+    as markup and swallowed them)."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "convnet",
+                             "--limit-train", "4000", "--limit-test", "100", "--batch-size", "100", "--epochs", "1",
+                             "--nproc", "1", "--device", "cpu", "--log-every", "1000", "--run-dir", str(tmp_path / "r")],
+                            stdin=secondary, stdout=secondary, stderr=secondary, env=cli_env(COLUMNS="120"))
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    out = b"".join(chunks).decode(errors="replace")
+    assert "[start] world_size=1" in out and "[epoch] epoch=0" in out
+    counts = {int(k) for k in re.findall(r"\b(\d+)/40\b", out)}
+    assert counts - {0, 40}, f"the bar only showed {sorted(counts)}"  # one log interval: 0 and 40 before

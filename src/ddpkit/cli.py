@@ -25,7 +25,10 @@ PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 
 def build_parser() -> argparse.ArgumentParser:
     from .commands import COMMANDS
 
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ddpkit", description="Data-parallel training with PyTorch DDP.")
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         module.register(sub.add_parser(name, help=module.HELP, description=module.HELP))

@@ -250,6 +250,7 @@ class Engine:
                     self._step(group)
                 self.step_in_epoch += 1
                 self.global_step += 1
+                self.log.progress(self.global_step)  # the bar, if any, moves every step
                 if cfg.join:
                     continue  # ranks run different step counts: no collective of ours until all have joined
                 last = self.step_in_epoch == self.steps_per_epoch or self.global_step == self.total_steps  # --max-steps

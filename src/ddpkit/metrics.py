@@ -151,15 +151,18 @@ class MetricLogger:
             kept.append(line)
         atomic_write(self.path, "".join(f"{line}\n" for line in kept).encode())
 
-    def progress(self, global_step: int, info: str = "") -> None:
+    def progress(self, global_step: int, info: str | None = None) -> None:
+        """Move the bar to ``global_step`` (every step: a host counter, no device sync; rich redraws
+        at its own rate), with ``info`` (loss, from the last log interval) when given."""
         if self.bar is not None:
-            self.bar.update(self.task, completed=global_step, info=info)
+            self.bar.update(self.task, completed=global_step, **({"info": info} if info is not None else {}))
 
     def print(self, line: str) -> None:
         if not self.main:
             return
         if self.bar is not None:
-            self.bar.console.print(line, highlight=False)
+            # markup=False: ddpkit's own "[start]"/"[epoch]" tags are text, not rich markup to swallow
+            self.bar.console.print(line, highlight=False, markup=False)
         else:
             print(line, flush=True)
 
