@@ -35,6 +35,7 @@ from .costmodel import LINKS, Link, ddp_buckets, predict_step
 from .dist import cpu_cores, distributed, resolve_device_type
 from .errors import ConfigError
 from .launcher import LaunchSpec, run_workers
+from .models import model_for
 
 WARMUP_FRAC = 0.2  # of the windows, dropped from the front (at least one)
 PROBE_BYTES = (1 << 20, 8 << 20, 25 << 20)  # DDP's first bucket, a middle one, a full 25 MiB bucket
@@ -106,7 +107,7 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
         raise ConfigError(f"--steps {steps} gives fewer than two windows of {window} steps: nothing is left after "
                           f"the warm-up; raise --steps")
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-"))
-    rows, model_obj = [], None
+    rows = []
     try:
         for n in nprocs:
             global_batch = per_rank if strong else per_rank * n
@@ -133,10 +134,9 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
                                     LaunchSpec.from_config(dataclasses.replace(cfg, run_dir=str(work / "probe"))))
                 row["allreduce_probe"] = {"bytes": list(PROBE_BYTES), "seconds": times}
             rows.append(row)
-        if model_obj is None:
-            model_obj = model if model is not None else _registry_model(base)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    model_obj = model if model is not None else _registry_model(base)  # for its gradient bytes
     return report(base, rows, model_obj, device, strong, predict_worlds, gpu_step_s, gpu_link, per_rank,
                   comm_hook, zero, steps, window)
 
@@ -152,10 +152,8 @@ def predict_only(config: TrainConfig, gpu_step_s: float, link: Link | None = Non
 
 def _registry_model(cfg: TrainConfig):
     from .data import load_dataset
-    from .models import build_model
 
-    m = load_dataset(cfg).meta
-    return build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+    return model_for(cfg, load_dataset(cfg).meta)
 
 
 def report(cfg, rows, model, device, strong, predict_worlds, gpu_step_s, gpu_link, per_rank, comm_hook, zero,

@@ -46,6 +46,7 @@ from .config import TrainConfig
 from .dist import distributed, resolve_device_type
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, WorkersFailed
 from .launcher import LaunchSpec, run_workers
+from .models import model_for
 
 NOISE_FACTOR = 10.0
 FLOOR = {"float64": 1e-12, "float32": 1e-5}  # relative: ~4500 and ~80 ulps of the tensor's largest value
@@ -177,12 +178,10 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
                     meta=meta, loss_fn=loss_fn, metrics=metrics, collate_fn=collate_fn)
     if model is None:  # the registry model, built here so that every run starts from the same weights
         from .data import load_dataset
-        from .models import build_model
 
         cfg = probe.config.resolved()
-        m = load_dataset(cfg).meta
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+        model = model_for(cfg, load_dataset(cfg).meta)
     model = without_dropout(copy.deepcopy(model), notes)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if sync_bn is None:
@@ -193,14 +192,15 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
     elif has_bn and not sync_bn:
         notes.append("BatchNorm without SyncBN: each rank normalises over its own B/N samples, so the N-process run "
                      "is expected to differ from 1 process; --sync-bn makes them equal")
-    splits = probe.splits
+    task = probe._task(probe.config)
+    batch = sample_batch(probe.splits) if probe.splits is not None else None  # two samples, as training sees them
     device = resolve_device_type(base.device)
     if dtype is None:
-        dtype = "float64" if device == "cpu" and runs_in_float64(model, probe, splits) else base.dtype
+        dtype = "float64" if device == "cpu" and runs_in_float64(model, task, batch) else base.dtype
         if dtype != "float64" and device == "cpu":
             notes.append("the model does not run in float64, so the check is in float32 and its tolerance is "
                          "rounding noise measured in float32")
-    unused = unused_parameters(model, probe, sample_batch)
+    unused = unused_parameters(model, task, batch)
     if unused:
         notes.append(f"parameters that get no gradient: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
                      f"DDP fails on them at the second step unless they are removed or used")
@@ -260,34 +260,29 @@ def noise_config(cfg: TrainConfig, model: nn.Module, has_bn: bool) -> tuple[Trai
     return cfg, "1 process, run again"  # half-batches would change BatchNorm's statistics, not just the rounding
 
 
-def runs_in_float64(model: nn.Module, trainer, splits) -> bool:
-    """Whether ``model`` in float64 takes a float64 batch through the task (some models hard-code float32)."""
+def runs_in_float64(model: nn.Module, task, batch) -> bool:
+    """Whether ``model`` in float64 takes ``batch`` in float64 through ``task`` (some models hard-code
+    float32). No batch (a registry dataset and model): they do."""
     from .data.batch import tree_map
-    from .trainer import sample_batch
 
-    data = trainer.splits if trainer.splits is not None else None
-    try:
-        batch = sample_batch(data) if data is not None else None
-    except Exception:
-        return False
     if batch is None:
-        return True  # a registry dataset and model: they do
+        return True
     batch = tree_map(lambda t: t.double() if t.is_floating_point() else t, batch)
     try:
         with torch.no_grad():
-            trainer._task(trainer.config).evaluate(copy.deepcopy(model).double().eval(), batch)
+            task.evaluate(copy.deepcopy(model).double().eval(), batch)
     except Exception:
         return False
     return True
 
 
-def unused_parameters(model: nn.Module, trainer, sample_batch) -> list[str]:
-    """Parameters that one training step leaves without a gradient (DDP's "unused parameters")."""
-    if trainer.splits is None:
+def unused_parameters(model: nn.Module, task, batch) -> list[str]:
+    """Parameters that one training step on ``batch`` leaves without a gradient (DDP's "unused parameters")."""
+    if batch is None:
         return []
     probe = copy.deepcopy(model).train()
     try:
-        loss, _ = trainer._task(trainer.config).loss(probe, sample_batch(trainer.splits))
+        loss, _ = task.loss(probe, batch)
         loss.backward()
     except Exception:
         return []  # the runs themselves report what fails

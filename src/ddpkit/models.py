@@ -122,6 +122,11 @@ def build_model(name: str, channels: int, height: int, width: int, classes: int)
     return MODELS[name](channels, height, width, classes)
 
 
+def model_for(cfg, meta) -> nn.Module:
+    """The config's registry model, shaped for a dataset's ``Meta`` (channels, size, classes)."""
+    return build_model(cfg.model, meta.channels, meta.height, meta.width, meta.classes)
+
+
 def uses_conv(model: nn.Module) -> bool:
     """channels_last only pays off for convolutional nets."""
     return any(isinstance(m, nn.Conv2d) for m in model.modules())

@@ -47,7 +47,7 @@ from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDir
 from .evaluate import evaluate
 from .identity import code_name, data_fingerprint, model_fingerprint
 from .launcher import LaunchSpec, refuse_if_importing_main, run_workers
-from .models import build_model
+from .models import model_for
 from .rundir import (LOCK_ENV, agree, atomic_write, check_run_dir, fatal_path, read_fatal, record_fatal,
                      run_lock, summary_bytes)
 from .task import Classification, Task, resolve_task
@@ -219,8 +219,7 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
                           f"({splits.note}); use --data-path loader or auto")
     task = task_for(cfg)
     if model is None:
-        m = splits.meta
-        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+        model = model_for(cfg, splits.meta)
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
@@ -439,8 +438,7 @@ def _train(job: Job, ctx) -> dict:
     # train the caller's object in place.
     model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
     if model is None:
-        m = splits.meta
-        model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
+        model = model_for(cfg, splits.meta)
     # Registry models use every parameter every step, so DDP may assume a static graph.
     return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None,
                   t0=job.t0).fit()
@@ -451,16 +449,12 @@ def eval_worker(job: Job) -> dict:
     cfg = job.cfg
     with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         splits = job.splits or load_dataset(cfg, download=False)
-        model = copy.deepcopy(job.model)
-        if model is None:
-            m = splits.meta
-            model = build_model(cfg.model, m.channels, m.height, m.width, m.classes)
-            if cfg.dtype == "float64":
-                model.double()  # before loading: float64 weights would be rounded into float32 ones
+        model = copy.deepcopy(job.model) if job.model is not None else model_for(cfg, splits.meta)
+        if cfg.dtype == "float64":
+            model.double()  # before loading: float64 weights would be rounded into float32 ones
+        if job.model is None:
             model.load_state_dict(read_weights(Path(cfg.run_dir) / "model.pt"))
         model.to(ctx.device)
-        if cfg.dtype == "float64":
-            model.double()
         source = EvalSource(splits.test, Preprocess(splits.meta, ctx.device, bool(cfg.channels_last), float_dtype(cfg)),
                             cfg, ctx, 256, splits.collate_fn)
         result, _ = evaluate(model, source, job.task, cfg, ctx)

@@ -25,7 +25,7 @@ def run(args) -> int:
     from ..config import TrainConfig
     from ..launcher import LaunchSpec, run_workers
     from ..data import load_dataset
-    from ..models import build_model
+    from ..models import model_for
     from ..task import Classification
     from ..trainer import Job, check_weights_fit, eval_worker
 
@@ -46,9 +46,7 @@ def run(args) -> int:
     cfg.validate()
     # Everything that can fail, checked here once, not on every rank: the data, and the weights.
     splits = load_dataset(cfg)
-    m = splits.meta
-    check_weights_fit(build_model(cfg.model, m.channels, m.height, m.width, m.classes), run_dir / "model.pt",
-                      "model.pt")
+    check_weights_fit(model_for(cfg, splits.meta), run_dir / "model.pt", "model.pt")
     spec = LaunchSpec.from_config(cfg, resumable=False)
     task = Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
     job = Job(cfg, task, splits=splits)  # the workers get this data through shared memory

@@ -39,11 +39,12 @@ from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
 
 
-def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """This rank's sample indices for ``epoch``: exactly DistributedSampler(drop_last=True)."""
+def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int, drop_last: bool = True) -> torch.Tensor:
+    """This rank's sample indices for ``epoch``: exactly DistributedSampler(drop_last=True); with
+    ``drop_last=False`` every index once, the ranks' shares differing by at most one (``--join``)."""
     gen = torch.Generator().manual_seed(seed + epoch)
     perm = torch.randperm(n, generator=gen)
-    total = (n // world) * world
+    total = (n // world) * world if drop_last else n
     return perm[rank:total:world]
 
 
@@ -232,8 +233,7 @@ class UnevenSampler(Sampler):
         self.epoch = epoch
 
     def __iter__(self):
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=gen)[self.rank::self.world].tolist())
+        return iter(epoch_order(self.n, self.world, self.rank, self.seed, self.epoch, drop_last=False).tolist())
 
     def __len__(self):
         return len(range(self.rank, self.n, self.world))
