@@ -98,7 +98,7 @@ TOML_CASES = {
     "a list": ("[train]\nseed = [1, 2]\n", ["seed = [1, 2] (list): expected an integer"]),
     "fractional epochs": ("[train]\nepochs = 1.5\n", ["epochs = 1.5 (float): expected an integer"]),
     "progress no": ("[run]\nprogress = \"no\"\n", ["progress = 'no' (str): expected true or false"]),
-    "unknown key": ("[train]\nepoch = 3\n", ["unknown config key(s) ['epoch']"]),
+    "unknown key": ("[train]\nepoch = 3\n", ["unknown config key(s): epoch (did you mean epochs?)"]),
     "not toml": ("epochs = = 3\n", ["is not valid TOML"]),
     "not utf-8": (b"[train]\nseed = 1 # \xff\xfe\n", ["is not UTF-8 text"]),
 }

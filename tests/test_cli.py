@@ -1,8 +1,9 @@
-"""Bad input through the real CLI: one line, non-zero exit, no traceback, nothing written."""
+"""The real CLI: bad input (one line, non-zero exit, no traceback, nothing written), and its frozen surface."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,7 +58,9 @@ def test_under_torchrun_an_error_is_reported_once(tmp_path, cli):
 
 def test_help_lists_the_subcommands():
     proc = run_cli("--help")
-    assert proc.returncode == 0 and "train" in proc.stdout and "eval" in proc.stdout
+    assert proc.returncode == 0
+    for command in ("train", "eval", "check", "bench", "plot", "show-data", "doctor"):
+        assert command in proc.stdout
     assert sys.executable and cli_env()["PYTHONPATH"]
 
 
@@ -96,3 +99,54 @@ def test_version():
 
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"ddpkit {__version__}"
+
+
+# ---------------------------------------------------------------------- the CLI surface, frozen
+SURFACE = Path(__file__).parent / "golden" / "cli_surface.json"
+
+
+def cli_surface() -> dict:
+    """{subcommand: {flag: "kind default=... choices=... nargs=..."}}, plus the config fields behind
+    the train flags (those flags default to unset; the dataclass holds the defaults)."""
+    import argparse
+    import dataclasses
+
+    from ddpkit.cli import build_parser
+    from ddpkit.config import TrainConfig
+
+    def describe(parser: argparse.ArgumentParser) -> dict:
+        out = {}
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            default = "unset" if action.default is argparse.SUPPRESS else repr(action.default)
+            out["/".join(action.option_strings) or action.dest] = (
+                f"{type(action).__name__.strip('_')} default={default} nargs={action.nargs}"
+                + (f" choices={list(action.choices)}" if action.choices else ""))
+        return out
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    fields = {f.name: f"[{f.metadata['section']}] default={f.default!r}" + ("" if f.metadata["cli"] else " (no flag)")
+              + (f" choices={list(f.metadata['choices'])}" if f.metadata["choices"] else "")
+              for f in dataclasses.fields(TrainConfig)}
+    return {"ddpkit": describe(parser), **{name: describe(p) for name, p in sub.choices.items()},
+            "TrainConfig": fields}
+
+
+def test_the_cli_surface_changes_only_on_purpose():
+    """Every subcommand, flag and default, against tests/golden/cli_surface.json. A change to the
+    CLI is deliberate: regenerate with DDPKIT_UPDATE_SURFACE=1 and commit the diff with it."""
+    import json
+    import os
+
+    now = cli_surface()
+    if os.environ.get("DDPKIT_UPDATE_SURFACE"):
+        SURFACE.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+    frozen = json.loads(SURFACE.read_text())
+    assert now.keys() == frozen.keys(), "subcommands changed"
+    for command in now:
+        added, removed = now[command].keys() - frozen[command].keys(), frozen[command].keys() - now[command].keys()
+        assert not added and not removed, f"ddpkit {command}: flags added {sorted(added)}, removed {sorted(removed)}"
+        for flag, spec in now[command].items():
+            assert spec == frozen[command][flag], f"ddpkit {command} {flag}: {frozen[command][flag]} -> {spec}"

@@ -66,7 +66,7 @@ def test_default_run_dir_is_stable_per_config():
 
 def test_unknown_toml_key(tmp_path):
     (tmp_path / "c.toml").write_text("[train]\nepoch = 3\n")
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['epoch'\]"):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): epoch \(did you mean epochs\?\)"):
         TrainConfig.from_toml(tmp_path / "c.toml")
 
 

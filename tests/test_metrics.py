@@ -1,4 +1,4 @@
-"""metrics.jsonl after a resume: the steps that run again are not recorded twice."""
+"""metrics.jsonl after a resume (the steps that run again are not recorded twice), and the live display."""
 
 from types import SimpleNamespace
 
@@ -66,7 +66,10 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
             break
         chunks.append(data)
     assert proc.wait(timeout=120) == 0
-    out = b"".join(chunks).decode(errors="replace")
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))  # colours and cursor moves
     assert "[start] world_size=1" in out and "[epoch] epoch=0" in out
     counts = {int(k) for k in re.findall(r"\b(\d+)/40\b", out)}
     assert counts - {0, 40}, f"the bar only showed {sorted(counts)}"  # one log interval: 0 and 40 before
+    assert re.search(r"40/40.*steps epoch 0 \| loss \d\.\d{4} \| [\d,]+ samples/s.*ETA", out), out[-3000:]
+    table = out[out.index("ddpkit: run finished"):]  # the summary table replaces the bar at the end
+    assert re.search(r"test accuracy\W+\d+\.\d\d%", table) and "optimizer steps" in table and "run dir" in table

@@ -112,6 +112,10 @@ class TrainConfig:
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
+    log: str = _f("", "run", "experiment loggers besides metrics.jsonl (always written), comma-separated: "
+                  "tensorboard, wandb, csv; written by global rank 0 into the run dir")
+    plots: bool = _f(True, "run", "write loss, metric and samples/s plots (PNG) to RUN_DIR/plots at the end; "
+                     "`ddpkit plot RUN_DIR` redraws them")
     quiet: bool = _f(False, "run", "no per-interval or per-epoch lines on the console (metrics.jsonl still gets "
                      "them); warnings and errors still print")
     resume: str = _f("auto", "run", "auto: continue from the run dir's newest snapshot (or return its result if "
@@ -150,6 +154,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         from .data import check_dataset_name
+        from .loggers import parse_loggers
         from .models import MODELS
 
         for f in dataclasses.fields(self):
@@ -215,6 +220,7 @@ class TrainConfig:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}")
+        parse_loggers(self.log)
         try:
             shape = self.synthetic_shape_tuple
         except ValueError:
@@ -232,7 +238,7 @@ class TrainConfig:
     NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
                               "nproc", "data_path", "device_data_fraction", "on_nan", "quiet", "save_every_steps",
                               "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
-                              "ddp"})  # ddp: at world 1 the wrapper changes no bit (tests/test_engine.py)
+                              "ddp", "log", "plots"})  # ddp: at world 1 the wrapper changes no bit (tests/test_engine.py)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
@@ -257,14 +263,17 @@ class TrainConfig:
         wrong type are errors naming the key (``source`` says where the values came from)."""
         flat: dict = {}
         for key, value in values.items():
-            if isinstance(value, dict):
-                flat.update(value)
-            else:
-                flat[key] = value
+            for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+                flat[k.replace("-", "_")] = v  # batch-size, as the flag is spelt, is batch_size
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(flat) - names)
         if unknown:
-            raise ConfigError(f"{source}unknown config key(s) {unknown}; see `ddpkit train --help` for the valid ones")
+            import difflib
+
+            near = {k: difflib.get_close_matches(k, names, 1) for k in unknown}
+            hints = [f"{k} (did you mean {m[0]}?)" if m else k for k, m in near.items()]
+            raise ConfigError(f"{source}unknown config key(s): {', '.join(hints)}; see `ddpkit train --help` for "
+                              f"the valid ones")
         return cls(**{k: check_value(k, v, source) for k, v in flat.items()})
 
     @classmethod

@@ -29,6 +29,7 @@ from .data.loader import EvalSource, Preprocess, float_dtype, make_train_source
 from .dist import DistContext
 from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
+from .loggers import parse_loggers
 from .metrics import Accumulator, MetricLogger, means, peak_memory_mb
 from .models import to_channels_last, uses_conv
 from .optim import (EMA, autocast, build_optimizer, build_scaler, build_schedule, optimizer_state, user_optimizer,
@@ -115,7 +116,8 @@ class Engine:
         self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
         self._no_norm = [(0.0, 0.0)] * len(extra)
         self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots)
-        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress, cfg.quiet)
+        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress, cfg.quiet,
+                                loggers=parse_loggers(cfg.log), config=cfg.to_dict(), metric_names=task.names)
         # position and totals: part of every snapshot
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.train_time_s = self.compile_time_s = 0.0
@@ -214,20 +216,23 @@ class Engine:
         if snap is not None:
             self.load_state_dict(snap)
         # The steps after the snapshot (all of them, when starting over) run again: drop their records.
-        on_rank0(self.ctx, lambda: self.log.rewind(self.global_step, self.epoch))
+        on_rank0(self.ctx, lambda: self.log.begin(self.global_step, self.epoch))
         write_config(self.cfg, self.ctx)
         self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
                      device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
                      task=self.task.identity,
                      steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
                      grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
+        ok = False
         try:
             with self._stop:
                 while self.epoch < self.cfg.epochs and self.global_step < self.total_steps:
                     self._run_epoch()
+            summary = self._finish()
+            ok = True
+            return summary
         finally:
-            self.log.close()
-        return self._finish()
+            self.log.close(ok)  # the live display and the --log loggers, also on error
 
     def _run_epoch(self) -> None:
         cfg = self.cfg
@@ -381,10 +386,10 @@ class Engine:
         interval = [a - b for a, b in zip(totals, self._totals_last)]
         n = (self.step_in_epoch - self._step_last) * self.per_rank_batch * self.ctx.world_size
         means = self.acc.means(interval)
+        rate = n / max(1e-9, now - self._t_last)
         self.log.log("step", epoch=self.epoch, step=self.global_step, **means, lr=self.sched.get_last_lr()[0],
-                     samples_per_s=n / max(1e-9, now - self._t_last))
-        loss = means["loss"]
-        self.log.progress(self.global_step, f"epoch {self.epoch} loss {loss:.4f}" if loss is not None else "")
+                     samples_per_s=rate)
+        self.log.interval(self.global_step, self.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)
         self._check_finite(totals[0])
         if stop:
@@ -397,7 +402,7 @@ class Engine:
     def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
         result, local = self._evaluate()
         self._last_eval = (self.global_step, result, local)
-        self.log.log("epoch", epoch=self.epoch, **train, **result, epoch_time_s=epoch_time,
+        self.log.log("epoch", epoch=self.epoch, step=self.global_step, **train, **result, epoch_time_s=epoch_time,
                      samples_per_s=seen / max(1e-9, epoch_time), peak_memory_mb=peak_memory_mb(self.ctx))
         self.final_train = train
         self._train_local = self.acc.local()
@@ -450,7 +455,22 @@ class Engine:
                    "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
                    "finished_at": round(time.time(), 3), "per_rank": per_rank, "ddp_timers": ddp_timers(self.ddp)}
         write_summary(cfg.run_dir, summary, ctx)
-        self.log.log("summary", **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
-                     **{k: summary[k] for k in ("train_time_s", "samples_per_s", "run_dir")})
+        self.log.log("summary", step=self.global_step,
+                     **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
+                     **{k: summary[k] for k in ("world_size", "steps", "train_time_s", "samples_per_s",
+                                                "peak_memory_mb", "startup_s", "run_dir")})
+        if ctx.is_main and cfg.plots:
+            self._plot()
         return summary
+
+    def _plot(self) -> None:
+        """Rank 0, after everything else is written: RUN/plots/*.png. A figure that fails to draw
+        is a warning; the run itself is complete."""
+        try:
+            from .plots import training_plots
+
+            training_plots([self.cfg.run_dir], Path(self.cfg.run_dir) / "plots")
+        except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
+            self.log.print(f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
+                           f"`ddpkit plot {self.cfg.run_dir}` draws them later")
 

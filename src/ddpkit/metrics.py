@@ -3,21 +3,22 @@
 The step only adds to a device tensor (:class:`Accumulator`); the loop reads it every
 ``--log-every`` steps through one all-reduce and one host copy. :class:`MetricLogger`
 is called on every rank and decides itself that only global rank 0 writes
-``metrics.jsonl`` and prints.
+``metrics.jsonl``, prints, and feeds the ``--log`` loggers.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .display import Display
 from .dist import DistContext
 from .errors import RunDirError
+from .loggers import LOGGERS, open_loggers
 from .rundir import atomic_write, describe_io_error
 
 
@@ -101,21 +102,28 @@ def peak_memory_mb(ctx: DistContext) -> float:
 
 
 class MetricLogger:
-    """metrics.jsonl, console lines and a rich progress bar, all from global rank 0 only."""
+    """The run's records (start, step, epoch, stopped, summary): called on every rank; global rank 0
+    alone appends them to metrics.jsonl, shows them on the console (:mod:`ddpkit.display`) and
+    hands them to the loggers chosen with ``--log`` (:mod:`ddpkit.loggers`)."""
 
     def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True,
-                 quiet: bool = False):
-        self.main, self.quiet = ctx.is_main, quiet
-        self.path = Path(run_dir) / "metrics.jsonl"
+                 quiet: bool = False, *, loggers: tuple[str, ...] = (), config: dict | None = None,
+                 metric_names: tuple[str, ...] = ()):
+        self.main = ctx.is_main
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / "metrics.jsonl"
+        self.loggers, self.config, self.metric_names = tuple(loggers), config or {}, tuple(metric_names)
         self.error: RunDirError | None = None  # a failed append; the engine's next all-reduce stops every rank
-        self.bar = None
-        if self.main and progress and not quiet and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self.sinks: list = []
+        self.display = Display(total_steps, progress, quiet) if self.main else None
 
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)
-            self.task = self.bar.add_task("train", total=total_steps, info="")
-            self.bar.start()
+    def begin(self, global_step: int, epoch: int) -> None:
+        """Rank 0, before the first record of an attempt: drop the records of steps that run again
+        (:meth:`rewind`), then open the loggers, which start from there too."""
+        if not self.main:
+            return
+        self.rewind(global_step, epoch)
+        self.sinks = open_loggers(self.loggers, self.run_dir, self.config, global_step, self.metric_names,
+                                  warn=self.print)
 
     def log(self, event: str, **values) -> None:
         if not self.main:
@@ -127,8 +135,12 @@ class MetricLogger:
                     fh.write(json.dumps(record) + "\n")
             except OSError as exc:
                 self.error = RunDirError(describe_io_error(exc, self.path))
-        if not self.quiet and (event != "step" or self.bar is None):  # with a bar, step figures go into it
-            self.print(_format(record))
+        for sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as exc:  # noqa: BLE001 - a third-party logger must not end the run
+                self._drop(sink, exc)
+        self.display.event(record)
 
     def rewind(self, global_step: int, epoch: int) -> None:
         """On resume: drop the records of steps and epochs after the snapshot, which run again.
@@ -151,32 +163,36 @@ class MetricLogger:
             kept.append(line)
         atomic_write(self.path, "".join(f"{line}\n" for line in kept).encode())
 
-    def progress(self, global_step: int, info: str | None = None) -> None:
-        """Move the bar to ``global_step`` (every step: a host counter, no device sync; rich redraws
-        at its own rate), with ``info`` (loss, from the last log interval) when given."""
-        if self.bar is not None:
-            self.bar.update(self.task, completed=global_step, **({"info": info} if info is not None else {}))
+    def progress(self, global_step: int) -> None:
+        """Every step: move the live display (a host counter, no device sync)."""
+        if self.display is not None:
+            self.display.advance(global_step)
+
+    def interval(self, global_step: int, epoch: int, loss: float | None, samples_per_s: float) -> None:
+        """At a log interval: the live display shows what the interval measured."""
+        if self.display is not None:
+            self.display.interval(global_step, epoch, loss, samples_per_s)
 
     def print(self, line: str) -> None:
-        if not self.main:
-            return
-        if self.bar is not None:
-            # markup=False: ddpkit's own "[start]"/"[epoch]" tags are text, not rich markup to swallow
-            self.bar.console.print(line, highlight=False, markup=False)
-        else:
-            print(line, flush=True)
+        if self.display is not None:
+            self.display.print(line)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+    def close(self, ok: bool = True) -> None:
+        """Stop the live display and close the loggers (idempotent); ``ok=False`` after an error."""
+        if self.display is not None:
+            self.display.close()
+        for sink in self.sinks:
+            try:
+                sink.close(ok)
+            except Exception as exc:  # noqa: BLE001
+                self.print(f"ddpkit: warning: closing --log {_name(sink)} failed ({type(exc).__name__}: {exc})")
+        self.sinks = []
+
+    def _drop(self, sink, exc: Exception) -> None:
+        self.sinks.remove(sink)
+        self.print(f"ddpkit: warning: --log {_name(sink)} failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                   f"training on without it (metrics.jsonl has every record)")
 
 
-def _format(record: dict) -> str:
-    skip = {"event", "time"}
-    parts = []
-    for key, value in record.items():
-        if key in skip:
-            continue
-        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
-    return f"[{record['event']}] " + " ".join(parts)
+def _name(sink) -> str:
+    return next((name for name, cls in LOGGERS.items() if isinstance(sink, cls)), type(sink).__name__)

@@ -1,14 +1,108 @@
 """Figures as PNG files (matplotlib, rendered off-screen).
 
+    training_plots(["runs/a", "runs/b"], "plots/")   # loss.png, <metric>.png, throughput.png
     scaling_plot(bench_report, "bench/scaling.png")
 
-Styled to survive greyscale printing: measured and predicted series differ in line style
-and marker, not only in colour.
+Styled to survive greyscale printing: runs, and measured against predicted series, differ in
+line style and marker, not only in colour.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from .errors import RunDirError
+
+# One style per run, told apart without colour: line style, marker, and a luminance spread
+RUN_STYLES = [("-", "o", "black"), ("--", "s", "tab:blue"), (":", "^", "tab:orange"), ("-.", "D", "tab:green"),
+              ((0, (5, 1, 1, 1)), "v", "tab:purple"), ((0, (1, 2)), "P", "tab:brown")]
+
+
+def read_run(run_dir: str | Path) -> dict:
+    """A run's curves from its metrics.jsonl: step records, epoch records, and a label naming the
+    run and its world size. A directory without records is a one-line error."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise RunDirError(f"{path} not found; is {run_dir} a ddpkit run directory?")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    steps = [r for r in records if r.get("event") == "step"]
+    if not steps:
+        raise RunDirError(f"{path} holds no training steps yet; nothing to plot")
+    world = next((r["world_size"] for r in reversed(records) if r.get("event") == "start"), None)
+    label = Path(run_dir).resolve().name + (f" (world {world})" if world else "")
+    return {"label": label, "steps": steps, "epochs": [r for r in records if r.get("event") == "epoch"]}
+
+
+def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
+    """loss.png (train per log interval, test per epoch), one PNG per other metric (accuracy, the
+    user's), and throughput.png, for one run or several overlaid. Returns the files written."""
+    runs = [read_run(d) for d in run_dirs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = list(dict.fromkeys(k for run in runs for r in run["steps"] for k in r
+                                 if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
+                                 and isinstance(r[k], (int, float))))
+    written = []
+    for metric in metrics:
+        name = "loss" if metric == "loss" else metric
+        pct = metric == "accuracy"
+        written.append(_curve_figure(runs, metric, out / f"{name}.png", pct,
+                                     ylabel=f"{metric} (%)" if pct else metric))
+    written.append(_curve_figure(runs, "samples_per_s", out / "throughput.png", False, ylabel="samples/s",
+                                 test=False, title="Training throughput per log interval"))
+    return written
+
+
+def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True,
+                  title: str = "") -> Path:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    ax = fig.subplots()
+    scale = 100.0 if pct else 1.0
+    for run, (line, marker, colour) in zip(runs, RUN_STYLES * 4):
+        who = f"{run['label']}: " if len(runs) > 1 else ""
+        pts = [(r["step"], r[metric]) for r in run["steps"] if r.get(metric) is not None]
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=1.6,
+                    marker=marker if len(pts) <= 30 else None, ms=4,
+                    label=f"{who}train (per log interval)" if test else who[:-2] or None)
+        ends = [(r["step"], r[f"test_{metric}"]) for r in run["epochs"]
+                if test and r.get("step") is not None and r.get(f"test_{metric}") is not None]
+        if ends:
+            x, y = zip(*ends)
+            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=0.8, marker=marker, ms=8,
+                    markerfacecolor="white", markeredgewidth=1.8, label=f"{who}test (epoch end)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    if metric == "samples_per_s":
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    elif metric == "loss" and _spread(ax) > 30:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=9)
+    names = runs[0]["label"] if len(runs) == 1 else f"{len(runs)} runs"
+    ax.set_title(f"{title or ylabel.split(' (')[0].capitalize()}: {names}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _spread(ax) -> float:
+    """max / min of the positive values plotted: a loss falling 30-fold reads better on a log scale."""
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
+    return max(ys) / min(ys) if ys else 1.0
 
 
 def scaling_plot(rep: dict, path: str | Path) -> Path:

@@ -47,6 +47,7 @@ from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDir
 from .evaluate import evaluate
 from .identity import code_name, data_fingerprint, model_fingerprint
 from .launcher import LaunchSpec, refuse_if_importing_main, run_workers
+from .loggers import check_installed, parse_loggers
 from .models import model_for
 from .rundir import (LOCK_ENV, agree, atomic_write, check_run_dir, fatal_path, read_fatal, record_fatal,
                      run_lock, summary_bytes)
@@ -199,6 +200,7 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     if per_rank_batch % cfg.grad_accum:
         raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the per-rank batch {per_rank_batch} "
                           f"(--batch-size {cfg.batch_size} over {world} ranks)")
+    check_installed(parse_loggers(cfg.log))  # before the data loads: a missing package is a quick error
     if isinstance(optimizer, torch.optim.Optimizer) and model is None:
         raise ConfigError("an optimizer object needs the model it was built on: pass model=... too, or a factory "
                           "optimizer=lambda model: ...")

@@ -1,6 +1,7 @@
 """CLI subcommands: a plain dict of modules, each with ``HELP``, ``register(parser)`` and a ``run``."""
 
-from . import bench, check, train
+from . import bench, check, doctor, plot, show_data, train
 from . import eval as eval_cmd
 
-COMMANDS = {"train": train, "eval": eval_cmd, "check": check, "bench": bench}
+COMMANDS = {"train": train, "eval": eval_cmd, "check": check, "bench": bench, "plot": plot,
+            "show-data": show_data, "doctor": doctor}

@@ -1,0 +1,101 @@
+"""The console: a live progress display on a terminal, plain lines otherwise, from global rank 0 only.
+
+    display = Display(total_steps=468, progress=True, quiet=False)   # built by MetricLogger on rank 0
+    display.advance(step)                      # every step: a host counter, no device sync
+    display.interval(step, epoch, loss, rate)  # at log intervals: what the last interval measured
+    display.event(record)                      # [start], [epoch], [summary] ... lines
+    display.close()
+
+On a terminal (stderr is a TTY) and without ``--quiet`` it is a rich progress bar with the
+step count, epoch, loss and samples/s of the last log interval, elapsed time and ETA, and a
+summary table at the end. Elsewhere (CI logs, pipes, files) every record is one plain line,
+never parsed as markup, so ddpkit's own ``[start]``/``[epoch]`` tags survive.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# summary.json keys shown in the end-of-run table, in order, with their labels (units in the label)
+SUMMARY_ROWS = (("world_size", "processes"), ("steps", "optimizer steps"), ("train_time_s", "train time (s)"),
+                ("samples_per_s", "samples/s"), ("peak_memory_mb", "peak memory per rank (MiB)"),
+                ("startup_s", "launch to first step (s)"))
+
+
+class Display:
+    def __init__(self, total_steps: int, progress: bool = True, quiet: bool = False):
+        self.quiet = quiet
+        self.bar = None
+        if progress and not quiet and sys.stderr.isatty():
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                TimeRemainingColumn(), transient=True)
+            self.task = self.bar.add_task("train", total=total_steps, info="")
+            self.bar.start()
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:  # rich redraws at its own rate (10 Hz), not per call
+            self.bar.update(self.task, completed=step)
+
+    def interval(self, step: int, epoch: int, loss: float | None, samples_per_s: float) -> None:
+        info = f"epoch {epoch}" + (f" | loss {loss:.4f}" if loss is not None else "") + f" | {samples_per_s:,.0f} samples/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+
+    def event(self, record: dict) -> None:
+        """A record as the console shows it: step records only without a bar (the bar carries them)."""
+        if self.quiet or (record["event"] == "step" and self.bar is not None):
+            return
+        if record["event"] == "summary" and self.bar is not None:
+            self.close()  # the table replaces the bar
+            self._summary_table(record)
+            return
+        self.print(format_record(record))
+
+    def print(self, line: str) -> None:
+        if self.bar is not None:
+            # markup=False: ddpkit's own "[start]"/"[epoch]" tags are text, not rich markup to swallow
+            self.bar.console.print(line, highlight=False, markup=False)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.console = self.bar.console
+            self.bar = None
+
+    def _summary_table(self, record: dict) -> None:
+        from rich.table import Table
+
+        table = Table(title="ddpkit: run finished", title_justify="left", show_header=False)
+        table.add_column(style="bold")
+        table.add_column(justify="right")
+        for key, value in record.items():
+            if key.startswith("test_") and value is not None:
+                shown = f"{100 * value:.2f}%" if key == "test_accuracy" else _number(value)
+                table.add_row(key.replace("_", " "), shown)
+        for key, label in SUMMARY_ROWS:
+            if record.get(key) is not None:
+                table.add_row(label, _number(record[key]))
+        table.add_row("run dir", str(record.get("run_dir", "")))
+        self.console.print(table)
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def format_record(record: dict) -> str:
+    """``[event] key=value ...``: floats to 4 significant digits; time and nested values left out."""
+    parts = []
+    for key, value in record.items():
+        if key in ("event", "time") or isinstance(value, (dict, list)):
+            continue
+        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return f"[{record['event']}] " + " ".join(parts)
