@@ -37,6 +37,23 @@ def test_bad_flags(tmp_path, args, fragments):
 def test_missing_dataset_offline_names_directory(tmp_path):
     proc = run_cli("train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--run-dir", str(tmp_path / "r"))
     assert_one_line_error(proc, f"dataset files missing in {tmp_path}/d/cifar-10-batches-py", "data_batch_1")
+    assert not (tmp_path / "d").exists()  # the failed download left no empty folders behind (it did)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["train", "--epochz", "1"], "ddpkit train: unrecognized arguments: --epochz 1 (did you mean --epochs?)"),
+    (["train", "--epochs", "x"], "ddpkit train: argument --epochs: invalid int value: 'x'"),
+    (["train", "--limit", "3"], "ddpkit train: ambiguous option: --limit could match --limit-train, --limit-test"),
+    (["doctor", "--jsn"], "ddpkit doctor: unrecognized arguments: --jsn (did you mean --json?)"),
+])
+def test_a_bad_flag_is_one_line_with_the_nearest_flag(args, line, capsys):
+    """argparse printed its whole usage block (35 lines for train) before the error, and no suggestion."""
+    from ddpkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.splitlines() == [f"ddpkit: error: {line}; see `{line.split(':')[0]} --help`"]
 
 
 def test_corrupt_idx_names_the_file(tmp_path):

@@ -70,6 +70,24 @@ def test_unknown_toml_key(tmp_path):
         TrainConfig.from_toml(tmp_path / "c.toml")
 
 
+@pytest.mark.parametrize("text,message", [
+    ("[trian]\nepochs = 1\n", r"unknown section \[trian\]; the sections are \[data\], \[model\]"),
+    ("[data]\nepochs = 1\n", r"epochs belongs in \[train\], not \[data\]"),
+    ("[train]\nbatch_size = 64\nbatch-size = 32\n", r"batch_size is given twice"),
+])
+def test_toml_sections_are_checked(tmp_path, text, message):
+    """Sections were ignored: [trian], a key in the wrong section and a key given twice all passed silently."""
+    (tmp_path / "c.toml").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_toml(tmp_path / "c.toml")
+
+
+def test_toml_keys_take_the_flags_spelling_and_flat_files_still_load(tmp_path):
+    (tmp_path / "c.toml").write_text("epochs = 3\n[train]\nbatch-size = 64\n")
+    cfg = TrainConfig.from_toml(tmp_path / "c.toml")
+    assert (cfg.epochs, cfg.batch_size) == (3, 64)
+
+
 def test_flags_are_the_dataclass_fields_and_override_toml(tmp_path):
     (tmp_path / "c.toml").write_text("[train]\nepochs = 5\nseed = 4\n")
     args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--epochs", "2",

@@ -63,9 +63,13 @@ def test_eval_recomputes_the_same_accuracy_with_another_world_size(trained):
 def test_rerunning_a_finished_run_overwrites_nothing(trained):
     run_dir, _ = trained
     before = (run_dir / "summary.json").read_text()
-    proc = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "2", "--run-dir", str(run_dir))
+    proc = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "2", "--run-dir", str(run_dir), "--log", "csv")
     assert proc.returncode == 0 and "already holds this finished run" in proc.stdout
-    assert (run_dir / "summary.json").read_text() == before
+    assert "--log csv applies to runs that train" in proc.stdout  # --log alone does not make a new run
+    accuracy = json.loads(before)["test_accuracy"]
+    summary_line = next(line for line in proc.stdout.splitlines() if line.startswith("[summary]"))
+    assert f"test_accuracy={accuracy:.4g}" in summary_line  # the result it returns, shown (it was not)
+    assert (run_dir / "summary.json").read_text() == before and not (run_dir / "metrics.csv").exists()
 
 
 def test_a_different_config_is_refused_and_nothing_changes(trained):

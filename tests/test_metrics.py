@@ -51,7 +51,7 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
     from conftest import cli_env
 
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "convnet",
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "mlp",
                              "--limit-train", "4000", "--limit-test", "100", "--batch-size", "100", "--epochs", "1",
                              "--nproc", "1", "--device", "cpu", "--log-every", "1000", "--run-dir", str(tmp_path / "r")],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=cli_env(COLUMNS="120"))
@@ -70,6 +70,24 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
     assert "[start] world_size=1" in out and "[epoch] epoch=0" in out
     counts = {int(k) for k in re.findall(r"\b(\d+)/40\b", out)}
     assert counts - {0, 40}, f"the bar only showed {sorted(counts)}"  # one log interval: 0 and 40 before
-    assert re.search(r"40/40.*steps epoch 0 \| loss \d\.\d{4} \| [\d,]+ samples/s.*ETA", out), out[-3000:]
+    assert re.search(r"40/40 epoch 0 loss \d\.\d{4} [\d,]+ samples/s ETA", out), out[-3000:]
     table = out[out.index("ddpkit: run finished"):]  # the summary table replaces the bar at the end
     assert re.search(r"test accuracy\W+\d+\.\d\d%", table) and "optimizer steps" in table and "run dir" in table
+
+
+def test_plain_lines_keep_one_key_value_per_field():
+    from ddpkit.display import format_record
+
+    line = format_record({"event": "start", "time": 1.0, "data": "train in memory; test in memory",
+                          "resumed_at_step": None, "samples_per_s": 51790.3, "lr": 1e-5, "task": {"nested": 1}})
+    assert line == '[start] data="train in memory; test in memory" samples_per_s=51790 lr=1e-05'
+
+
+def test_quiet_prints_the_summary_line_alone(capsys):
+    from ddpkit.display import Display
+
+    display = Display(10, progress=False, quiet=True)
+    for event in ("start", "step", "epoch"):
+        display.event({"event": event, "step": 1})
+    display.event({"event": "summary", "test_accuracy": 0.99, "run_dir": "runs/x"})
+    assert capsys.readouterr().out == "[summary] test_accuracy=0.99 run_dir=runs/x\n"

@@ -22,12 +22,27 @@ from .errors import DdpkitError, WorkersFailed
 PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 to print an error first
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (with the nearest valid flag), not a usage block."""
+
+    def error(self, message: str):
+        import difflib
+
+        words = message.split()
+        if message.startswith("unrecognized arguments:") and len(words) > 2:
+            flags = [o for a in self._actions for o in a.option_strings]
+            near = difflib.get_close_matches(words[2].split("=")[0], flags, 1)
+            if near:
+                message += f" (did you mean {near[0]}?)"
+        self.exit(2, f"ddpkit: error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .commands import COMMANDS
 
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="ddpkit", description="Data-parallel training with PyTorch DDP.")
+    parser = Parser(prog="ddpkit", description="Data-parallel training with PyTorch DDP.")
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
@@ -38,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ["DDPKIT_T0"] = repr(time.time())  # launch time, for summary.json's startup_s
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, which knows the flags to suggest
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         return run_reporting_errors(lambda: args.run(args))
     finally:
         os.environ.pop("DDPKIT_T0", None)

@@ -261,11 +261,21 @@ class TrainConfig:
     def from_dict(cls, values: dict, source: str = "") -> "TrainConfig":
         """Build from a flat or sectioned dict (as read from TOML); unknown keys and values of the
         wrong type are errors naming the key (``source`` says where the values came from)."""
+        section_of = {f.name: f.metadata["section"] for f in dataclasses.fields(cls)}
         flat: dict = {}
         for key, value in values.items():
+            if isinstance(value, dict) and key not in section_of.values():
+                raise ConfigError(f"{source}unknown section [{key}]; the sections are "
+                                  f"{', '.join(f'[{s}]' for s in dict.fromkeys(section_of.values()))}")
             for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
-                flat[k.replace("-", "_")] = v  # batch-size, as the flag is spelt, is batch_size
-        names = {f.name for f in dataclasses.fields(cls)}
+                name = k.replace("-", "_")  # batch-size, as the flag is spelt, is batch_size
+                if isinstance(value, dict) and section_of.get(name, key) != key:
+                    raise ConfigError(f"{source}{k} belongs in [{section_of[name]}], not [{key}]")
+                if name in flat:
+                    raise ConfigError(f"{source}{name} is given twice (as {name} and {name.replace('_', '-')}); "
+                                      f"keep one")
+                flat[name] = v
+        names = set(section_of)
         unknown = sorted(set(flat) - names)
         if unknown:
             import difflib

@@ -7,19 +7,21 @@
     display.close()
 
 On a terminal (stderr is a TTY) and without ``--quiet`` it is a rich progress bar with the
-step count, epoch, loss and samples/s of the last log interval, elapsed time and ETA, and a
-summary table at the end. Elsewhere (CI logs, pipes, files) every record is one plain line,
+step count, epoch, loss and samples/s of the last log interval and ETA, and a summary table
+at the end. Elsewhere (CI logs, pipes, files) every record is one plain line,
 never parsed as markup, so ddpkit's own ``[start]``/``[epoch]`` tags survive.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 # summary.json keys shown in the end-of-run table, in order, with their labels (units in the label)
-SUMMARY_ROWS = (("world_size", "processes"), ("steps", "optimizer steps"), ("train_time_s", "train time (s)"),
-                ("samples_per_s", "samples/s"), ("peak_memory_mb", "peak memory per rank (MiB)"),
-                ("startup_s", "launch to first step (s)"))
+SUMMARY_ROWS = (("world_size", "processes", "{}"), ("steps", "optimizer steps", "{:,}"),
+                ("train_time_s", "train time (s)", "{:,.2f}"), ("samples_per_s", "samples/s", "{:,.0f}"),
+                ("peak_memory_mb", "peak memory, largest rank (MiB)", "{:,.0f}"),
+                ("startup_s", "launch to first step (s)", "{:,.2f}"))
 
 
 class Display:
@@ -27,12 +29,12 @@ class Display:
         self.quiet = quiet
         self.bar = None
         if progress and not quiet and sys.stderr.isatty():
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                TimeRemainingColumn(), transient=True)
+            # about 80 columns in all: an 80-column terminal keeps the ETA (rich shrinks the bar first)
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
+                                transient=True)
             self.task = self.bar.add_task("train", total=total_steps, info="")
             self.bar.start()
 
@@ -41,13 +43,14 @@ class Display:
             self.bar.update(self.task, completed=step)
 
     def interval(self, step: int, epoch: int, loss: float | None, samples_per_s: float) -> None:
-        info = f"epoch {epoch}" + (f" | loss {loss:.4f}" if loss is not None else "") + f" | {samples_per_s:,.0f} samples/s"
+        info = f"epoch {epoch}" + (f" loss {loss:.4f}" if loss is not None else "") + f" {samples_per_s:,.0f} samples/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
 
     def event(self, record: dict) -> None:
-        """A record as the console shows it: step records only without a bar (the bar carries them)."""
-        if self.quiet or (record["event"] == "step" and self.bar is not None):
+        """A record as the console shows it: step records only without a bar (the bar carries them);
+        with ``--quiet`` the summary line alone (the result, and where it was written)."""
+        if (self.quiet and record["event"] != "summary") or (record["event"] == "step" and self.bar is not None):
             return
         if record["event"] == "summary" and self.bar is not None:
             self.close()  # the table replaces the bar
@@ -78,9 +81,9 @@ class Display:
             if key.startswith("test_") and value is not None:
                 shown = f"{100 * value:.2f}%" if key == "test_accuracy" else _number(value)
                 table.add_row(key.replace("_", " "), shown)
-        for key, label in SUMMARY_ROWS:
+        for key, label, form in SUMMARY_ROWS:
             if record.get(key) is not None:
-                table.add_row(label, _number(record[key]))
+                table.add_row(label, form.format(record[key]))
         table.add_row("run dir", str(record.get("run_dir", "")))
         self.console.print(table)
 
@@ -95,7 +98,16 @@ def format_record(record: dict) -> str:
     """``[event] key=value ...``: floats to 4 significant digits; time and nested values left out."""
     parts = []
     for key, value in record.items():
-        if key in ("event", "time") or isinstance(value, (dict, list)):
+        if key in ("event", "time") or value is None or isinstance(value, (dict, list)):
             continue
-        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+        if isinstance(value, float):
+            value = _plain(value)
+        elif isinstance(value, str) and (" " in value or not value):
+            value = json.dumps(value)  # one key=value per field, for anyone parsing the log
+        parts.append(f"{key}={value}")
     return f"[{record['event']}] " + " ".join(parts)
+
+
+def _plain(value: float) -> str:
+    """4 significant digits, never an exponent for the sizes a run logs (samples_per_s=51790, not 5.179e+04)."""
+    return f"{value:.0f}" if 1e4 <= abs(value) < 1e15 else f"{value:.4g}"

@@ -46,7 +46,15 @@ def versions() -> dict:
     cuda = torch.cuda.is_available()
     nccl_built = dist.is_nccl_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and nccl_built else None
+    try:  # a torchvision built for another torch fails here ("operator torchvision::nms does not exist")
+        import torchvision
+
+        vision = row(torchvision.__version__, "ok")
+    except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+        vision = row(f"broken ({type(exc).__name__}: {str(exc)[:120]})", "FAIL",
+                     "install the torchvision release built for this torch (the Makefile pins a matched pair)")
     return {"python": row(platform.python_version()), "ddpkit": row(__version__), "torch": row(torch.__version__),
+            "torchvision": vision,
             "CUDA build": row(torch.version.cuda or "none (CPU-only torch)"),
             "CUDA available": row(cuda),
             "gloo": row("available", "ok") if dist.is_gloo_available() else

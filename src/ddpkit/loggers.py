@@ -90,8 +90,11 @@ class WandbLogger:
         if not run_id:
             run_id = secrets.token_hex(4)
             atomic_write(id_file, run_id.encode())
+        # quiet: wandb's banner and end-of-run history would bury ddpkit's own lines and summary table;
+        # where the run went (and, offline, how to sync it) is still printed
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpkit"), name=run_dir.name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=hyperparameters(config))
+                              resume="allow", dir=str(run_dir), config=hyperparameters(config),
+                              settings=wandb.Settings(quiet=True))
 
     def write(self, record: dict) -> None:
         group = GROUPS.get(record["event"])

@@ -62,7 +62,7 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
 def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True,
                   title: str = "") -> Path:
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig = Figure(figsize=(7, 4.2), dpi=120)
     ax = fig.subplots()
@@ -83,6 +83,7 @@ def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, t
                     markerfacecolor="white", markeredgewidth=1.8, label=f"{who}test (epoch end)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 14, 14, 15, 15 ticks
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     if metric == "samples_per_s":
         ax.set_ylim(bottom=0)

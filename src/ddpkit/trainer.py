@@ -41,6 +41,7 @@ from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.materialize import materialize
 from .data.loader import EvalSource, Preprocess, float_dtype
+from .display import format_record
 from .dist import cpu_cores, distributed, under_launcher
 from .engine import Engine
 from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError, TaskError
@@ -140,7 +141,10 @@ class Trainer:
         finished = check_run_dir(cfg)
         if finished is not None:
             print(f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
-                  f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}")
+                  f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
+                  + (f". --log {cfg.log} applies to runs that train" if cfg.log else ""))
+            print(format_record({"event": "summary", **{k: v for k, v in finished.items() if k.startswith("test_")},
+                                 **{k: finished.get(k) for k in ("train_time_s", "samples_per_s", "run_dir")}}))
             summary = finished
         else:
             # The workers get the data loaded here (tensors travel through shared memory), never

@@ -179,10 +179,15 @@ def _torchvision_download(cls_name: str, root: str) -> None:
     """Fetch with torchvision's real download code; stays quiet when offline (the caller names what is missing)."""
     import torchvision
 
+    new = not Path(root).exists()
     for train in (True, False):
         try:
             getattr(torchvision.datasets, cls_name)(root=root, train=train, download=True)
         except Exception:  # offline, proxy, checksum: the missing-files error that follows says what to do
+            if new:  # leave no empty folders behind from a download that never happened
+                for folder in sorted((p for p in Path(root).rglob("*") if p.is_dir()), reverse=True) + [Path(root)]:
+                    if folder.exists() and not any(folder.iterdir()):
+                        folder.rmdir()
             return
 
 
