@@ -28,7 +28,8 @@ from ddpkit.cli import main
 from ddpkit.rundir import run_lock
 
 TINY = ["--dataset", "mnist", "--limit-train", "400", "--limit-test", "200", "--batch-size", "50", "--lr", "0.05",
-        "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4"]
+        "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4",
+        "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
 
 
 def files(run_dir: Path) -> dict[str, str]:

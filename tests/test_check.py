@@ -41,11 +41,13 @@ def test_check_passes_on_registry_models(model, dataset, steps):
     assert report.dtype == "float64" and report.worst.diff < 1e-12
 
 
-def test_check_passes_on_a_user_model_through_the_python_api():
+def test_check_passes_on_a_user_model_through_the_python_api(tmp_path):
     torch.manual_seed(0)
-    report = check(RegressionMLP, regression_data(128, 0), regression_data(30, 1), config=TrainConfig(**TINY),
-                   nproc=2, steps=4, loss_fn=mse)
+    report = check(RegressionMLP, regression_data(128, 0), regression_data(30, 1), config=TrainConfig(**TINY, log="csv"),
+                   nproc=2, steps=4, loss_fn=mse, work_dir=tmp_path)
     assert report.passed, report.text()
+    # its own short runs draw no plots and open no loggers (each drew three PNGs, 1.5 s, once plots came)
+    assert not list(tmp_path.rglob("plots")) and not list(tmp_path.rglob("metrics.csv"))
     assert report.coverage["ok"] and any("30 test samples is evaluated exactly once" in line
                                          for line in report.coverage["lines"])
 

@@ -19,7 +19,7 @@ from conftest import cli_env, read_jsonl
 
 TRAIN = ["train", "--dataset", "mnist", "--limit-train", "1000", "--limit-test", "500", "--batch-size", "100",
          "--lr", "0.05", "--epochs", "1", "--device", "cpu", "--nproc", "1", "--nnodes", "2", "--no-progress",
-         "--timeout-s", "60"]
+         "--timeout-s", "60", "--no-plots"]  # plots are tested in test_loggers.py
 
 
 def free_port() -> int:

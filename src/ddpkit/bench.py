@@ -113,6 +113,7 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
             global_batch = per_rank if strong else per_rank * n
             cfg = dataclasses.replace(base, nproc=str(n), batch_size=global_batch, max_steps=steps, epochs=10**6,
                                       log_every=window, progress=False, quiet=True, resume="never", save_every_steps=0,
+                                      plots=False, log="",  # its own runs: bench draws scaling.png instead
                                       comm_hook=comm_hook, zero=zero, limit_test=max(global_batch, 2 * n),
                                       max_restarts=0, run_dir="")
             row = {"world_size": n, "global_batch": global_batch}

@@ -207,6 +207,7 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
 
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="ddpkit-check-"))  # removed below
     common = dict(max_steps=steps, epochs=max(base.epochs, steps), log_every=steps, progress=False, quiet=True, resume="never",
+                  plots=False, log="",  # its own short runs in a temporary dir: nothing to look at
                   sync_bn=sync_bn, dtype=dtype, amp="none", ema=0.0,
                   save_every_steps=0, max_restarts=0, nnodes=1)
     cfg = dataclasses.replace(base, **common)

@@ -36,7 +36,7 @@ def register(parser) -> None:
     parser.add_argument("--busbw-gbs", type=float, default=None, help="GPU fabric bus bandwidth, GB/s "
                         "(default: 370, H100 NVLink)")
     parser.add_argument("--latency-us", type=float, default=None, help="GPU fabric latency per ring step, us (default: 5)")
-    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir",
+    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir", "log", "plots",
                                              "max_restarts", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
                                              "grad_sync", "epochs", "save_every_steps", "log_every"}))
     for action in parser._actions:

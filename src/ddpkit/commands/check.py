@@ -15,7 +15,7 @@ def register(parser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default: 5)")
     parser.add_argument("--json", dest="json_out", metavar="PATH", help="also write the report as JSON")
     # what the check sets itself (its runs are short, quiet and in a temporary directory)
-    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir", "epochs",
+    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir", "log", "plots", "epochs",
                                              "log_every", "save_every_steps", "keep_snapshots", "amp", "ema",
                                              "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
                                              "grad_sync", "join"}))
