@@ -117,6 +117,22 @@ def agree(ctx: DistContext, error: DdpkitError | None) -> None:
 
 
 # ---------------------------------------------------------------------- before launch
+def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
+    """The config of a finished run whose model the CLI can rebuild (``ddpkit eval``, ``show-data
+    --predictions``); else one line. ``from_python``: what to do instead for a run trained from Python."""
+    run_dir = Path(run_dir)
+    for name in ("config.toml", "model.pt"):
+        if not (run_dir / name).exists():
+            raise RunDirError(f"{run_dir / name} not found; is {run_dir} a finished ddpkit run?")
+    cfg = TrainConfig.from_toml(run_dir / "config.toml")
+    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
+              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
+    if custom:
+        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
+                          f"{from_python}")
+    return cfg
+
+
 def check_run_dir(cfg: TrainConfig) -> dict | None:
     """Refuse a run dir that cannot be used as asked; return its summary if that run already finished.
 

@@ -95,20 +95,12 @@ def shorten(name: str, limit: int = MAX_NAME) -> str:
 # ---------------------------------------------------------------------- the run, the data, the predictions
 def load_run(run_dir: str | Path):
     """The run's TrainConfig, refused in one line when the CLI cannot rebuild its model."""
-    from .config import TrainConfig
+    from .rundir import finished_cli_run
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--predictions {run_dir}: no such run directory")
-    for name in ("config.toml", "model.pt"):
-        if not (run_dir / name).exists():
-            raise RunDirError(f"{run_dir / name} not found; is {run_dir} a finished ddpkit run?")
-    cfg = TrainConfig.from_toml(run_dir / "config.toml")
-    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
-              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
-    if custom:
-        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
-                          f"show its predictions from Python instead")
+    cfg = finished_cli_run(run_dir, "show its predictions from Python instead")
     if cfg.model is None:
         raise RunDirError(f"{run_dir / 'config.toml'} names no model; is {run_dir} a finished ddpkit run?")
     return cfg

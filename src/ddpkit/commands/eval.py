@@ -6,8 +6,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..errors import RunDirError
-
 HELP = "re-evaluate a run's model.pt on its test set, exactly and distributed"
 
 
@@ -22,24 +20,16 @@ def run(args) -> int:
     from .flags import prestart_if_workers
 
     prestart_if_workers(args.nproc)  # before torch is imported below
-    from ..config import TrainConfig
     from ..launcher import LaunchSpec, run_workers
     from ..data import load_dataset
     from ..models import model_for
+    from ..rundir import finished_cli_run
     from ..task import Classification
     from ..trainer import Job, check_weights_fit, eval_worker
 
     run_dir = Path(args.run_dir)
-    for name in ("config.toml", "model.pt"):
-        if not (run_dir / name).exists():
-            raise RunDirError(f"{run_dir / name} not found; is {run_dir} a finished ddpkit run?")
-    cfg = TrainConfig.from_toml(run_dir / "config.toml")
-    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
-              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
-    if custom:
-        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
-                          f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), then "
-                          f"Trainer(config, model=model, test_data=..., loss_fn=...).evaluate()")
+    cfg = finished_cli_run(run_dir, f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), "
+                                    f"then Trainer(config, model=model, test_data=..., loss_fn=...).evaluate()")
     # Evaluation runs on this node alone, whatever launched the training.
     cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device,
                               nnodes=1, rdzv_endpoint="", rdzv_id="", local_addr="", max_restarts=0)
