@@ -118,6 +118,14 @@ def test_plot_command_overlays_runs_and_redraws_one(logged_run, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["accuracy.png", "loss.png", "throughput.png"]
     proc = run_cli("plot", str(run_dir), str(tmp_path))
     assert proc.returncode == 2 and "--out DIR" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "loss.png").write_text("my notes, not a PNG")
+    proc = run_cli("plot", str(run_dir), "--out", str(tmp_path / "mine"))
+    assert proc.returncode != 0 and "is not a PNG" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "mine" / "loss.png").read_text() == "my notes, not a PNG"
+    before = (run_dir / "plots" / "loss.png").stat().st_mtime_ns
+    proc = run_cli("plot", str(run_dir))  # one run: redrawn into RUN_DIR/plots
+    assert proc.returncode == 0 and (run_dir / "plots" / "loss.png").stat().st_mtime_ns > before
     proc = run_cli("plot", str(tmp_path / "nothing"))
     assert proc.returncode != 0 and "metrics.jsonl not found" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -133,8 +141,9 @@ def test_after_a_resume_csv_and_tensorboard_hold_each_step_once(tmp_path):
         log.begin(global_step=start, epoch=0)
         for step in range(start + 1, stop + 1):
             log.log("step", epoch=0, step=step, loss=1.0 / step + (0.5 if start else 0.0))
-        log.close()
+        log.close(ok=stop == 40)
 
+    attempt(0, 5)    # killed before its first snapshot: the next attempt starts over
     attempt(0, 30)   # killed after step 30; the snapshot was at step 20
     attempt(20, 40)
     records = read_records(tmp_path / "metrics.jsonl")
@@ -142,8 +151,24 @@ def test_after_a_resume_csv_and_tensorboard_hold_each_step_once(tmp_path):
     with open(tmp_path / "metrics.csv", newline="") as fh:
         assert [int(r["step"]) for r in csv.DictReader(fh)] == list(range(1, 41))
     tb = event_scalars(tmp_path / "tensorboard")["train/loss"]
-    assert [s for s, _ in tb] == list(range(1, 41))
+    assert [s for s, _ in tb] == list(range(1, 41))  # the first attempt's steps 1-5 once (they were kept twice)
     assert tb[25][1] == pytest.approx(1 / 26 + 0.5)  # the second attempt's value, not the first's
+    assert session_statuses(tmp_path / "tensorboard") == ["STATUS_FAILURE", "STATUS_FAILURE", "STATUS_SUCCESS"]
+
+
+def session_statuses(folder: Path) -> list[str]:
+    """Each attempt's hparams session-end status, in order, read from the raw event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name)):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag == "_hparams_/session_end_info":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    out.append(api_pb2.Status.Name(data.session_end_info.status))
+    return out
 
 
 def test_a_failing_logger_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path, capsys, monkeypatch):

@@ -50,8 +50,9 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
 
     from conftest import cli_env
 
+    # convnet: its 40 steps take seconds, so rich's 10 Hz redraws land between log intervals
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "mlp",
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "convnet",
                              "--limit-train", "4000", "--limit-test", "100", "--batch-size", "100", "--epochs", "1",
                              "--nproc", "1", "--device", "cpu", "--log-every", "1000", "--run-dir", str(tmp_path / "r")],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=cli_env(COLUMNS="120"))

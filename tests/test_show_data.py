@@ -141,6 +141,8 @@ def test_refuses_to_overwrite_a_file_that_is_not_a_png(tmp_path):
         show_data("mnist", tmp_path / "grid.jpg", n=4)
     with pytest.raises(ConfigError, match="between 1 and 256"):
         show_data("mnist", tmp_path / "grid.png", n=257)
+    with pytest.raises(ConfigError, match="--seed -1: give a whole number >= 0"):  # was numpy's traceback
+        show_data("mnist", tmp_path / "grid.png", n=4, seed=-1)
 
 
 def test_custom_run_is_refused(trained_run, tmp_path):

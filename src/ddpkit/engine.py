@@ -212,19 +212,19 @@ class Engine:
             raise ValueError("its per-rank state does not match this run's ranks and metrics")
 
     def fit(self) -> dict:
-        snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
-        if snap is not None:
-            self.load_state_dict(snap)
-        # The steps after the snapshot (all of them, when starting over) run again: drop their records.
-        on_rank0(self.ctx, lambda: self.log.begin(self.global_step, self.epoch))
-        write_config(self.cfg, self.ctx)
-        self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
-                     device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
-                     task=self.task.identity,
-                     steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
-                     grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
         ok = False
-        try:
+        try:  # from here the --log loggers may be open and the bar running: both are closed however it ends
+            snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
+            if snap is not None:
+                self.load_state_dict(snap)
+            # The steps after the snapshot (all of them, when starting over) run again: drop their records.
+            on_rank0(self.ctx, lambda: self.log.begin(self.global_step, self.epoch))
+            write_config(self.cfg, self.ctx)
+            self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
+                         device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
+                         task=self.task.identity,
+                         steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
+                         grad_accum=self.accum, resumed_at_step=self.global_step if snap else None)
             with self._stop:
                 while self.epoch < self.cfg.epochs and self.global_step < self.total_steps:
                     self._run_epoch()
@@ -232,7 +232,7 @@ class Engine:
             ok = True
             return summary
         finally:
-            self.log.close(ok)  # the live display and the --log loggers, also on error
+            self.log.close(ok)
 
     def _run_epoch(self) -> None:
         cfg = self.cfg

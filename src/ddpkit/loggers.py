@@ -57,8 +57,8 @@ class TensorBoardLogger:
         from torch.utils.tensorboard.summary import hparams
 
         # purge_step: an earlier attempt's events at or after it are hidden; the steps after the
-        # snapshot (start_step) run again
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        # snapshot (start_step; 0 when starting over) run again
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
         metrics = {f"epoch/test_{name}": 0.0 for name in metric_names}
         hp = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hyperparameters(config).items()}
         exp, ssi, self._sei = hparams(hp, metrics)
@@ -75,6 +75,13 @@ class TensorBoardLogger:
             self.writer.add_scalar(f"{group}/{key}", value, global_step=record["step"], walltime=record.get("time"))
 
     def close(self, ok: bool) -> None:
+        if not ok:  # torch's hparams() always says STATUS_SUCCESS
+            from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+            value = self._sei.value[0]
+            data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+            data.session_end_info.status = api_pb2.Status.Value("STATUS_FAILURE")
+            value.metadata.plugin_data.content = data.SerializeToString()
         self.writer.file_writer.add_summary(self._sei)  # the session's end, with its status
         self.writer.close()
 
@@ -92,9 +99,11 @@ class WandbLogger:
             atomic_write(id_file, run_id.encode())
         # quiet: wandb's banner and end-of-run history would bury ddpkit's own lines and summary table;
         # where the run went (and, offline, how to sync it) is still printed
+        # init_timeout: the other ranks wait in a collective meanwhile, for at most --timeout-s
+        timeout = max(1.0, min(90.0, float(config.get("timeout_s") or 600.0) / 2))
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpkit"), name=run_dir.name, id=run_id,
                               resume="allow", dir=str(run_dir), config=hyperparameters(config),
-                              settings=wandb.Settings(quiet=True))
+                              settings=wandb.Settings(quiet=True, init_timeout=timeout))
 
     def write(self, record: dict) -> None:
         group = GROUPS.get(record["event"])

@@ -190,6 +190,10 @@ class MetricLogger:
 
     def _drop(self, sink, exc: Exception) -> None:
         self.sinks.remove(sink)
+        try:
+            sink.close(False)  # its writer thread or wandb run, released
+        except Exception:  # noqa: BLE001 - it failed already; the warning below says so
+            pass
         self.print(f"ddpkit: warning: --log {_name(sink)} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                    f"training on without it (metrics.jsonl has every record)")
 

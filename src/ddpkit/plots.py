@@ -44,7 +44,10 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
     user's), and throughput.png, for one run or several overlaid. Returns the files written."""
     runs = [read_run(d) for d in run_dirs]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(_io_error(exc, out)) from None
     metrics = list(dict.fromkeys(k for run in runs for r in run["steps"] for k in r
                                  if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
                                  and isinstance(r[k], (int, float))))
@@ -96,8 +99,20 @@ def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, t
     names = runs[0]["label"] if len(runs) == 1 else f"{len(runs)} runs"
     ax.set_title(f"{title or ylabel.split(' (')[0].capitalize()}: {names}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path)
+    if path.exists() and path.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        raise RunDirError(f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: "
+                          f"choose another --out")
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise RunDirError(_io_error(exc, path)) from None
     return path
+
+
+def _io_error(exc: OSError, path: Path) -> str:
+    from .rundir import describe_io_error  # imports torch: only on this path, so `ddpkit plot` stays light
+
+    return describe_io_error(exc, path)
 
 
 def _spread(ax) -> float:

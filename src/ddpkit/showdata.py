@@ -202,6 +202,8 @@ def show_data(dataset: str | None = None, out: str | Path = "grid.png", *, split
         raise ConfigError(f"--split {split!r}: choose train or test")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_IMAGES:
         raise ConfigError(f"--n {n}: show between 1 and {MAX_IMAGES} images")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed {seed}: give a whole number >= 0")
     if dataset is not None and dataset.startswith("custom:"):
         raise ConfigError(f"{dataset}: a dataset given from Python cannot be shown from the CLI")
     out = check_out(out)
