@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.loggers import check_installed, parse_loggers, read_records
+from ddpkit.loggers import check_installed, parse_loggers
+from ddpkit.records import read_records
 from ddpkit.metrics import MetricLogger
 from conftest import cli_env, read_jsonl
 

@@ -24,6 +24,12 @@ SUMMARY_ROWS = (("world_size", "processes", "{}"), ("steps", "optimizer steps", 
                 ("startup_s", "launch to first step (s)", "{:,.2f}"))
 
 
+def summary_fields(summary: dict) -> dict:
+    """What the console's summary line or table shows of summary.json: the test metrics, then SUMMARY_ROWS."""
+    return {**{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
+            **{key: summary.get(key) for key, _, _ in SUMMARY_ROWS}, "run_dir": summary.get("run_dir")}
+
+
 class Display:
     def __init__(self, total_steps: int, progress: bool = True, quiet: bool = False):
         self.quiet = quiet
@@ -36,6 +42,7 @@ class Display:
                                 TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
                                 transient=True)
             self.task = self.bar.add_task("train", total=total_steps, info="")
+            self.console = self.bar.console  # for the summary table, after the bar has stopped
             self.bar.start()
 
     def advance(self, step: int) -> None:
@@ -68,7 +75,6 @@ class Display:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-            self.console = self.bar.console
             self.bar = None
 
     def _summary_table(self, record: dict) -> None:

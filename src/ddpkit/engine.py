@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
 from .data import DataSplits, ImageData
 from .data.loader import EvalSource, Preprocess, float_dtype, make_train_source
+from .display import summary_fields
 from .dist import DistContext
 from .errors import NonFiniteLoss, RunDirError, Stopped
 from .evaluate import evaluate
@@ -455,10 +456,7 @@ class Engine:
                    "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
                    "finished_at": round(time.time(), 3), "per_rank": per_rank, "ddp_timers": ddp_timers(self.ddp)}
         write_summary(cfg.run_dir, summary, ctx)
-        self.log.log("summary", step=self.global_step,
-                     **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
-                     **{k: summary[k] for k in ("world_size", "steps", "train_time_s", "samples_per_s",
-                                                "peak_memory_mb", "startup_s", "run_dir")})
+        self.log.log("summary", step=self.global_step, **summary_fields(summary))
         if ctx.is_main and cfg.plots:
             self._plot()
         return summary

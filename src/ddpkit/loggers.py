@@ -31,6 +31,7 @@ import secrets
 from pathlib import Path
 
 from .errors import ConfigError
+from .records import read_records
 from .rundir import atomic_write
 
 BOOKKEEPING = ("event", "time", "epoch", "step")  # in every record; not plotted as a scalar
@@ -154,21 +155,8 @@ def csv_row(record: dict) -> dict:
     return {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in record.items()}
 
 
-def read_records(path: Path) -> list[dict]:
-    """metrics.jsonl's records; a last line cut short by a kill is skipped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 LOGGERS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "csv": CsvLogger}
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}  # name -> (module, extra)
+PACKAGES = ("tensorboard", "wandb")  # loggers needing a package of their name, installed by the extra of that name
 
 
 def parse_loggers(text: str) -> tuple[str, ...]:
@@ -185,17 +173,14 @@ def check_installed(names: tuple[str, ...]) -> None:
     """Before launch: every chosen logger's package imports, or a one-line error naming the extra."""
     import importlib.util
 
-    for name in names:
-        if name not in PACKAGES:
-            continue
-        module, extra = PACKAGES[name]
+    for name in (n for n in names if n in PACKAGES):
         try:  # found, not imported: the launcher does not pay the import (about 1 s) that rank 0 will
-            found = importlib.util.find_spec(module) is not None
-        except ValueError:  # sys.modules[module] is None: its import is blocked
+            found = importlib.util.find_spec(name) is not None
+        except ValueError:  # sys.modules[name] is None: its import is blocked
             found = False
         if not found:
-            raise ConfigError(f"--log {name} needs the {module} package, which is not installed: "
-                              f"pip install 'ddpkit[{extra}]' (or pip install {module})") from None
+            raise ConfigError(f"--log {name} needs the {name} package, which is not installed: "
+                              f"pip install 'ddpkit[{name}]' (or pip install {name})") from None
 
 
 def open_loggers(names: tuple[str, ...], run_dir: Path, config: dict, start_step: int,

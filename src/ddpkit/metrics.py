@@ -19,6 +19,7 @@ from .display import Display
 from .dist import DistContext
 from .errors import RunDirError
 from .loggers import LOGGERS, open_loggers
+from .records import read_records
 from .rundir import atomic_write, describe_io_error
 
 
@@ -150,18 +151,10 @@ class MetricLogger:
         """
         if not self.main or not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-            if record.get("event") == "step" and record.get("step", 0) > global_step:
-                continue
-            if record.get("event") == "epoch" and record.get("epoch", 0) >= epoch:
-                continue
-            kept.append(line)
-        atomic_write(self.path, "".join(f"{line}\n" for line in kept).encode())
+        kept = [r for r in read_records(self.path)  # a line cut short by the kill is dropped too
+                if not (r.get("event") == "step" and r.get("step", 0) > global_step)
+                and not (r.get("event") == "epoch" and r.get("epoch", 0) >= epoch)]
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def progress(self, global_step: int) -> None:
         """Every step: move the live display (a host counter, no device sync)."""

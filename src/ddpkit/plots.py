@@ -9,10 +9,10 @@ line style and marker, not only in colour.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .errors import RunDirError
+from .records import read_records
 
 # One style per run, told apart without colour: line style, marker, and a luminance spread
 RUN_STYLES = [("-", "o", "black"), ("--", "s", "tab:blue"), (":", "^", "tab:orange"), ("-.", "D", "tab:green"),
@@ -25,12 +25,7 @@ def read_run(run_dir: str | Path) -> dict:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise RunDirError(f"{path} not found; is {run_dir} a ddpkit run directory?")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
+    records = read_records(path)
     steps = [r for r in records if r.get("event") == "step"]
     if not steps:
         raise RunDirError(f"{path} holds no training steps yet; nothing to plot")
@@ -53,9 +48,8 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
                                  and isinstance(r[k], (int, float))))
     written = []
     for metric in metrics:
-        name = "loss" if metric == "loss" else metric
         pct = metric == "accuracy"
-        written.append(_curve_figure(runs, metric, out / f"{name}.png", pct,
+        written.append(_curve_figure(runs, metric, out / f"{metric}.png", pct,
                                      ylabel=f"{metric} (%)" if pct else metric))
     written.append(_curve_figure(runs, "samples_per_s", out / "throughput.png", False, ylabel="samples/s",
                                  test=False, title="Training throughput per log interval"))

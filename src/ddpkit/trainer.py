@@ -41,7 +41,7 @@ from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.materialize import materialize
 from .data.loader import EvalSource, Preprocess, float_dtype
-from .display import format_record
+from .display import format_record, summary_fields
 from .dist import cpu_cores, distributed, under_launcher
 from .engine import Engine
 from .errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError, TaskError
@@ -143,8 +143,7 @@ class Trainer:
             print(f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
                   f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
                   + (f". --log {cfg.log} applies to runs that train" if cfg.log else ""))
-            print(format_record({"event": "summary", **{k: v for k, v in finished.items() if k.startswith("test_")},
-                                 **{k: finished.get(k) for k in ("train_time_s", "samples_per_s", "run_dir")}}))
+            print(format_record({"event": "summary", **summary_fields(finished)}))
             summary = finished
         else:
             # The workers get the data loaded here (tensors travel through shared memory), never
