@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env, read_jsonl, worker_pids
+from conftest import cli_env, free_port, read_jsonl, worker_pids
 from ddpkit.cli import main
 from ddpkit.rundir import run_lock
 
-TINY = ["--dataset", "mnist", "--limit-train", "400", "--limit-test", "200", "--batch-size", "50", "--lr", "0.05",
-        "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4",
+TINY = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", "400", "--limit-test", "200", "--batch-size", "50",
+        "--lr", "0.05", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4",
         "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
 
 
@@ -105,6 +105,7 @@ TOML_CASES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", VALUE_CASES)
 def test_bad_values_are_one_line_before_anything_is_written(tmp_path, capsys, case):
     args, fragments = VALUE_CASES[case]
@@ -193,6 +194,7 @@ EVAL_CASES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", EVAL_CASES)
 def test_eval_of_a_damaged_run_is_one_line(tmp_path, capsys, finished, case):
     damage, fragments = EVAL_CASES[case]
@@ -204,6 +206,7 @@ def test_eval_of_a_damaged_run_is_one_line(tmp_path, capsys, finished, case):
     assert files(run) == before
 
 
+@pytest.mark.multiprocess
 def test_eval_on_two_processes_with_missing_data_is_reported_once(tmp_path, capsys, finished):
     """Regression: each rank loaded the data and printed its own error."""
     run = copy_of(finished, tmp_path)
@@ -274,6 +277,7 @@ def in_namespace(script: str, timeout: float = 240) -> subprocess.CompletedProce
 PY = f"{sys.executable} -m ddpkit train {' '.join(TINY)}"
 
 
+@pytest.mark.multiprocess
 def test_a_read_only_run_dir_is_one_line_and_untouched(tmp_path, finished):
     mnt = tmp_path / "ro"
     mnt.mkdir()
@@ -291,6 +295,7 @@ def test_a_read_only_run_dir_is_one_line_and_untouched(tmp_path, finished):
     check_one_line(2, "", proc.stdout.split("SAME", 1)[1], ["the filesystem is read-only"])
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_during_a_snapshot_is_one_line_leaving_no_partial_file(tmp_path):
     """Regression: an ENOSPC traceback, and a partial .tmp left holding the space."""
     mnt = tmp_path / "small"
@@ -325,6 +330,7 @@ def image_tree(tmp_path) -> Path:
     return root
 
 
+@pytest.mark.multiprocess
 def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image_tree):
     """Regression: a 45-75 line traceback on each rank, and with --max-restarts 2, three attempts. An image
     folder that fits in memory is decoded before launch, so the bad file is found there."""
@@ -337,6 +343,7 @@ def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiprocess
 def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_into(tmp_path, image_tree):
     """The same on the DataLoader path, where a worker meets it: one line, and no restart into it."""
     bad = image_tree / "train" / "b" / "3.png"
@@ -386,20 +393,23 @@ def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image
     check_one_line(code, out, err, [f"imagefolder:{image_tree}"])
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", *TINY, "--nnodes", "2", "--rdzv-endpoint",
-                           "127.0.0.1:29573", "--rdzv-id", "lonely", "--timeout-s", "3", "--run-dir",
+                           endpoint, "--rdzv-id", "lonely", "--timeout-s", "3", "--run-dir",
                            str(tmp_path / "r")], env=cli_env(), capture_output=True, text=True, timeout=120)
     check_one_line(proc.returncode, proc.stdout, proc.stderr,
-                   ["did not join within --timeout-s 3 s at --rdzv-endpoint 127.0.0.1:29573 (--rdzv-id lonely)"],
+                   [f"did not join within --timeout-s 3 s at --rdzv-endpoint {endpoint} (--rdzv-id lonely)"],
                    exit_code=4)
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     """Regression: Ctrl-C took no snapshot, printed a KeyboardInterrupt traceback, and promised a snapshot."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--limit-train", "4000", "--batch-size",
-            "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
+    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
+            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
             "--log-every", "2", "--run-dir", str(run)]
     proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -424,11 +434,12 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     assert "stopped on SIGINT" in err
 
 
+@pytest.mark.multiprocess
 def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_path, capsys):
     """Regression: workers outlived a SIGKILLed launcher by 1-3 s and once wrote one more snapshot."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--limit-train", "4000", "--batch-size",
-            "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
+    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
+            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
             "--log-every", "1", "--save-every-steps", "2", "--run-dir", str(run)]
     proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

@@ -13,6 +13,7 @@ from ddpkit.check import FLOOR
 from user_code import RegressionMLP, mse, regression_data
 
 
+@pytest.mark.multiprocess
 def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "bench"
     proc = run_cli("bench", "--nproc", "1,2", "--model", "mlp", "--dataset", "synthetic", "--synthetic-shape",
@@ -38,6 +39,7 @@ COMMON = dict(device="cpu", batch_size=32, epochs=1, lr=0.05, progress=False, nu
               momentum=0.9)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("hook", ["bf16", "fp16", "powersgd"])
 def test_each_comm_hook_trains(tmp_path, hook):
     torch.manual_seed(0)
@@ -47,6 +49,7 @@ def test_each_comm_hook_trains(tmp_path, hook):
     assert result["test_loss"] < 3.0  # the targets' variance is ~14: it learned through compressed gradients
 
 
+@pytest.mark.multiprocess
 def test_zero_matches_the_plain_optimizer_within_the_checks_tolerance(tmp_path):
     states = {}
     for zero in (False, True):

@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, cli_env
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def test_pipelines_harness_runs(tmp_path):

@@ -15,6 +15,7 @@ from user_code import BatchNormMLP, RankNoiseMLP, RegressionMLP, mse, regression
 TINY = dict(device="cpu", limit_train=96, limit_test=40, batch_size=16, num_workers=0)
 
 
+@pytest.mark.multiprocess
 def test_the_cli_check_passes_on_the_convnet_in_float64(tmp_path):
     proc = run_cli("check", "--model", "convnet", "--dataset", "mnist", "--nproc", "2", "--steps", "3",
                    "--limit-train", "96", "--limit-test", "40", "--batch-size", "16", "--device", "cpu",
@@ -30,6 +31,7 @@ def test_the_cli_check_passes_on_the_convnet_in_float64(tmp_path):
     assert "[step]" not in proc.stdout  # the runs themselves are quiet
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model,dataset,steps", [("mlp", "synthetic", 2), ("resnet9", "synthetic", 1)])
 def test_check_passes_on_registry_models(model, dataset, steps):
     """synthetic (3 channels) is augmented with crops and flips: regression for draws made per rank,
@@ -41,6 +43,7 @@ def test_check_passes_on_registry_models(model, dataset, steps):
     assert report.dtype == "float64" and report.worst.diff < 1e-12
 
 
+@pytest.mark.multiprocess
 def test_check_passes_on_a_user_model_through_the_python_api(tmp_path):
     torch.manual_seed(0)
     report = check(RegressionMLP, regression_data(128, 0), regression_data(30, 1), config=TrainConfig(**TINY, log="csv"),
@@ -52,6 +55,7 @@ def test_check_passes_on_a_user_model_through_the_python_api(tmp_path):
                                          for line in report.coverage["lines"])
 
 
+@pytest.mark.multiprocess
 def test_check_fails_on_rank_dependent_noise_and_names_the_tensor():
     torch.manual_seed(0)
     report = check(RankNoiseMLP(), regression_data(128, 0), config=TrainConfig(**TINY), nproc=2, steps=3, loss_fn=mse)
@@ -61,6 +65,7 @@ def test_check_fails_on_rank_dependent_noise_and_names_the_tensor():
     assert "DIVERGED" in report.text() and worst.name in report.text()
 
 
+@pytest.mark.multiprocess
 def test_check_fails_on_batchnorm_without_syncbn_and_passes_with_it():
     torch.manual_seed(0)
     model, data = BatchNormMLP(), uneven_data(128)

@@ -21,6 +21,7 @@ def assert_one_line_error(proc, *fragments):
         assert fragment in errors[0], errors[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args,fragments", [
     (["--dataset", "imagenet"], ["unknown dataset 'imagenet'"]),
     (["--model", "vgg"], ["unknown model 'vgg'", "convnet"]),
@@ -34,6 +35,7 @@ def test_bad_flags(tmp_path, args, fragments):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiprocess
 def test_missing_dataset_offline_names_directory(tmp_path):
     proc = run_cli("train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--run-dir", str(tmp_path / "r"))
     assert_one_line_error(proc, f"dataset files missing in {tmp_path}/d/cifar-10-batches-py", "data_batch_1")
@@ -56,6 +58,7 @@ def test_a_bad_flag_is_one_line_with_the_nearest_flag(args, line, capsys):
     assert exit_.value.code == 2 and err.splitlines() == [f"ddpkit: error: {line}; see `{line.split(':')[0]} --help`"]
 
 
+@pytest.mark.multiprocess
 def test_corrupt_idx_names_the_file(tmp_path):
     folder = write_fashion(tmp_path, np.random.default_rng(0))
     path = folder / "t10k-labels-idx1-ubyte.gz"
@@ -64,6 +67,7 @@ def test_corrupt_idx_names_the_file(tmp_path):
     assert_one_line_error(proc, str(path))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("cli", ["ddpkit", "slow_rank0"])
 def test_under_torchrun_an_error_is_reported_once(tmp_path, cli):
     """Regression: with rank 0 the slower one, rank 1 exited quietly first and torchrun stopped
@@ -73,6 +77,7 @@ def test_under_torchrun_an_error_is_reported_once(tmp_path, cli):
     assert (proc.stdout + proc.stderr).count("ddpkit: error: unknown model 'vgg'") == 1, proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_help_lists_the_subcommands():
     proc = run_cli("--help")
     assert proc.returncode == 0
@@ -111,6 +116,7 @@ def test_which_rank_prints_an_error_under_torchrun(monkeypatch, capsys, env, err
     assert capsys.readouterr().err == printed
 
 
+@pytest.mark.multiprocess
 def test_version():
     from ddpkit import __version__
 

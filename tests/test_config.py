@@ -13,11 +13,55 @@ from ddpkit.errors import ConfigError
 
 
 def test_recipe_fills_unset_fields_and_flags_win():
+    # conftest pins the CPU flags of in-process tests to an AVX2-only CPU: the fp32 recipe.
     cfg = TrainConfig(dataset="mnist").resolved()
     assert cfg.recipe == "mnist" and cfg.model == "convnet" and cfg.lr == 0.1 and cfg.batch_size == 128
+    assert cfg.amp == "none"
     cfg = TrainConfig(dataset="mnist", lr=0.3, model="mlp").resolved()
     assert cfg.lr == 0.3 and cfg.model == "mlp"
     assert TrainConfig(dataset="cifar10").resolved().model == "resnet9"
+
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})  # the AVX2-only machines
+
+
+@pytest.mark.parametrize("flags,kwargs,expected", [
+    (AVX2, {}, "mnist"),
+    (AVX2 | {"avx512f", "avx512_bf16"}, {}, "mnist-cpu-bf16"),  # AVX512 with native bf16
+    (AVX2 | {"amx_bf16", "amx_tile"}, {}, "mnist-cpu-bf16"),  # AMX (Sapphire Rapids and later)
+    (AVX2 | {"avx512f"}, {}, "mnist"),  # AVX512 without bf16: emulated, so fp32
+    (frozenset(), {}, "mnist"),  # no /proc/cpuinfo (macOS) or no flags line
+    (AVX2 | {"avx512_bf16"}, {"dtype": "float64"}, "mnist"),  # float64 asks for exactness, not speed
+    (AVX2 | {"avx512_bf16"}, {"dataset": "fashion-mnist"}, "mnist-cpu-bf16"),
+    (AVX2 | {"avx512_bf16"}, {"dataset": "cifar10"}, "cifar10-resnet9"),
+    (AVX2 | {"avx512_bf16"}, {"recipe": "mnist"}, "mnist"),  # an explicit recipe is never second-guessed
+])
+def test_recipe_auto_is_a_function_of_the_cpu_flags(flags, kwargs, expected):
+    from ddpkit import recipes
+
+    cfg = TrainConfig(**{"dataset": "mnist", "device": "cpu", **kwargs})
+    assert recipes.pick(cfg, flags) == expected
+    resolved = recipes.apply(cfg, flags)
+    assert resolved.recipe == expected and resolved.amp == ("bf16" if expected == "mnist-cpu-bf16" else "none")
+
+
+def test_a_gpu_run_never_takes_the_cpu_bf16_recipe(monkeypatch):
+    import torch
+
+    from ddpkit import recipes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert recipes.pick(TrainConfig(dataset="mnist", device="auto"), frozenset({"avx512_bf16"})) == "mnist"
+    assert recipes.pick(TrainConfig(dataset="mnist", device="cuda"), frozenset({"avx512_bf16", "amx_bf16"})) == "mnist"
+
+
+def test_cpu_flags_are_the_flags_line_of_proc_cpuinfo():
+    from ddpkit.recipes import parse_cpu_flags
+
+    x86 = "processor\t: 0\nmodel name\t: Xeon avx512_bf16\nflags\t\t: fpu sse avx2 avx512_bf16\n\nprocessor\t: 1\n"
+    assert parse_cpu_flags(x86) == frozenset({"fpu", "sse", "avx2", "avx512_bf16"})
+    assert parse_cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16\n") == frozenset({"fp", "asimd", "bf16"})
+    assert parse_cpu_flags("") == frozenset()
 
 
 def test_frozen():

@@ -6,9 +6,12 @@ import argparse
 import json
 import socket
 
+import pytest
+
 from conftest import run_cli
 
 
+@pytest.mark.multiprocess
 def test_doctor_reports_and_passes_on_this_machine():
     import torch
 
@@ -22,6 +25,7 @@ def test_doctor_reports_and_passes_on_this_machine():
     assert "0 FAIL" in out.splitlines()[-1]
 
 
+@pytest.mark.multiprocess
 def test_doctor_json_has_the_all_reduce_figures(capsys):
     from ddpkit.cli import main
 

@@ -14,9 +14,11 @@ import torch
 
 from conftest import cli_env, read_jsonl, run_cli
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 # Tiny runs (40 steps an epoch) want a gentler peak lr than the full-MNIST recipe.
-SMALL = ["--dataset", "mnist", "--limit-train", "4000", "--batch-size", "100", "--lr", "0.05", "--log-every", "10",
-         "--no-progress", "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
+SMALL = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000", "--batch-size", "100", "--lr", "0.05",
+         "--log-every", "10", "--no-progress", "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
 
 
 @pytest.fixture(scope="module")

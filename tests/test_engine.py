@@ -107,6 +107,7 @@ def test_ddp_skips_the_buffer_broadcast_only_when_every_buffer_is_batchnorms():
     assert not only_batchnorm_buffers(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(2, 2)))
 
 
+@pytest.mark.multiprocess
 def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bits(tmp_path):
     """World 2, BatchNorm: rank 0's running statistics do not depend on DDP's per-step broadcast."""
     from ddpkit import Trainer
@@ -130,6 +131,7 @@ def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bit
     assert results["bn-only"].per_rank == results["broadcast"].per_rank
 
 
+@pytest.mark.multiprocess
 def test_uneven_inputs_under_join_finish_without_a_hang_and_every_sample_is_used(tmp_path):
     """--join: 97 samples, 16 per rank-batch: rank 0 has 49 samples (4 batches), rank 1 48 (3).
     Without Join rank 0's extra step all-reduces alone and hangs; with it the run ends, with every

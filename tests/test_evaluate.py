@@ -1,9 +1,12 @@
 """Exact distributed evaluation with real gloo processes launched through torch's elastic agent."""
 
+import pytest
+
 from ddpkit.launcher import run_workers
 from workers import eval_counts
 
 
+@pytest.mark.multiprocess
 def test_world_3_counts_every_test_sample_once():
     result = run_workers(eval_counts, (1000,), 3)  # 1000 is not divisible by 3
     assert result["world"] == 3

@@ -6,8 +6,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 
 from conftest import ROOT, cli_env
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def run_example(name: str, tmp_path, *args: str) -> str:

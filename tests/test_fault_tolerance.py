@@ -19,9 +19,11 @@ import torch
 
 from conftest import ROOT, cli_env, read_jsonl, worker_pids
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPT = str(ROOT / "tests" / "custom_train.py")
 # 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
-BASE = dict(dataset="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2, progress=False,
+BASE = dict(dataset="mnist", recipe="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2, progress=False,
             device="cpu", nproc="2", plots=False)  # plots are tested in test_loggers.py
 
 

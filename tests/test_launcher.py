@@ -103,6 +103,7 @@ def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, frag
     assert launcher.signal_failure({0: 1, 1: 2}, 30) is None  # ordinary exits keep their own reporting
 
 
+@pytest.mark.multiprocess
 def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
     code = ("import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.launcher import run_workers; "
             "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))")
@@ -135,6 +136,7 @@ def user_script(tmp_path_factory):
     return path
 
 
+@pytest.mark.multiprocess
 def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_result(user_script):
     proc = subprocess.run([sys.executable, str(user_script)], env=cli_env(), capture_output=True, text=True,
                           timeout=120)
@@ -142,6 +144,7 @@ def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_r
     assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
 
 
+@pytest.mark.multiprocess
 def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(user_script)],
                           env=cli_env(), capture_output=True, text=True, timeout=120)
@@ -176,6 +179,7 @@ def test_how_workers_start(monkeypatch):
     assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) is None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("resumable", [True, False])
 def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, resumable):
     """Regression: `ddpkit eval` interrupted with Ctrl-C advised rerunning to resume from a snapshot."""
@@ -206,6 +210,7 @@ print("RESULT", launch(lambda ctx: (torch.get_num_threads(), float((x @ x).sum()
 """
 
 
+@pytest.mark.multiprocess
 def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_hang():
     """Regression: a child forked after its parent ran OpenMP regions hangs in its first parallel
     region (libgomp), so forked workers with more than one thread each hung (here: 1 process,

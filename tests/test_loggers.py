@@ -38,7 +38,7 @@ def logged_run(tmp_path_factory):
     env = cli_env(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp / "wbconfig"),
                   WANDB_CACHE_DIR=str(tmp / "wbcache"), WANDB_DATA_DIR=str(tmp / "wbdata"))
     run_dir = tmp / "run"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "mlp",
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--model", "mlp",
                            "--nproc", "2", "--device", "cpu", "--epochs", "2", "--limit-train", "1024",
                            "--limit-test", "256", "--batch-size", "64", "--log-every", "4",
                            "--log", "tensorboard,wandb,csv", "--run-dir", str(run_dir)],
@@ -47,6 +47,7 @@ def logged_run(tmp_path_factory):
     return run_dir, proc
 
 
+@pytest.mark.multiprocess
 def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
     run_dir, _ = logged_run
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -62,6 +63,7 @@ def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
     assert "epoch/peak_memory_mb" in tb and "summary/samples_per_s" in tb
 
 
+@pytest.mark.multiprocess
 def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -77,6 +79,7 @@ def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     assert {m.name.tag for m in experiment.metric_infos} == {"epoch/test_loss", "epoch/test_accuracy"}
 
 
+@pytest.mark.multiprocess
 def test_csv_rows_are_the_jsonl_records(logged_run):
     run_dir, _ = logged_run
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -92,6 +95,7 @@ def test_csv_rows_are_the_jsonl_records(logged_run):
                 assert row[key] == str(value), key
 
 
+@pytest.mark.multiprocess
 def test_wandb_offline_makes_one_run_for_a_two_process_job(logged_run):
     run_dir, _ = logged_run
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -100,6 +104,7 @@ def test_wandb_offline_makes_one_run_for_a_two_process_job(logged_run):
     assert runs[0].name.endswith(run_id) and list(runs[0].glob("*.wandb"))
 
 
+@pytest.mark.multiprocess
 def test_plots_are_pngs_of_sensible_size(logged_run):
     run_dir, _ = logged_run
     names = sorted(p.name for p in (run_dir / "plots").iterdir())
@@ -110,6 +115,7 @@ def test_plots_are_pngs_of_sensible_size(logged_run):
         assert (run_dir / "plots" / name).stat().st_size > 10_000  # curves drawn, not an empty frame
 
 
+@pytest.mark.multiprocess
 def test_plot_command_overlays_runs_and_redraws_one(logged_run, tmp_path):
     from conftest import run_cli
 
@@ -213,6 +219,7 @@ def test_unknown_and_missing_loggers_are_one_line_errors(monkeypatch):
         check_installed(("csv", "wandb"))
 
 
+@pytest.mark.multiprocess
 def test_the_cli_names_the_extra_when_tensorboard_is_missing(tmp_path):
     code = ("import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
             f"sys.exit(main(['train', '--log', 'tensorboard', '--run-dir', {str(tmp_path / 'r')!r}]))")

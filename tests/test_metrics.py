@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from ddpkit.metrics import MetricLogger
 from conftest import read_jsonl
 
@@ -38,6 +40,7 @@ def test_other_ranks_never_touch_the_file(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"event": "step", "step": 99}]
 
 
+@pytest.mark.multiprocess
 def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(tmp_path):
     """Under a pseudo-terminal: the bar passes through step counts between log intervals (it only
     moved at log intervals before), and "[start]"/"[epoch]" lines are printed whole (rich parsed them
@@ -52,7 +55,7 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
 
     # convnet: its 40 steps take seconds, so rich's 10 Hz redraws land between log intervals
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--model", "convnet",
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--model", "convnet",
                              "--limit-train", "4000", "--limit-test", "100", "--batch-size", "100", "--epochs", "1",
                              "--nproc", "1", "--device", "cpu", "--log-every", "1000", "--run-dir", str(tmp_path / "r")],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=cli_env(COLUMNS="120"))

@@ -8,24 +8,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import cli_env, read_jsonl
+from conftest import cli_env, free_port, read_jsonl
 
-TRAIN = ["train", "--dataset", "mnist", "--limit-train", "1000", "--limit-test", "500", "--batch-size", "100",
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+TRAIN = ["train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "1000", "--limit-test", "500", "--batch-size", "100",
          "--lr", "0.05", "--epochs", "1", "--device", "cpu", "--nproc", "1", "--nnodes", "2", "--no-progress",
          "--timeout-s", "60", "--no-plots"]  # plots are tested in test_loggers.py
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_nodes(commands: list[list[str]], timeout: float = 180) -> list[subprocess.CompletedProcess]:

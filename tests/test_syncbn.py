@@ -1,6 +1,7 @@
 """SyncBatchNorm on CPU/gloo: the same numbers as BatchNorm over the whole global batch, and
 every precision and memory-format combination at world size 2."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +10,7 @@ from ddpkit.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 from workers import precision_matrix, syncbn_vs_bn
 
 
+@pytest.mark.multiprocess
 def test_two_rank_syncbn_equals_full_batch_bn():
     result = run_workers(syncbn_vs_bn, (0,), 2)
     assert result["type"] == "AllReduceBatchNorm"
@@ -17,6 +19,7 @@ def test_two_rank_syncbn_equals_full_batch_bn():
     assert result["all_ranks_ok"]
 
 
+@pytest.mark.multiprocess
 def test_every_amp_sync_bn_and_memory_format_combination_trains_at_world_2(tmp_path):
     """Regression: --amp bf16 --sync-bn raised a dtype error in syncbn.py (each flag worked alone)."""
     results = run_workers(precision_matrix, (str(tmp_path),), 2)

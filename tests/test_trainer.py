@@ -21,6 +21,7 @@ from user_code import (CharModel, DictData, OwnLossModel, RegressionMLP, Sequenc
 SMALL = dict(batch_size=32, epochs=2, lr=0.05, progress=False, device="cpu", num_workers=0, log_every=5)
 
 
+@pytest.mark.multiprocess
 def test_each_rank_trains_its_own_copy_of_a_passed_model(tmp_path):
     """Regression: spawned workers got the model's tensors in shared memory, so both ranks
     stepped the same storage (BN counted ~1.5 forwards per step, and runs were not repeatable)."""
@@ -60,6 +61,7 @@ def TensorDatasetOfTokens():
     return torch.utils.data.TensorDataset(seqs.tokens[:, :-1], seqs.tokens[:, 1:])
 
 
+@pytest.mark.multiprocess
 def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(tmp_path):
     torch.manual_seed(0)
     model = RegressionMLP()
@@ -82,6 +84,7 @@ def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(t
     assert {"train_loss", "train_mae", "test_loss", "test_mae"} <= set(epoch)
 
 
+@pytest.mark.multiprocess
 def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
     """Per-token loss reduces as (sum of token losses)/(token count) over all ranks, not as a mean of
     rank means: sequences have skewed lengths, so ranks hold very different token counts. In float64
@@ -109,6 +112,7 @@ def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
         assert r["test_share"] == 1.0  # every sequence has at least one valid token: 101 of 101
 
 
+@pytest.mark.multiprocess
 def test_grad_accumulation_and_two_ranks_match_one_rank_one_batch_in_float64(tmp_path):
     """Without BatchNorm, world 2 with 2 micro-batches of B/4 per rank is one step of B on the
     same samples as world 1 (DistributedSampler gives the ranks alternate indices). In float64
@@ -130,6 +134,7 @@ def test_grad_accumulation_and_two_ranks_match_one_rank_one_batch_in_float64(tmp
                .state_dict().items()) > 1e-3  # and it did train
 
 
+@pytest.mark.multiprocess
 def test_dict_batches_train_through_the_models_own_loss_on_two_processes(tmp_path):
     """Regression: dict batches (as Hugging Face datasets give) failed with "'str' object has no attribute 'to'"."""
     torch.manual_seed(0)
@@ -197,6 +202,7 @@ def test_init_from_and_resume_never(tmp_path):
                             **SMALL), model=RegressionMLP(hidden=8), **data).fit()
 
 
+@pytest.mark.multiprocess
 def test_ddpkit_eval_on_a_python_run_says_how_to_evaluate_it(tmp_path):
     """Regression: `ddpkit eval` on a custom run died with KeyError: 'custom:ImageData'."""
     run = tmp_path / "r"
@@ -233,6 +239,7 @@ print("LAUNCH", launch(lambda ctx, k: (ctx.rank, ctx.world_size, k), 7, nproc=2)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_model_and_loss_defined_in_python_c_run_on_two_processes(tmp_path):
     """Regression: "Can't get attribute 'MLP' on <module '__main__'>". Workers are forked on CPU
     when spawn cannot import the code, as Lightning's ddp_notebook and Accelerate do."""
@@ -360,6 +367,7 @@ Trainer(TrainConfig(nproc="1", max_restarts=1, device="cpu", batch_size=8, epoch
 """
 
 
+@pytest.mark.multiprocess
 def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(FORGOT_GUARD.format(run=str(tmp_path / "r")))
@@ -374,6 +382,7 @@ def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback
                      "`if __name__ == \"__main__\":`"}
 
 
+@pytest.mark.multiprocess
 def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
     """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's)."""
     code = ("import sys; from ddpkit import launch; from ddpkit.cli import run_reporting_errors\n"

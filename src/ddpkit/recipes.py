@@ -42,33 +42,47 @@ AUTO = {"mnist": "mnist", "fashion-mnist": "mnist", "cifar10": "cifar10-resnet9"
         "synthetic": "synthetic"}
 
 
-def pick(cfg) -> str:
+def pick(cfg, flags: frozenset[str] | None = None) -> str:
+    """The recipe ``cfg`` resolves to. A pure function of ``cfg`` and the CPU's feature
+    ``flags`` (read from /proc/cpuinfo when not given): only MNIST on a CPU depends on them."""
     if cfg.recipe != "auto":
         return cfg.recipe
     if cfg.dataset.startswith("imagefolder:"):
         return "imagefolder"
     name = AUTO.get(cfg.dataset, "none")
-    if name == "mnist" and cfg.dtype != "float64" and native_cpu_bf16(cfg.device):
+    if name == "mnist" and cfg.dtype != "float64" and native_cpu_bf16(cfg.device, flags):
         return "mnist-cpu-bf16"
     return name
 
 
-def native_cpu_bf16(device: str) -> bool:
+def native_cpu_bf16(device: str, flags: frozenset[str] | None = None) -> bool:
     """A CPU run on a CPU with bf16 instructions (where bf16 autocast is faster, not emulated)."""
     from .dist import resolve_device_type
 
     if resolve_device_type(device) != "cpu":
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_flags() if flags is None else flags
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def apply(cfg):
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (empty where there is no /proc/cpuinfo: macOS, Windows)."""
+    try:
+        return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first CPU listed in a /proc/cpuinfo text."""
+    # x86 calls the line "flags"; arm64 calls it "Features".
+    line = next((ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def apply(cfg, flags: frozenset[str] | None = None):
     """Return cfg with every ``None`` field filled from its recipe, then from BASE."""
-    name = pick(cfg)
+    name = pick(cfg, flags)
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; choose one of: auto, {', '.join(RECIPES)}")
     values = {**BASE, **RECIPES[name]}
