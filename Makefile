@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 train-mnist: venv
 	$(VENV)/bin/ddpkit train --dataset mnist --model convnet --nproc 2 --epochs 2
 
+# Two tests at a time: the multi-process tests mostly wait on their workers (`-m "not multiprocess"`: the fast loop).
 test: venv
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadscope
 
 clean:
 	rm -rf $(VENV)

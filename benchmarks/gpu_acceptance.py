@@ -74,8 +74,11 @@ class Env:
     def train(self, **kw) -> dict:
         cfg = dict(dataset="mnist", device=self.device, nproc="1", progress=False, log_every=10_000,
                    run_dir=self.run_dir())
-        if self.tiny and kw.get("dataset", "mnist") == "mnist":
-            cfg.update(limit_train=2000, limit_test=1000, batch_size=100, lr=0.05)
+        if kw.get("dataset", "mnist") == "mnist":
+            # what auto picks on a GPU, so the CPU rehearsal runs it too (auto: bf16 on CPUs with native bf16)
+            cfg["recipe"] = "mnist"
+            if self.tiny:
+                cfg.update(limit_train=2000, limit_test=1000, batch_size=100, lr=0.05)
         cfg.update(kw)
         model = cfg.pop("model_object", None)
         return dict(Trainer(TrainConfig(**cfg), model=model).fit())
@@ -160,7 +163,7 @@ def world_one_overhead(env: Env) -> Check:
 
 def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
     n, batch, kill_at = (1000, 50, 25) if env.tiny else (12_800, 128, 130)
-    args = ["--dataset", "mnist", "--limit-train", str(n), "--limit-test", "500" if env.tiny else "2000",
+    args = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", str(n), "--limit-test", "500" if env.tiny else "2000",
             "--batch-size", str(batch),
             "--lr", "0.05", "--epochs", "2", "--log-every", "5", "--save-every-steps", "20", "--no-progress",
             "--device", env.device, "--nproc", "1", "--max-restarts", "1"]

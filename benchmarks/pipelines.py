@@ -106,8 +106,9 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-runs-"))
     rounds = []
     try:
-        common = dict(dataset="mnist", model="convnet", batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
-                      limit_train=args.limit_train, device="cpu")
+        # recipe "mnist": float32 like the seed script (auto picks bf16 on CPUs with native bf16)
+        common = dict(dataset="mnist", recipe="mnist", model="convnet", batch_size=args.batch_size,
+                      epochs=args.epochs, lr=args.lr, limit_train=args.limit_train, device="cpu")
         for r in range(args.repeats):
             seed = run_workers(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train),
                                args.nproc)

@@ -108,8 +108,9 @@ def engine_step(device, batch, steps, profile_to=None) -> float:
 
     torch.backends.cudnn.benchmark = False
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = TrainConfig(dataset="mnist", batch_size=batch, epochs=1, device=device.type, progress=False,
-                          log_every=10**6, run_dir=run_dir).resolved()
+        # recipe "mnist": float32 like the bare step (auto picks bf16 on CPUs with native bf16)
+        cfg = TrainConfig(dataset="mnist", recipe="mnist", batch_size=batch, epochs=1, device=device.type,
+                          progress=False, log_every=10**6, run_dir=run_dir).resolved()
         ctx = DistContext(0, 0, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
         torch.manual_seed(0)
         engine = Engine(cfg, ctx, build_model(cfg.model, 1, 28, 28, 10), load_dataset(cfg),

@@ -1,6 +1,7 @@
 """A minGPT-style character transformer on a text that ships with Python, on 2 processes.
 
-    python examples/char_gpt.py
+    python examples/char_gpt.py              # bf16 autocast where the hardware has it
+    python examples/char_gpt.py --amp none   # float32 everywhere
 
 Sequence models under ddpkit: batches are (tokens, targets), logits are [B, T, V], and
 the loss is the user's own (``loss_fn``), as is a per-token metric reported exactly:
@@ -13,8 +14,8 @@ writes some text, and the test loss is printed beside the unigram baseline.
 
 from __future__ import annotations
 
+import argparse
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit import TrainConfig, Trainer
+from ddpkit.recipes import native_cpu_bf16
 
 CONTEXT = 64  # characters of context per sample
 
@@ -103,10 +105,7 @@ def adamw_with_groups(model):
 
 def native_bf16() -> bool:
     """bf16 autocast pays off on CUDA and on CPUs with bf16 instructions; elsewhere it is emulated (slower)."""
-    if torch.cuda.is_available():
-        return True
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return torch.cuda.is_available() or native_cpu_bf16("cpu")
 
 
 @torch.no_grad()
@@ -120,7 +119,11 @@ def sample(model, stoi: dict, itos: list, prompt: str, n: int = 200, seed: int =
     return "".join(itos[i] for i in ids[0].tolist())
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--amp", choices=("auto", "bf16", "none"), default="auto",
+                        help="bf16 autocast; auto: where the hardware does bf16 natively")
+    args = parser.parse_args(argv)
     text = corpus()
     itos = sorted(set(text))
     stoi = {c: i for i, c in enumerate(itos)}
@@ -131,8 +134,8 @@ def main() -> dict:
     counts = torch.bincount(ids[:split], minlength=len(itos)).double() + 1  # unigram model, add-one
     unigram = -(counts / counts.sum()).log()[ids[split:]].mean().item()  # its loss on the test text
 
-    amp = "bf16" if native_bf16() else "none"
-    if amp == "none":
+    amp = args.amp if args.amp != "auto" else ("bf16" if native_bf16() else "none")
+    if args.amp == "auto" and amp == "none":
         print("bf16 autocast off: this CPU has no native bf16 (AVX512-BF16 or AMX), where it runs ~7x slower")
     torch.manual_seed(0)
     model = CharGPT(len(itos))

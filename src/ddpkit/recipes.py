@@ -13,6 +13,7 @@ TOML values always win; the resolved values are what config.toml records.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from .errors import ConfigError
@@ -65,19 +66,31 @@ def native_cpu_bf16(device: str, flags: frozenset[str] | None = None) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# oneDNN ISAs without AVX512-BF16 or AMX: with oneDNN capped at one of these (ONEDNN_MAX_CPU_ISA, see
+# oneDNN's "CPU Dispatcher Control"), its bf16 kernels are emulated whatever the CPU has.
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                      "AVX512_CORE_VNNI"})
+
+
 def cpu_flags() -> frozenset[str]:
-    """This machine's CPU feature flags (empty where there is no /proc/cpuinfo: macOS, Windows)."""
+    """The CPU feature flags this process's kernels may use (empty where there is no /proc/cpuinfo:
+    macOS, Windows)."""
     try:
-        return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
+    return parse_cpu_flags(cpuinfo, os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")))
 
 
-def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The feature flags of the first CPU listed in a /proc/cpuinfo text."""
+def parse_cpu_flags(cpuinfo: str, onednn_max_isa: str = "") -> frozenset[str]:
+    """The feature flags of the first CPU listed in a /proc/cpuinfo text, less the bf16 ones
+    when oneDNN is capped below them."""
     # x86 calls the line "flags"; arm64 calls it "Features".
     line = next((ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")), "")
-    return frozenset(line.partition(":")[2].split())
+    flags = frozenset(line.partition(":")[2].split())
+    if onednn_max_isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        flags -= {"avx512_bf16", "amx_bf16"}
+    return flags
 
 
 def apply(cfg, flags: frozenset[str] | None = None):
