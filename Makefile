@@ -20,7 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 train-mnist: venv
 	$(VENV)/bin/ddpkit train --dataset mnist --model convnet --nproc 2 --epochs 2
 
-# Two tests at a time: the multi-process tests mostly wait on their workers (`-m "not multiprocess"`: the fast loop).
+# Two tests at a time: the multi-process tests mostly wait on their workers (BENCHMARKS.md, the test suite's wall time).
+# The fast loop while editing: .venv/bin/python -m pytest -m "not multiprocess"
 test: venv
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadscope
 

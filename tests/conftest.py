@@ -1,6 +1,6 @@
 """Shared helpers: run the real CLI in a subprocess, and build datasets in real on-disk formats.
 
-Two rules hold for every test here (see ``host_independent``):
+Two rules hold for every test here (see ``pytest_runtest_protocol`` below):
 
 - A test that starts a process (ranks, the CLI, torchrun, a forkserver, DataLoader workers) is
   marked ``multiprocess``; an unmarked one that tries fails, naming the marker. So
@@ -13,7 +13,9 @@ Two rules hold for every test here (see ``host_independent``):
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import multiprocessing.process
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import socket
@@ -58,35 +60,58 @@ import faults  # noqa: E402
 worker_pids = faults.worker_pids
 
 
+# matplotlib builds its font cache on first import, running `fc-list` in a subprocess where the cache is
+# cold (a fresh venv): done here, at collection, so no test meets it while processes are refused.
+import matplotlib.font_manager  # noqa: E402, F401
+
+from ddpkit import recipes  # noqa: E402
+
 # The flags of the AVX2-only machines (no native bf16): what in-process tests see.
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
+host_cpu_flags = recipes.cpu_flags  # the real one, for the test of it
+REFUSED = pytest.StashKey[list]()
 
 
-def refuse_processes(mp: pytest.MonkeyPatch, nodeid: str) -> None:
+def refuse_processes(mp: pytest.MonkeyPatch, item: pytest.Item) -> None:
+    refused = item.stash.setdefault(REFUSED, [])
+
     def refuse(*args, **kwargs):
-        raise AssertionError(f"{nodeid} starts a process: mark it @pytest.mark.multiprocess")
+        refused.append(f"{item.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+        raise AssertionError(refused[-1])
 
-    # Every way a process starts here: subprocess, multiprocessing (spawn, fork, forkserver's own start), os.fork.
-    mp.setattr(subprocess.Popen, "_execute_child", refuse)
-    mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-    mp.setattr(multiprocessing.util, "spawnv_passfds", refuse)
-    mp.setattr(os, "fork", refuse)
+    # Every way a process starts: subprocess, multiprocessing (spawn, fork, and the forkserver and resource
+    # tracker: refused even when already running, so the verdict does not depend on what ran before), os.
+    for owner, name in ((subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start"),
+                        (multiprocessing.util, "spawnv_passfds"), (multiprocessing.forkserver, "ensure_running"),
+                        (multiprocessing.forkserver.ForkServer, "ensure_running"),
+                        (multiprocessing.resource_tracker, "ensure_running"),
+                        (multiprocessing.resource_tracker.ResourceTracker, "ensure_running"),
+                        (os, "fork"), (os, "forkpty"), (os, "system"), (os, "posix_spawn"), (os, "posix_spawnp")):
+        mp.setattr(owner, name, refuse)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Around a test's whole setup, call and teardown (module fixtures it sets up included):
     the CPU flags pinned, and processes refused unless it is marked ``multiprocess``."""
-    from ddpkit import recipes
-
     mp = pytest.MonkeyPatch()
     mp.setattr(recipes, "cpu_flags", lambda: AVX2_ONLY)
     if item.get_closest_marker("multiprocess") is None:
-        refuse_processes(mp, item.nodeid)
+        refuse_processes(mp, item)
     try:
         yield
     finally:
         mp.undo()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A refusal fails its test even where the code under test caught it (``except Exception``)."""
+    report = (yield).get_result()
+    refused = item.stash.get(REFUSED, [])
+    if refused and report.passed:
+        report.outcome, report.longrepr = "failed", f"{refused[0]} (the code under test caught the refusal)"
+    refused.clear()  # reported once, in the phase where it happened
 
 
 @pytest.fixture

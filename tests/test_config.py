@@ -10,6 +10,7 @@ from ddpkit.cli import build_parser
 from ddpkit.commands.flags import config_from_args
 from ddpkit.config import TrainConfig
 from ddpkit.errors import ConfigError
+from conftest import AVX2_ONLY, host_cpu_flags
 
 
 def test_recipe_fills_unset_fields_and_flags_win():
@@ -22,19 +23,16 @@ def test_recipe_fills_unset_fields_and_flags_win():
     assert TrainConfig(dataset="cifar10").resolved().model == "resnet9"
 
 
-AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})  # the AVX2-only machines
-
-
 @pytest.mark.parametrize("flags,kwargs,expected", [
-    (AVX2, {}, "mnist"),
-    (AVX2 | {"avx512f", "avx512_bf16"}, {}, "mnist-cpu-bf16"),  # AVX512 with native bf16
-    (AVX2 | {"amx_bf16", "amx_tile"}, {}, "mnist-cpu-bf16"),  # AMX (Sapphire Rapids and later)
-    (AVX2 | {"avx512f"}, {}, "mnist"),  # AVX512 without bf16: emulated, so fp32
+    (AVX2_ONLY, {}, "mnist"),
+    (AVX2_ONLY | {"avx512f", "avx512_bf16"}, {}, "mnist-cpu-bf16"),  # AVX512 with native bf16
+    (AVX2_ONLY | {"amx_bf16", "amx_tile"}, {}, "mnist-cpu-bf16"),  # AMX (Sapphire Rapids and later)
+    (AVX2_ONLY | {"avx512f"}, {}, "mnist"),  # AVX512 without bf16: emulated, so fp32
     (frozenset(), {}, "mnist"),  # no /proc/cpuinfo (macOS) or no flags line
-    (AVX2 | {"avx512_bf16"}, {"dtype": "float64"}, "mnist"),  # float64 asks for exactness, not speed
-    (AVX2 | {"avx512_bf16"}, {"dataset": "fashion-mnist"}, "mnist-cpu-bf16"),
-    (AVX2 | {"avx512_bf16"}, {"dataset": "cifar10"}, "cifar10-resnet9"),
-    (AVX2 | {"avx512_bf16"}, {"recipe": "mnist"}, "mnist"),  # an explicit recipe is never second-guessed
+    (AVX2_ONLY | {"avx512_bf16"}, {"dtype": "float64"}, "mnist"),  # float64 asks for exactness, not speed
+    (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "fashion-mnist"}, "mnist-cpu-bf16"),
+    (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "cifar10"}, "cifar10-resnet9"),
+    (AVX2_ONLY | {"avx512_bf16"}, {"recipe": "mnist"}, "mnist"),  # an explicit recipe is never second-guessed
 ])
 def test_recipe_auto_is_a_function_of_the_cpu_flags(flags, kwargs, expected):
     from ddpkit import recipes
@@ -60,11 +58,31 @@ def test_cpu_flags_are_the_flags_line_of_proc_cpuinfo():
 
     x86 = "processor\t: 0\nmodel name\t: Xeon avx512_bf16\nflags\t\t: fpu sse avx2 avx512_bf16\n\nprocessor\t: 1\n"
     assert parse_cpu_flags(x86) == frozenset({"fpu", "sse", "avx2", "avx512_bf16"})
-    assert parse_cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16\n") == frozenset({"fp", "asimd", "bf16"})
+    assert parse_cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16\n") == frozenset()  # arm64: not read
     assert parse_cpu_flags("") == frozenset()
     # oneDNN capped below bf16 (ONEDNN_MAX_CPU_ISA) emulates it, so the flags do not count
     assert parse_cpu_flags(x86, "AVX2") == frozenset({"fpu", "sse", "avx2"})
     assert parse_cpu_flags(x86, "avx512_core_bf16") == parse_cpu_flags(x86, "ALL") == parse_cpu_flags(x86)
+
+
+def test_the_host_flags_honour_the_onednn_cap(monkeypatch):
+    from ddpkit import recipes
+
+    cpuinfo = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n"
+    monkeypatch.setattr(recipes, "Path", lambda path: type("Info", (), {"read_text": lambda self: cpuinfo})())
+    for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(variable, raising=False)
+    assert host_cpu_flags() == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # oneDNN's older name
+    assert host_cpu_flags() == {"avx2", "avx512f"}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # the newer name wins
+    assert "amx_bf16" in host_cpu_flags()
+
+    def missing(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(recipes, "Path", lambda path: type("Info", (), {"read_text": missing})())
+    assert host_cpu_flags() == frozenset()  # macOS, Windows
 
 
 def test_frozen():

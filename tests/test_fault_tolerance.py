@@ -23,8 +23,8 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 SCRIPT = str(ROOT / "tests" / "custom_train.py")
 # 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
-BASE = dict(dataset="mnist", recipe="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2, progress=False,
-            device="cpu", nproc="2", plots=False)  # plots are tested in test_loggers.py
+BASE = dict(dataset="mnist", recipe="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2,
+            progress=False, device="cpu", nproc="2", plots=False)  # plots are tested in test_loggers.py
 
 
 def spec(run_dir: Path, fault: str = "none", **kw) -> dict:
@@ -204,9 +204,10 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, log
 def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = run(spec(run_dir, "stall", at_step=3, rank=1, seconds=8, timeout_s=3, log_every=1), timeout=120)
+    # 5 s: every collective gets --timeout-s, and make test runs another test beside this one on 2 cores
+    proc = run(spec(run_dir, "stall", at_step=3, rank=1, seconds=12, timeout_s=5, log_every=1), timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 3, proc.stderr
-    assert "rank 0: a collective did not complete within --timeout-s 3 s" in proc.stderr
+    assert "rank 0: a collective did not complete within --timeout-s 5 s" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < 3 + 8 + 30, elapsed  # timeout + the stall + process start, not a hang
+    assert elapsed < 5 + 12 + 30, elapsed  # timeout + the stall + process start, not a hang

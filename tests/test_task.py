@@ -18,7 +18,7 @@ from ddpkit.metrics import Accumulator
 from ddpkit.task import Classification, ModelLoss, UserLoss, resolve_task
 from conftest import cli_env
 
-GOLDEN = Path(__file__).parent / "golden" / "default_task.py"
+GOLDEN_RUN = Path(__file__).parent / "golden" / "default_task.py"  # writes default_task.json
 
 
 @pytest.mark.multiprocess
@@ -27,8 +27,8 @@ def test_the_default_task_reproduces_the_pre_refactor_engine_bitwise():
     (tests/golden/default_task.json). Bitwise rather than a float64 tolerance: the crispest verdict,
     and it holds on every CPU kind here because the run pins the instruction set to AVX2 (see
     tests/golden/default_task.py, which an AVX512 machine runs to the same bits as an AVX2 one)."""
-    golden = json.loads(GOLDEN.with_suffix(".json").read_text())
-    proc = subprocess.run([sys.executable, str(GOLDEN)], env=cli_env(), capture_output=True, text=True, timeout=300)
+    golden = json.loads(GOLDEN_RUN.with_suffix(".json").read_text())
+    proc = subprocess.run([sys.executable, str(GOLDEN_RUN)], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     here = json.loads(proc.stdout.splitlines()[-1])
     if (here["torch"], here["cpu_capability"]) != (golden["torch"], golden["cpu_capability"]):

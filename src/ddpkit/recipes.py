@@ -44,8 +44,9 @@ AUTO = {"mnist": "mnist", "fashion-mnist": "mnist", "cifar10": "cifar10-resnet9"
 
 
 def pick(cfg, flags: frozenset[str] | None = None) -> str:
-    """The recipe ``cfg`` resolves to. A pure function of ``cfg`` and the CPU's feature
-    ``flags`` (read from /proc/cpuinfo when not given): only MNIST on a CPU depends on them."""
+    """The recipe ``cfg`` resolves to, from ``cfg`` and the CPU's feature ``flags`` (this
+    machine's when not given; ``--device auto`` also asks whether CUDA is available). Only
+    MNIST on a CPU depends on the flags."""
     if cfg.recipe != "auto":
         return cfg.recipe
     if cfg.dataset.startswith("imagefolder:"):
@@ -73,8 +74,8 @@ ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags this process's kernels may use (empty where there is no /proc/cpuinfo:
-    macOS, Windows)."""
+    """This x86 CPU's feature flags, less the bf16 ones when oneDNN is capped below them (empty
+    where there is no /proc/cpuinfo: macOS, Windows)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -84,9 +85,9 @@ def cpu_flags() -> frozenset[str]:
 
 def parse_cpu_flags(cpuinfo: str, onednn_max_isa: str = "") -> frozenset[str]:
     """The feature flags of the first CPU listed in a /proc/cpuinfo text, less the bf16 ones
-    when oneDNN is capped below them."""
-    # x86 calls the line "flags"; arm64 calls it "Features".
-    line = next((ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")), "")
+    when oneDNN is capped below them. x86 only: arm64's "Features" line is not read, since bf16
+    autocast on arm CPUs is unmeasured here."""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.split(":")[0].strip() == "flags"), "")
     flags = frozenset(line.partition(":")[2].split())
     if onednn_max_isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
         flags -= {"avx512_bf16", "amx_bf16"}
