@@ -37,10 +37,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ddpkit.metrics import Accumulator  # noqa: E402
+from ddpkit.train.metrics import Accumulator  # noqa: E402
 from ddpkit.models import ConvNet, to_channels_last  # noqa: E402
-from ddpkit.optim import ScheduleFactor  # noqa: E402
-from ddpkit.task import Classification  # noqa: E402
+from ddpkit.train.optim import ScheduleFactor  # noqa: E402
+from ddpkit.train.task import Classification  # noqa: E402
 
 
 def setup(device: torch.device, batch: int, ddp: bool):
@@ -102,8 +102,8 @@ def engine_step(device, batch, steps, profile_to=None) -> float:
 
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
-    from ddpkit.dist import DistContext
-    from ddpkit.engine import Engine
+    from ddpkit.dist.context import DistContext
+    from ddpkit.train.engine import Engine
     from ddpkit.models import build_model
 
     torch.backends.cudnn.benchmark = False

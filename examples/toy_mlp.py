@@ -1,4 +1,4 @@
-"""Seed 004's toy problem on 2 processes: per-rank and exact global train/test accuracy.
+"""The 5-sample toy problem of LLMs-from-scratch appendix A on 2 processes: per-rank and exact global train/test accuracy.
 
     python examples/toy_mlp.py
 
@@ -34,7 +34,7 @@ def main() -> dict:
 
     torch.manual_seed(123)
     model = NeuralNetwork(num_inputs=2, num_outputs=2)
-    # The seed's settings: plain SGD at lr 0.5, 2 samples per rank per step, 3 epochs. The
+    # The appendix script's settings: plain SGD at lr 0.5, 2 samples per rank per step, 3 epochs. The
     # global batch is 4, so each epoch is one step on 4 of the 5 samples (drop_last, as
     # DistributedSampler's even split needs); labels are class indices, so the default
     # classification task (cross-entropy, accuracy) applies unchanged.

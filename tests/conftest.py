@@ -12,13 +12,11 @@ Two rules hold for every test here (see ``pytest_runtest_protocol`` below):
 
 from __future__ import annotations
 
-import json
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,48 +25,17 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def run_cli(*args: str, cwd=None, timeout: float = 300, module: str = "ddpkit") -> subprocess.CompletedProcess:
-    """``python -m ddpkit ARGS`` as a user would run it; returns the finished process."""
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (the kernel's choice), for a test's rendezvous endpoint."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-# The fault benchmark and the tests find the workers to kill in one way (benchmarks/faults.py).
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import faults  # noqa: E402
-
-worker_pids = faults.worker_pids
-
+# The helpers (tests/helpers: the CLI as a user runs it, user code, worker functions) are imported by their
+# plain names here and in every process a test starts (clirun.cli_env puts the same folder on PYTHONPATH).
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 # matplotlib builds its font cache on first import, running `fc-list` in a subprocess where the cache is
 # cold (a fresh venv): done here, at collection, so no test meets it while processes are refused.
 import matplotlib.font_manager  # noqa: E402, F401
+from cpu import AVX2_ONLY  # noqa: E402
 
 from ddpkit import recipes  # noqa: E402
 
-# The flags of the AVX2-only machines (no native bf16): what in-process tests see.
-AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
-host_cpu_flags = recipes.cpu_flags  # the real one, for the test of it
 REFUSED = pytest.StashKey[list]()
 
 

@@ -7,11 +7,10 @@
     launch(fn, *args, nproc=2)
 """
 
-__version__ = "0.2.0"
+from .config import TrainConfig
+from .version import __version__
 
-from .config import TrainConfig  # noqa: E402  (no torch: the CLI's --help stays instant)
-
-_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "launch": ".launcher"}  # these import torch
+_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "launch": ".dist.launcher"}  # these import torch
 
 
 def __getattr__(name: str):

@@ -16,10 +16,11 @@ import os
 import sys
 import time
 
+from .commands import COMMANDS
+from .dist import env
+from .dist.failures import exit_status
 from .errors import DdpkitError, WorkersFailed
-
-
-PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 to print an error first
+from .version import __version__
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,10 +39,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import COMMANDS
-
-    from . import __version__
-
     parser = Parser(prog="ddpkit", description="Data-parallel training with PyTorch DDP.")
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ["DDPKIT_T0"] = repr(time.time())  # launch time, for summary.json's startup_s
+    os.environ[env.T0] = repr(time.time())  # launch time, for summary.json's startup_s
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
@@ -60,51 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         return run_reporting_errors(lambda: args.run(args))
     finally:
-        os.environ.pop("DDPKIT_T0", None)
+        os.environ.pop(env.T0, None)
 
 
 def run_reporting_errors(fn) -> int:
     """Call ``fn``; a user error becomes one line on stderr and its exit status, never a traceback."""
     try:
         return fn() or 0
-    except DdpkitError as exc:
-        if not getattr(exc, "reported", False):  # else its rank printed it already (dist.report_failure)
-            return _report_once(exc)
-        return exc.exit_code
-    except WorkersFailed as exc:
-        if not exc.reported:
-            print(f"ddpkit: error: {exc}" + ("" if "above" in str(exc) else "; their output is above"), file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("ddpkit: interrupted", file=sys.stderr)
-        return 130
-
-
-def _report_once(exc: DdpkitError) -> int:
-    """Print ``exc`` once for the job. Under torchrun every rank gets here.
-
-    An error every rank meets alike in training is printed by global rank 0 alone. One met
-    before training (a bad flag, missing data) is usually met by every rank too, but not always
-    (data missing on one node). So the other ranks first leave rank 0 time to print it: torchrun
-    stops a node's ranks when one of them exits, and without the wait a rank that exited first
-    had a slower rank 0 stopped before it printed, and the error was not reported at all. A
-    rank still alive afterwards may have met it alone, and says so: on rank 0's node every rank,
-    on another node its local rank 0 only (those nodes' agents may learn of rank 0's exit too
-    late, so an error met everywhere is printed once per node there).
-    """
-    from .dist import under_launcher
-
-    rank = os.environ.get("RANK", "0") if under_launcher() else "0"
-    if rank != "0":
-        other_node = os.environ.get("GROUP_RANK", "0") != "0"
-        if exc.all_ranks or (other_node and os.environ.get("LOCAL_RANK", "0") != "0"):
-            return exc.exit_code
-        try:
-            time.sleep(PEER_WAIT_S)
-        except KeyboardInterrupt:
-            return 130
-    print(f"ddpkit: error: {'' if rank == '0' else f'rank {rank}: '}{exc}", file=sys.stderr)
-    return exc.exit_code
+    except (DdpkitError, WorkersFailed, KeyboardInterrupt) as exc:
+        return exit_status(exc)
 
 
 def entry() -> None:

@@ -22,12 +22,20 @@ from typing import Any, Optional
 
 import tomli_w
 
+from . import recipes
 from .errors import ConfigError
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
+
+
+# The names the registries are keyed by (data/datasets.py DATASETS, models.py MODELS, run/loggers.py
+# LOGGERS; tests/api/test_config.py checks they agree): config values are checked here, before anything loads.
+DATASET_NAMES = ("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic")
+MODEL_NAMES = ("convnet", "cnn", "resnet9", "resnet18", "mlp")
+LOGGER_NAMES = ("tensorboard", "wandb", "csv")
 
 
 def _f(default: Any, section: str, help: str, choices: tuple | None = None, cli: bool = True) -> Any:
@@ -143,8 +151,6 @@ class TrainConfig:
     # ------------------------------------------------------------------ resolution
     def resolved(self) -> "TrainConfig":
         """Fill recipe fields, check every value, and fix the run directory."""
-        from . import recipes
-
         cfg = recipes.apply(self)
         cfg.validate()
         if not cfg.run_dir:
@@ -153,15 +159,11 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
-        from .data import check_dataset_name
-        from .loggers import parse_loggers
-        from .models import MODELS
-
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name))
         check_dataset_name(self.dataset)
-        if self.model not in MODELS and not str(self.model).startswith("custom:"):
-            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
+        if self.model not in MODEL_NAMES and not str(self.model).startswith("custom:"):
+            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}")
         if self.task != "classification" and not self.task.startswith(("custom:", "model-loss", "classification+")):
             raise ConfigError(f"--task {self.task!r}: the CLI trains classification; a loss_fn is given from Python")
         for f in dataclasses.fields(self):
@@ -238,7 +240,7 @@ class TrainConfig:
     NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
                               "nproc", "data_path", "device_data_fraction", "on_nan", "quiet", "save_every_steps",
                               "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
-                              "ddp", "log", "plots"})  # ddp: at world 1 the wrapper changes no bit (tests/test_engine.py)
+                              "ddp", "log", "plots"})  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
@@ -346,6 +348,22 @@ def _example(name: str, typ: type) -> str:
     if default is None or not isinstance(default, typ):
         default = {int: 1, float: 0.1, bool: True, str: "..."}[typ]
     return tomli_w.dumps({name: default}).split(" = ", 1)[1].strip()
+
+
+def check_dataset_name(name: str) -> None:
+    if name in DATASET_NAMES or name.startswith(("imagefolder:", "custom:")):
+        return
+    raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}, imagefolder:PATH")
+
+
+def parse_loggers(text: str) -> tuple[str, ...]:
+    """``--log`` as a tuple of logger names; an unknown name is a one-line error."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in LOGGER_NAMES]
+    if unknown:
+        raise ConfigError(f"--log {text!r}: unknown logger(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(LOGGER_NAMES)} (comma-separated; metrics.jsonl is always written)")
+    return names
 
 
 def read_toml(path: str | Path) -> dict:

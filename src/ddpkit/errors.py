@@ -5,7 +5,7 @@ data, conflicting run dir, a stalled rank, a diverged loss). The CLI prints its 
 on one line and exits with its ``exit_code``; it never shows a traceback for these.
 Anything else is a bug and keeps its traceback.
 
-Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.launcher._guarded`):
+Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.dist.child.worker_entry`):
 
 * ``True``: every rank raises it at the same step from the same all-reduced facts. The
   workers hand it back to the launcher, which reports it once; the elastic agent does
@@ -31,7 +31,7 @@ class DataError(DdpkitError):
 
 
 class TaskError(ConfigError):
-    """A model, batch or metric that does not fit the step contract (see ddpkit.task).
+    """A model, batch or metric that does not fit the step contract (see ddpkit.train.task).
 
     Raised where a rank meets it: preflight catches it once before launch; in a worker
     it is one rank's error, so the others are stopped rather than left waiting."""

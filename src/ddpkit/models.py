@@ -10,13 +10,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .config import TrainConfig
+
 
 def conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
 
 
 class ConvNet(nn.Module):
-    """The MNIST seed's ConvNet: two 5x5 conv+BN+ReLU+maxpool blocks and one linear layer."""
+    """The MNIST ConvNet of the PyTorch DDP-with-MNIST tutorial notebook: two 5x5 conv+BN+ReLU+maxpool blocks and one linear layer."""
 
     def __init__(self, channels: int = 1, height: int = 28, width: int = 28, classes: int = 10):
         super().__init__()
@@ -29,7 +31,7 @@ class ConvNet(nn.Module):
 
 
 class SimpleCNN(nn.Module):
-    """The CIFAR seed's SimpleCNN: three conv+BN blocks, fc 4096->512->classes, dropout 0.5."""
+    """A small CIFAR CNN (SimpleCNN): three conv+BN blocks, fc 4096->512->classes, dropout 0.5."""
 
     def __init__(self, channels: int = 3, height: int = 32, width: int = 32, classes: int = 10):
         super().__init__()
@@ -122,7 +124,7 @@ def build_model(name: str, channels: int, height: int, width: int, classes: int)
     return MODELS[name](channels, height, width, classes)
 
 
-def model_for(cfg, meta) -> nn.Module:
+def model_for(cfg: TrainConfig, meta) -> nn.Module:
     """The config's registry model, shaped for a dataset's ``Meta`` (channels, size, classes)."""
     return build_model(cfg.model, meta.channels, meta.height, meta.width, meta.classes)
 
@@ -138,7 +140,7 @@ def to_channels_last(model: nn.Module, device_type: str) -> nn.Module:
     Such a weight ([out, 1, k, k]) has the same bytes in both layouts, only other strides, and
     cuDNN's backward makes its gradient with the contiguous ones. Under DDP, a gradient whose
     strides differ from its bucket view is copied into the bucket every step ("Grad strides do
-    not match bucket view strides", seen on an H100 with the seed ConvNet); so on CUDA these
+    not match bucket view strides", seen on an H100 with the MNIST ConvNet); so on CUDA these
     weights keep the strides their gradients get. Only this measured case is changed: 1x1 and
     depthwise convolutions see NHWC input with many channels. On CPU, oneDNN gives the
     gradient the weight's own strides, and a contiguous weight would pick other kernels (and

@@ -15,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # config.py imports this module: the type only, for readers and type checkers
+    from .config import TrainConfig
 
 # Fallbacks for anything no recipe sets.
 BASE = dict(model="convnet", optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4,
@@ -43,7 +47,7 @@ AUTO = {"mnist": "mnist", "fashion-mnist": "mnist", "cifar10": "cifar10-resnet9"
         "synthetic": "synthetic"}
 
 
-def pick(cfg, flags: frozenset[str] | None = None) -> str:
+def pick(cfg: TrainConfig, flags: frozenset[str] | None = None) -> str:
     """The recipe ``cfg`` resolves to, from ``cfg`` and the CPU's feature ``flags`` (this
     machine's when not given; ``--device auto`` also asks whether CUDA is available). Only
     MNIST on a CPU depends on the flags."""
@@ -59,10 +63,13 @@ def pick(cfg, flags: frozenset[str] | None = None) -> str:
 
 def native_cpu_bf16(device: str, flags: frozenset[str] | None = None) -> bool:
     """A CPU run on a CPU with bf16 instructions (where bf16 autocast is faster, not emulated)."""
-    from .dist import resolve_device_type
-
-    if resolve_device_type(device) != "cpu":
+    if device == "cuda":
         return False
+    if device == "auto":
+        import torch  # here, not at the top: the config, and with it `ddpkit --help`, stay free of torch
+
+        if torch.cuda.is_available():
+            return False
     flags = cpu_flags() if flags is None else flags
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
@@ -94,7 +101,7 @@ def parse_cpu_flags(cpuinfo: str, onednn_max_isa: str = "") -> frozenset[str]:
     return flags
 
 
-def apply(cfg, flags: frozenset[str] | None = None):
+def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
     """Return cfg with every ``None`` field filled from its recipe, then from BASE."""
     name = pick(cfg, flags)
     if name not in RECIPES:

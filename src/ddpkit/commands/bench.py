@@ -49,9 +49,9 @@ def run(args) -> int:
     prestart_if_workers(str(max(args.worlds)))  # before torch is imported below
     import dataclasses
 
-    from ..bench import bench, predict_only, write_outputs
-    from ..costmodel import LINKS
     from ..errors import ConfigError
+    from ..tools.bench import bench, predict_only, write_outputs
+    from ..tools.costmodel import LINKS
 
     cfg = config_from_args(args)
     link = LINKS["h100-nvlink"]

@@ -1,4 +1,4 @@
-"""``ddpkit check``: do N processes compute what 1 process does? (see :mod:`ddpkit.check`)"""
+"""``ddpkit check``: do N processes compute what 1 process does? (see :mod:`ddpkit.tools.check`)"""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def register(parser) -> None:
 
 def run(args) -> int:
     prestart_if_workers(str(args.check_nproc))  # before torch is imported below
-    from ..check import check
+    from ..tools.check import check
 
     # None unless given: then the check chooses (SyncBN for BatchNorm models; float64 on CPU)
     sync_bn, dtype = getattr(args, "sync_bn", None), getattr(args, "dtype", None)

@@ -1,4 +1,4 @@
-"""``ddpkit doctor``: an environment report for distributed training, and a real all-reduce (:mod:`ddpkit.doctor`)."""
+"""``ddpkit doctor``: an environment report for distributed training, and a real all-reduce (:mod:`ddpkit.tools.doctor`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def run(args) -> int:
     prestart_if_workers(str(args.nproc))  # before torch is imported below
     import json
 
-    from ..doctor import failed, render, report
+    from ..tools.doctor import failed, render, report
 
     rep = report(args.nproc, args.rdzv_endpoint, args.timeout_s)
     print(json.dumps({"sections": rep, "failed": failed(rep)}, indent=2) if args.json else render(rep))

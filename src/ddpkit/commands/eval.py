@@ -20,12 +20,10 @@ def run(args) -> int:
     from .flags import prestart_if_workers
 
     prestart_if_workers(args.nproc)  # before torch is imported below
-    from ..launcher import LaunchSpec, run_workers
     from ..data import load_dataset
-    from ..models import model_for
-    from ..rundir import finished_cli_run
-    from ..task import Classification
-    from ..trainer import Job, check_weights_fit, eval_worker
+    from ..run.rundir import finished_cli_run, load_trained_model
+    from ..train.task import Classification
+    from ..trainer import run_evaluation
 
     run_dir = Path(args.run_dir)
     cfg = finished_cli_run(run_dir, f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), "
@@ -36,10 +34,7 @@ def run(args) -> int:
     cfg.validate()
     # Everything that can fail, checked here once, not on every rank: the data, and the weights.
     splits = load_dataset(cfg)
-    check_weights_fit(model_for(cfg, splits.meta), run_dir / "model.pt", "model.pt")
-    spec = LaunchSpec.from_config(cfg, resumable=False)
-    task = Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
-    job = Job(cfg, task, splits=splits)  # the workers get this data through shared memory
-    result = run_workers(eval_worker, (job,), spec)
+    load_trained_model(cfg, splits.meta, run_dir)
+    result = run_evaluation(cfg, Classification(cfg.label_smoothing or 0.0, bool(cfg.tta)), splits)
     print(json.dumps(result))
     return 0

@@ -66,11 +66,11 @@ def visible_gpus() -> int:
 
 
 def prestart_if_workers(nproc: str, max_restarts: int = 0, nnodes: int = 1) -> None:
-    """Start the forkserver now if this command will fork workers (see ddpkit.prestart); under
+    """Start the forkserver now if this command will fork workers (see ddpkit.dist.prestart); under
     torchrun the processes exist already."""
     import os
 
-    from ..prestart import prestart_workers
+    from ..dist.prestart import prestart_workers
 
     if "RANK" in os.environ:
         return

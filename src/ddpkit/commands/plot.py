@@ -21,7 +21,7 @@ def register(parser) -> None:
 
 
 def run(args) -> int:
-    from ..plots import training_plots
+    from ..run.plots import training_plots
 
     if args.out is None and len(args.run_dirs) > 1:
         raise ConfigError(f"{len(args.run_dirs)} run dirs are drawn into one set of plots: name its folder with "

@@ -8,7 +8,7 @@ HELP = "draw a labelled grid of sample images of a dataset as a PNG, optionally 
 def _count(text: str) -> int:
     import argparse
 
-    from ..showdata import MAX_IMAGES
+    from ..tools.showdata import MAX_IMAGES
 
     try:
         n = int(text)
@@ -36,7 +36,7 @@ def register(parser) -> None:
 
 
 def run(args) -> int:
-    from ..showdata import show_data
+    from ..tools.showdata import show_data
 
     result = show_data(args.dataset, args.out, split=args.split, n=args.n, seed=args.seed,
                        data_dir=args.data_dir, predictions=args.predictions)

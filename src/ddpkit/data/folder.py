@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import DataError
+from ..errors import DataError, RunDirError
+from ..files import atomic_write, torch_bytes
+from .types import DataSplits, ImageData, Meta
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -99,7 +101,6 @@ class ImageFiles:
 
 
 def load_imagefolder(path: str, image_size: int, limit_train: int = 0, limit_test: int = 0):
-    from . import DataSplits, Meta
 
     root = Path(path)
     test_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
@@ -160,7 +161,6 @@ def decode_all(files: list[tuple[str, int]], image_size: int, processes: int):
     import numpy as np
     import torch
 
-    from . import ImageData
 
     paths = [p for p, _ in files]
     work = partial(_decode, image_size=image_size)
@@ -182,9 +182,6 @@ def cached_decode(data, root: Path, split: str, image_size: int, processes: int)
 
     import torch
 
-    from ..errors import RunDirError
-    from ..rundir import atomic_write, torch_bytes
-    from . import ImageData
 
     files = image_files(data)
     key = cache_key(files, image_size)

@@ -32,11 +32,12 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..config import TrainConfig
+from ..dist.context import DistContext, cpu_threads
 from ..errors import ConfigError, DdpkitError
-from ..dist import cpu_threads
-from . import DataSplits, ImageData, Meta, TensorData
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
+from .types import DataSplits, ImageData, Meta, TensorData
 
 
 def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int, drop_last: bool = True) -> torch.Tensor:
@@ -48,7 +49,7 @@ def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int, drop_last:
     return perm[rank:total:world]
 
 
-def float_dtype(cfg) -> torch.dtype:
+def float_dtype(cfg: TrainConfig) -> torch.dtype:
     """The dtype ``--dtype`` asks for (float32 unless float64)."""
     return torch.float64 if getattr(cfg, "dtype", "float32") == "float64" else torch.float32
 
@@ -65,6 +66,11 @@ class Preprocess:
         self.meta, self.dtype = meta, dtype
         self.norm = Normalize(meta.mean, meta.std, device, channels_last) if meta else None
         self.pad = CROP_PAD if meta and meta.augment == "crop-flip" else 0
+
+    @classmethod
+    def for_config(cls, meta: Meta | None, device: torch.device, cfg: TrainConfig) -> "Preprocess":
+        """As ``cfg`` asks: ``--channels-last`` and ``--dtype``."""
+        return cls(meta, device, bool(cfg.channels_last), float_dtype(cfg))
 
     def train(self, x: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
         if self.norm is None:  # a user Dataset that already yields float tensors
@@ -88,11 +94,11 @@ class _Source:
 
     path = "?"
 
-    def __init__(self, n: int, meta: Meta | None, cfg, ctx, per_rank_batch: int, group: int = 1):
+    def __init__(self, n: int, meta: Meta | None, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
         self.n, self.meta, self.cfg, self.ctx, self.batch = n, meta, cfg, ctx, per_rank_batch
         self.per_rank = n // ctx.world_size
         self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
-        self.pre = Preprocess(meta, ctx.device, bool(cfg.channels_last), float_dtype(cfg))
+        self.pre = Preprocess.for_config(meta, ctx.device, cfg)
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order its batches take them (what
@@ -160,7 +166,7 @@ class HostStager:
 
 
 class ResidentSource(_Source):
-    def __init__(self, data: ImageData, meta: Meta, cfg, ctx, per_rank_batch: int, on_device: bool, group: int = 1):
+    def __init__(self, data: ImageData, meta: Meta, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, on_device: bool, group: int = 1):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.on_device = on_device
         self.path = "device-resident" if on_device else "host-staged"
@@ -210,7 +216,7 @@ class TensorSource(_Source):
     path = "device-resident"
     on_device = True
 
-    def __init__(self, data: TensorData, cfg, ctx, per_rank_batch: int, group: int = 1):
+    def __init__(self, data: TensorData, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
         super().__init__(len(data), None, cfg, ctx, per_rank_batch, group)
         self.data = data.to(ctx.device)
 
@@ -242,7 +248,7 @@ class UnevenSampler(Sampler):
 class LoaderSource(_Source):
     path = "dataloader"
 
-    def __init__(self, data: Dataset, meta: Meta | None, cfg, ctx, per_rank_batch: int, group: int = 1,
+    def __init__(self, data: Dataset, meta: Meta | None, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1,
                  collate_fn=None):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.data, self.collate_fn = data, collate_fn
@@ -300,7 +306,7 @@ def unwrapped(loader: DataLoader) -> Iterator:
         raise type(exc)(last) from None
 
 
-def loader_workers(cfg, ctx) -> int:
+def loader_workers(cfg: TrainConfig, ctx: DistContext) -> int:
     """DataLoader worker processes per rank: ``--num-workers``, or (auto) this rank's cores less one
     for the training process itself, at most 8; 0 when a rank has one core."""
     if cfg.num_workers is not None:
@@ -308,7 +314,7 @@ def loader_workers(cfg, ctx) -> int:
     return max(0, min(8, cpu_threads(ctx.local_world_size) - 1))
 
 
-def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, collate_fn=None) -> DataLoader:
+def _dataloader(data, sampler, batch: int, cfg: TrainConfig, ctx: DistContext, drop_last: bool = True, collate_fn=None) -> DataLoader:
     workers = loader_workers(cfg, ctx)
     return DataLoader(data, batch_size=batch, sampler=sampler, drop_last=drop_last, num_workers=workers,
                       pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
@@ -316,7 +322,7 @@ def _dataloader(data, sampler, batch: int, cfg, ctx, drop_last: bool = True, col
                       collate_fn=collate_fn)
 
 
-def choose_path(data: Dataset, cfg, ctx) -> str:
+def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
     """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here."""
     if getattr(cfg, "join", False):
         return "loader"  # its sampler is the one that neither pads nor drops
@@ -337,7 +343,7 @@ def choose_path(data: Dataset, cfg, ctx) -> str:
     return "host" if isinstance(data, ImageData) else "loader"
 
 
-def make_train_source(splits: DataSplits, cfg, ctx, per_rank_batch: int, group: int = 1):
+def make_train_source(splits: DataSplits, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
     """The batch source for ``splits.train``; ``per_rank_batch`` is the micro-batch with accumulation."""
     data, meta = splits.train, splits.meta
     path = choose_path(data, cfg, ctx)
@@ -352,7 +358,7 @@ class EvalSource:
     """This rank's test samples (every world_size-th, no padding: each sample counted once), in batches.
     A DataLoader, where one is needed, is built once and reused for every evaluation of the run."""
 
-    def __init__(self, data: Dataset, pre: Preprocess, cfg, ctx, batch: int, collate_fn=None):
+    def __init__(self, data: Dataset, pre: Preprocess, cfg: TrainConfig, ctx: DistContext, batch: int, collate_fn=None):
         self.data, self.pre, self.ctx, self.batch = data, pre, ctx, batch
         self.indices = range(ctx.rank, len(data), ctx.world_size)
         self.loader = None

@@ -26,14 +26,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
 
-from ..dist import cpu_cores
-from . import DataSplits, ImageData, TensorData
+from ..config import TrainConfig
+from ..dist.context import cpu_cores
 from .batch import tensor_leaves
+from .folder import cached_decode
+from .types import DataSplits, ImageData, TensorData
 
 HOST_FRACTION = 0.25  # of the memory available, for all the data held in memory on a node
 
 
-def materialize(splits: DataSplits, cfg, available: int | None = None) -> DataSplits:
+def materialize(splits: DataSplits, cfg: TrainConfig, available: int | None = None) -> DataSplits:
     """``splits`` with each split held as tensors where it can be (see the module docstring)."""
     if cfg.data_path == "loader":
         return _with_note(splits, "DataLoader path, as --data-path loader asks")
@@ -58,7 +60,7 @@ def _nbytes(data) -> int:
     return data.nbytes() if isinstance(data, TensorData) else 0
 
 
-def _held(data: Dataset | None, split: str, splits: DataSplits, cfg, budget: float) -> tuple[Dataset, str]:
+def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig, budget: float) -> tuple[Dataset, str]:
     if data is None:  # evaluate() needs no training split
         return None, f"no {split} split"
     if isinstance(data, (ImageData, TensorData)):
@@ -71,8 +73,6 @@ def _held(data: Dataset | None, split: str, splits: DataSplits, cfg, budget: flo
         need = len(data) * 3 * cfg.image_size ** 2
         if need > budget:
             return data, f"{split} streamed ({need / 2**30:.1f} GiB decoded is over the memory budget)"
-        from .folder import cached_decode
-
         root = Path(cfg.dataset.split(":", 1)[1])
         return cached_decode(data, root, split, cfg.image_size, cpu_cores())
     if splits.collate_fn is not None:

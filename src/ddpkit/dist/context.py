@@ -1,0 +1,211 @@
+"""The distributed context: process setup (device, threads, determinism), the process
+group's setup and teardown, and nothing else.
+
+    with distributed(device="auto", timeout_s=600) as ctx:
+        ctx.rank, ctx.world_size, ctx.device   # an explicit value, passed to whoever needs it
+
+Under torchrun (or ddpkit's own elastic launch) the ranks come from the environment;
+otherwise this is a world of one, still with a real process group so every code path
+(all-reduce, DDP) is the same at any size. The group is destroyed even on error.
+
+CUDA-only here: ``torch.cuda.set_device`` before ``init_process_group`` (NCCL binds the
+current device), and NCCL barriers name the rank's GPU (``device_ids``; otherwise torch guesses
+it from the global rank). ``device_id=`` is not passed to ``init_process_group``: it makes NCCL
+initialise eagerly, which has been reported to hang at random (pytorch/pytorch#153960) and to
+slow training (NVIDIA-NeMo/RL#3073). Other CUDA-only branches say why at their own line.
+
+:func:`on_rank0` is the rank-0 rule: every rank calls it, global rank 0 writes, and every rank
+learns whether the write worked.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, DdpkitError, RunDirError
+from . import env
+from .env import under_launcher
+from .failures import report_failure, worker_failure
+CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only rank that writes files or prints."""
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce; every rank must call it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from global rank ``src``; every rank must call it."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in rank order; every rank must call it."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_threads(local_world_size: int, cores: int | None = None) -> int:
+    """Intra-op threads per process, so N processes on a node never oversubscribe its cores."""
+    return max(1, (cpu_cores() if cores is None else cores) // max(1, local_world_size))
+
+
+def resolve_device_type(pref: str) -> str:
+    if pref == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    return pref
+
+
+def plan(environ: Mapping[str, str], device_type: str, gpu_count: int, cores: int) -> tuple[DistContext, int]:
+    """This process's place in the job, and its intra-op thread count. Pure: no device is touched.
+
+    The thread rule holds on CUDA too: ``elastic_launch``, unlike torchrun, leaves
+    OMP_NUM_THREADS unset, and 8 ranks each using every core for host work (data
+    indexing, kernel launches, the optimizer's Python) slow each other down.
+    """
+    if under_launcher(environ):
+        rank, local_rank, world = int(environ[env.RANK]), int(environ[env.LOCAL_RANK]), int(environ[env.WORLD_SIZE])
+        local_world = int(environ.get(env.LOCAL_WORLD_SIZE, world))
+    else:
+        rank, local_rank, world, local_world = 0, 0, 1, 1
+    if device_type == "cuda":
+        # Checked on the node's process count, not this rank's index, so every rank of the
+        # node fails alike and the error is printed once (by rank 0), not "invalid device ordinal".
+        if local_world > gpu_count:
+            raise ConfigError(f"this node runs {local_world} processes but sees {gpu_count} GPU(s); start at most "
+                              f"{gpu_count} per node (torchrun --nproc-per-node {gpu_count}), or check "
+                              f"CUDA_VISIBLE_DEVICES")
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    ctx = DistContext(rank, local_rank, world, local_world, device, backend)
+    # A worker forked from a process that used OpenMP hangs in its first parallel region: one thread.
+    threads = 1 if environ.get(env.FORKED_WORKER) == "1" else cpu_threads(local_world, cores)
+    return ctx, threads
+
+
+@contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    """``--deterministic``: reproducible kernels on every device, restored on exit.
+
+    Bitwise-identical resume on CUDA needs it: cuDNN's algorithm search, atomics in some
+    backward kernels and cuBLAS's split-K reductions otherwise differ from run to run.
+    """
+    if not on:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark, os.environ.get(env.CUBLAS_WORKSPACE_CONFIG))
+    os.environ.setdefault(env.CUBLAS_WORKSPACE_CONFIG, CUBLAS_DETERMINISTIC)  # read at the first cuBLAS call
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop(env.CUBLAS_WORKSPACE_CONFIG, None)
+
+
+@contextmanager
+def distributed(device: str = "auto", timeout_s: float = 600.0, deterministic_algorithms: bool = False
+                ) -> Iterator[DistContext]:
+    dev_type = resolve_device_type(device)
+    ctx, threads = plan(os.environ, dev_type, torch.cuda.device_count() if dev_type == "cuda" else 0, cpu_cores())
+    torch.set_num_threads(threads)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)  # before init_process_group, so NCCL binds this rank's GPU
+    timeout = timedelta(seconds=timeout_s)
+    if under_launcher():
+        dist.init_process_group(backend=ctx.backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    ok = False
+    try:
+        with deterministic(deterministic_algorithms):
+            yield ctx
+        ok = True
+    except Exception as exc:
+        failure = worker_failure(exc, ctx.world_size, timeout_s)
+        if ctx.world_size > 1:
+            report_failure(failure, ctx.rank)  # before the group goes: its teardown is what the others see
+        if failure is exc:
+            raise
+        raise failure from exc
+    finally:
+        if ok:
+            # Let every rank's last collective finish before any rank tears down its gloo/NCCL
+            # threads: a rank that exits while a peer is mid-collective can abort
+            # ("terminate called without an active exception"). Skipped on error: a dead peer
+            # would make it wait for the full timeout.
+            ctx.barrier()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the rank-0 rule
+def on_rank0(ctx: DistContext, write: Callable[[], object]) -> None:
+    """Run ``write`` on global rank 0 only, and let every rank know whether it worked (one all-reduce).
+
+    Without this, a rank-0 write error (full disk, read-only storage) would leave the other
+    ranks waiting in their next collective until --timeout-s. Every rank raises on failure;
+    rank 0's error carries the reason, which is the one the launcher prints.
+    """
+    error: DdpkitError | None = None
+    if ctx.is_main:
+        try:
+            write()
+        except RunDirError as exc:
+            error = exc
+    agree(ctx, error)
+
+
+def agree(ctx: DistContext, error: DdpkitError | None) -> None:
+    """Raise on every rank if rank 0 met ``error`` (one all-reduce)."""
+    if ctx.world_size > 1:
+        flag = torch.tensor([float(error is not None)], device=ctx.device)
+        failed = ctx.all_reduce(flag).item() > 0
+    else:
+        failed = error is not None
+    if failed:
+        raise error or RunDirError("global rank 0 could not write to the run directory (its message is the one "
+                                   "printed)")

@@ -1,0 +1,300 @@
+"""Where a failure becomes one line: said once for the job, by the process that knows why.
+
+A rank's own error (:func:`report_failure`) is printed by that rank and left in the elastic
+agent's per-worker error file (:func:`write_error_file`); the launcher reads those files back
+(:func:`worker_reports`) and turns a failed job into one :class:`WorkersFailed`
+(:func:`launch_failure`), naming the cause, not its consequences (peers that lost the failed
+rank, or timed out waiting for it). The CLI prints whatever reaches it once (:func:`exit_status`).
+
+    try: ...
+    except Exception as exc: return exit_status(exc)      # the CLI's last word
+
+Torch-free at import (the CLI imports this before torch loads); the functions that talk to the
+process group import ``torch.distributed`` when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import AlreadyReported, CollectiveTimeout, DdpkitError, PeerLost, Stopped, WorkersFailed
+from . import env
+
+CONSEQUENCES = frozenset(e.exit_code for e in (CollectiveTimeout, PeerLost))  # what a rank meets when another fails
+# Exit codes of workers that already printed their one-line reason (see errors.py).
+REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
+PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 to print an error first
+_CAUSE_KEY = "ddpkit/cause-reported"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a worker returns, instead of exiting non-zero, for an error every rank met alike."""
+
+    message: str
+    exit_code: int
+    printed: bool
+
+
+class _Reported(DdpkitError):
+    """A worker's all-ranks error, re-raised in the launcher so it is printed exactly once."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------------- in a rank
+def report_failure(exc: BaseException, rank: int) -> None:
+    """Say once why this rank fails: its one line (a ddpkit error) or its traceback (a bug), on
+    stderr and in the file where the elastic agent collects workers' errors for the launcher;
+    and note in the job's store that a cause was given, so peers that merely lost this rank
+    stay quiet. An error every rank meets alike (``all_ranks``) is left to the launcher."""
+    if getattr(exc, "reported", False) or getattr(exc, "all_ranks", False):
+        return
+    quiet = bool(getattr(exc, "quiet", False))
+    if isinstance(exc, DdpkitError):
+        line, code = f"rank {rank}: {exc}", exc.exit_code
+        if not quiet:
+            print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()  # a bug keeps its traceback
+        sys.stderr.flush()
+        line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
+    if not quiet:
+        _note_cause(rank)
+    write_error_file(line, quiet, code)
+    exc.reported = True
+
+
+def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> BaseException:
+    """What a rank raises when its work raised ``exc``: a broken collective said in the user's
+    terms (quiet if another rank already said why), reported before the group is torn down."""
+    user_error = comm_failure(exc, timeout_s) if isinstance(exc, RuntimeError) else None
+    if isinstance(user_error or exc, (PeerLost, CollectiveTimeout)):
+        # Another rank's failure reached this one as a broken collective. If that rank said why,
+        # this rank stays quiet: one line for one cause.
+        (user_error or exc).quiet = world_size > 1 and _cause_reported()
+    return user_error or exc
+
+
+def write_error_file(line: str, quiet: bool, exit_code: int) -> None:
+    """The elastic agent's per-worker error file (``TORCHELASTIC_ERROR_FILE``), read back by :func:`worker_reports`."""
+    path = os.environ.get(env.ERROR_FILE)
+    if not path:
+        return
+    first = line.strip().splitlines()[0][:500] if line.strip() else line
+    try:
+        with open(path, "w") as fh:
+            json.dump({"message": first, "timestamp": int(time.time()),
+                       "ddpkit": {"quiet": quiet, "exit_code": exit_code}}, fh)
+    except OSError:
+        pass
+
+
+def _note_cause(rank: int) -> None:
+    """Tell the job (through the process group's store) that this rank prints why it failed."""
+    import torch.distributed as dist
+
+    try:
+        dist.distributed_c10d._get_default_store().set(_CAUSE_KEY, str(rank))
+    except Exception:  # the store may be gone with a dead peer: then the others speak for themselves
+        pass
+
+
+def _cause_reported() -> bool:
+    """Whether another rank already said why the job failed (a non-blocking store check)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store().check([_CAUSE_KEY])
+    except Exception:
+        return False
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_COMM = re.compile(r"gloo|nccl|store|collective|process ?group", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused", re.IGNORECASE)
+
+
+def timeout_message(timeout_s: float, detail: str = "") -> str:
+    """What a collective timeout means and what to do, for gloo errors and NCCL aborts alike."""
+    return (f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
+            f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
+            f"that long, raise --timeout-s.{f' ({detail})' if detail else ''}")
+
+
+def comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
+    """A collective's failure, said in the user's terms; None for any other error."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    comm = isinstance(exc, getattr(dist, "DistError", ())) or _COMM.search(text)
+    if not comm:
+        return None
+    first = text.strip().splitlines()[0][:240] if text.strip() else type(exc).__name__
+    if _TIMEOUT.search(text):
+        return CollectiveTimeout(timeout_message(timeout_s, first))
+    if _PEER_GONE.search(text):
+        return PeerLost(f"another rank left mid-collective (it died or was stopped; its own output says why). "
+                        f"({first})")
+    return None
+
+
+def outside_group_failure(exc: DdpkitError) -> None:
+    """A rank's error raised outside the process group (before it was made): print and file it here."""
+    if getattr(exc, "reported", False):  # inside the group, report_failure said it
+        return
+    where = f"rank {env.env_rank()}: " if int(os.environ.get(env.WORLD_SIZE, "1")) > 1 else ""
+    write_error_file(f"{where}{exc}", False, exc.exit_code)
+    print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
+
+
+def outside_group_bug(exc: BaseException) -> None:
+    """A bug raised outside the process group: its traceback, printed by the rank that hit it, and filed."""
+    if getattr(exc, "reported", False):
+        return
+    traceback.print_exc()
+    sys.stderr.flush()
+    write_error_file(f"rank {env.env_rank()} raised {type(exc).__name__}: {exc}", False, 1)
+
+
+# ---------------------------------------------------------------------- in the launcher
+def worker_reports(exc) -> list[dict]:
+    """What the workers of this node said about their failure (a ``ChildFailedError``): their error
+    files, found beside those of the failures the agent observed (it observes the first and stops the rest)."""
+    dirs = {Path(f.error_file).parent.parent for f in exc.failures.values()
+            if isinstance(f.error_file, str) and Path(f.error_file).is_file()}
+    reports = []
+    for folder in dirs:
+        for path in sorted(folder.glob("*/error.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data.get("ddpkit"), dict) and isinstance(data.get("message"), str):
+                reports.append({"message": data["message"], **data["ddpkit"]})
+    return reports
+
+
+def launch_failure(exc, timeout_s: float) -> Exception:
+    """A failed job (torch's ``ChildFailedError``) as one error. The cause, in order: a worker's own
+    error (its line or traceback is printed); a worker that died of a signal (said here); the
+    others' "lost a peer" or timeout lines (printed by them)."""
+    reports = [r for r in worker_reports(exc) if not r["quiet"]]
+    causes = [r for r in reports if r["exit_code"] not in CONSEQUENCES]
+    if causes:
+        cause = causes[0]
+        if cause["exit_code"] == 1:
+            return WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1)
+        return WorkersFailed(cause["message"], True, cause["exit_code"])
+    codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+    killed = signal_failure(codes, timeout_s)
+    if killed is not None:
+        return killed
+    if reports:
+        return WorkersFailed(reports[0]["message"], True, reports[0]["exit_code"])
+    reported = all(code in REPORTED_EXITS for code in codes.values())
+    first = next(iter(codes.values()))
+    return WorkersFailed(f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
+                         reported, first if reported else 1)
+
+
+def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
+    """Workers ended by a signal (negative exit codes), said in the user's terms; None otherwise.
+
+    NCCL's watchdog aborts its process (SIGABRT) when a collective times out or a peer's
+    connection breaks, instead of raising in Python as gloo does; so a SIGABRT is most
+    often that. NCCL's own lines above the error name which (``NCCL_DEBUG=WARN`` for more).
+    """
+    signalled = {rank: -code for rank, code in codes.items() if code < 0}
+    if not signalled:
+        return None
+    rank, signum = min(signalled.items())
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == signal.SIGABRT:
+        return CollectiveTimeout(f"rank {rank} was aborted (SIGABRT). On GPUs this is NCCL's watchdog: "
+                                 + timeout_message(timeout_s) + " A peer that died first is named by its own "
+                                 "error above; NCCL_DEBUG=WARN shows NCCL's reason.")
+    if signum == signal.SIGKILL:
+        return PeerLost(f"rank {rank} was killed (SIGKILL): most often by the kernel's out-of-memory killer "
+                        f"(see `dmesg`; lower --batch-size or --nproc), or from outside the job")
+    return PeerLost(f"rank {rank} died of {name}; if nothing above explains it, it is a crash in native code "
+                    f"(set TORCH_SHOW_CPP_STACKTRACES=1 and rerun to see where)")
+
+
+def interrupted(sig: signal.Signals, resumable: bool) -> WorkersFailed:
+    """The launcher was sent ``sig`` (Ctrl-C, SIGTERM) and stopped the workers."""
+    after = ("; they save a snapshot at their next log interval if it comes within the agent's grace period: "
+             "run the same command again to resume") if resumable else ""
+    return WorkersFailed(f"interrupted: the launcher received {sig.name} and stopped the workers{after}", False,
+                         128 + sig.value)
+
+
+def returned_failure(result: Failure) -> Exception:
+    """Rank 0's returned :class:`Failure` (an error every rank met) as the launcher's error, printed once."""
+    if result.printed:
+        return WorkersFailed(result.message, True, result.exit_code)
+    return _Reported(result.message, result.exit_code)
+
+
+def as_returned(exc: DdpkitError, rank: int) -> Failure:
+    """A worker's all-ranks error as what it returns (exit 0 keeps the agent from restarting into it
+    again). A stop is printed by rank 0 here: a launcher that is itself shutting down never reads
+    return values."""
+    printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
+    if printed and not isinstance(exc, AlreadyReported):
+        print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+    return Failure(str(exc), exc.exit_code, printed)
+
+
+# ---------------------------------------------------------------------- in the CLI
+def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
+    """Print a user error, a failed job or an interrupt as the CLI's one line (unless it was printed
+    already), and return the exit status."""
+    if isinstance(exc, DdpkitError):
+        if not getattr(exc, "reported", False):  # else its rank printed it already (report_failure)
+            return _report_once(exc)
+        return exc.exit_code
+    if isinstance(exc, WorkersFailed):
+        if not exc.reported:
+            print(f"ddpkit: error: {exc}" + ("" if "above" in str(exc) else "; their output is above"), file=sys.stderr)
+        return exc.exit_code
+    print("ddpkit: interrupted", file=sys.stderr)  # KeyboardInterrupt
+    return 130
+
+
+def _report_once(exc: DdpkitError) -> int:
+    """Print ``exc`` once for the job. Under torchrun every rank gets here.
+
+    An error every rank meets alike in training is printed by global rank 0 alone. One met
+    before training (a bad flag, missing data) is usually met by every rank too, but not always
+    (data missing on one node). So the other ranks first leave rank 0 time to print it: torchrun
+    stops a node's ranks when one of them exits, and without the wait a rank that exited first
+    had a slower rank 0 stopped before it printed, and the error was not reported at all. A
+    rank still alive afterwards may have met it alone, and says so: on rank 0's node every rank,
+    on another node its local rank 0 only (those nodes' agents may learn of rank 0's exit too
+    late, so an error met everywhere is printed once per node there).
+    """
+    rank = os.environ.get(env.RANK, "0") if env.under_launcher() else "0"
+    if rank != "0":
+        other_node = os.environ.get(env.GROUP_RANK, "0") != "0"
+        if exc.all_ranks or (other_node and os.environ.get(env.LOCAL_RANK, "0") != "0"):
+            return exc.exit_code
+        try:
+            time.sleep(PEER_WAIT_S)
+        except KeyboardInterrupt:
+            return 130
+    print(f"ddpkit: error: {'' if rank == '0' else f'rank {rank}: '}{exc}", file=sys.stderr)
+    return exc.exit_code

@@ -1,0 +1,311 @@
+"""Process launch: hand off to torch's elastic agent, never manage processes ourselves.
+
+    result = launch(fn, *args, nproc=2)       # public: fn(ctx, *args) on every rank, rank 0's result
+    result = run_workers(fn, args, spec)      # ddpkit's own: fn(*args), spec = LaunchSpec.from_config(cfg)
+
+* Already under torchrun (RANK/LOCAL_RANK/WORLD_SIZE set): run ``fn`` here, no relaunch;
+  torchrun's own flags decide nodes and restarts.
+* One process, one node, no restarts: run ``fn`` here.
+* Otherwise ``elastic_launch`` starts ``nproc`` workers on this node with c10d rendezvous:
+  on ``localhost:0`` (a free port, as ``torchrun --standalone``) for one node, or on
+  ``--rdzv-endpoint`` where ``--nnodes`` agents meet. ``--max-restarts`` is the agent's:
+  after a worker fails it restarts the whole group, which resumes from the newest snapshot.
+
+Workers are forked from a forkserver (see :mod:`ddpkit.dist.prestart`), which imported torch
+once, and unpickle ``fn`` and its arguments, as ``spawn`` would but without importing
+torch again (``spawn`` where a platform has no forkserver). Where neither can import
+``fn`` (a function or class defined in a notebook, ``python -c`` or a lambda), workers
+are forked from this process if that is safe: on CPU, with CUDA not initialised here, as
+Lightning's ``ddp_notebook`` and Accelerate's ``notebook_launcher`` do; each then runs
+one intra-op thread, since OpenMP cannot run in a child forked after its parent used it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import types
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, PeerLost
+from . import env as names
+from .child import worker_entry
+from .context import cpu_threads, distributed, resolve_device_type
+from .env import under_launcher
+from .failures import Failure, interrupted, launch_failure, returned_failure
+from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
+from .prestart import forkserver_available, prestart_workers
+from ..config import TrainConfig
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    local_addr: str = ""
+    max_restarts: int = 0
+    timeout_s: float = 600.0  # --timeout-s: collectives, and how long an agent waits at rendezvous for the other nodes
+    device_type: str = "cpu"  # decides whether fork is a safe fallback for spawn
+    resumable: bool = False  # a training run: an interrupted one saves a snapshot and can be resumed
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, resumable: bool = True) -> "LaunchSpec":
+        if under_launcher():
+            defaults = type(cfg)()
+            set_here = [f"--{n.replace('_', '-')}" for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
+                                                             "max_restarts")
+                        if getattr(cfg, n) != getattr(defaults, n)]
+            if set_here:
+                raise ConfigError(f"this process was started by torchrun, which owns {', '.join(set_here)}: "
+                                  f"give them to torchrun instead (or launch with ddpkit alone)")
+        run_id = cfg.rdzv_id
+        if not run_id and cfg.nnodes > 1:
+            # Every node runs the same command, so a hash of the config is an id they all agree on.
+            blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
+            run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
+        return cls(resolve_nproc(cfg.nproc, cfg.device), cfg.nnodes, cfg.rdzv_endpoint, run_id, cfg.local_addr,
+                   cfg.max_restarts, cfg.timeout_s, resolve_device_type(cfg.device), resumable)
+
+    @property
+    def in_process(self) -> bool:
+        return under_launcher() or (self.nproc == 1 and self.nnodes == 1 and self.max_restarts == 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ[names.WORLD_SIZE]) if under_launcher() else self.nproc * self.nnodes
+
+
+def resolve_nproc(nproc: str, device: str) -> int:
+    """``--nproc`` as a number: auto is one per visible GPU, or 1 on CPU."""
+    if under_launcher():
+        return int(os.environ.get(names.LOCAL_WORLD_SIZE, os.environ[names.WORLD_SIZE]))
+    gpus = torch.cuda.device_count() if resolve_device_type(device) == "cuda" else 0
+    if nproc == "auto":
+        return max(1, gpus)
+    n = int(nproc)
+    if gpus and n > gpus:
+        raise ConfigError(f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); "
+                          f"use --nproc {gpus} or --nproc auto")
+    return n
+
+
+def launch(fn: Callable, *args, nproc: int | str = "auto", device: str = "auto", timeout_s: float = 600.0,
+           max_restarts: int = 0) -> Any:
+    """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
+
+    ``ctx`` is a :class:`ddpkit.dist.DistContext` (rank, local_rank, world_size, device,
+    backend, and all_reduce/broadcast/all_gather/barrier helpers). The process group is
+    destroyed even on error. For users who write their own loop (as a script that calls
+    ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
+    result. ``fn``'s return value must be picklable.
+    """
+    refuse_if_importing_main()
+    spec = LaunchSpec(nproc=resolve_nproc(str(nproc), device), max_restarts=max_restarts, timeout_s=timeout_s,
+                      device_type=resolve_device_type(device))
+    return run_workers(_in_process_group, (fn, device, timeout_s, *args), spec)
+
+
+def _in_process_group(fn: Callable, device: str, timeout_s: float, *args) -> Any:
+    with distributed(device, timeout_s) as ctx:
+        return fn(ctx, *args)
+
+
+def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
+    """Run ``fn(*args)`` on every rank; return global rank 0's result (on another node, that
+    node's lowest rank's). An int ``spec`` is ``nproc``."""
+    refuse_if_importing_main()
+    if isinstance(spec, int):
+        spec = LaunchSpec(nproc=spec)
+    if spec.in_process:
+        return fn(*args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.launcher.api import elastic_launch
+
+    start = start_method(fn, args, spec.device_type, spec.nproc)
+    if start == "forkserver":
+        prestart_workers()  # no-op when the launcher already started it, early
+    log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
+    config, env = _launch_config(spec, start, log_dir)
+    try:
+        with _environ(env), _quiet_agent_tracebacks():
+            # A forkserver's children have its environment, not this one's: the workers' variables travel along.
+            results = elastic_launch(config, worker_entry)(env, fn, *args)
+    except ChildFailedError as exc:
+        raise launch_failure(exc, spec.timeout_s) from None
+    except SignalException as exc:
+        raise interrupted(signal.Signals(exc.sigval), spec.resumable) from None
+    except RendezvousTimeoutError:
+        raise PeerLost(f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
+                       f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
+                       f"nodes, with the same --rdzv-id, and check that each reaches the endpoint") from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)  # torch's default leaves one in /tmp per launch
+    result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
+    if isinstance(result, Failure):
+        raise returned_failure(result)
+    return result
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the agent and the workers it starts, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _quiet_agent_tracebacks() -> Iterator[None]:
+    """The agent logs each failed worker with the traceback of its own ``join``, which says
+    nothing about the failure. Workers report theirs (see :func:`ddpkit.dist.child.worker_entry`), so mute it."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def refuse_if_importing_main() -> None:
+    """A spawned worker imports the user's script as ``__mp_main__``. If the script starts training at
+    import time (no ``if __name__ == "__main__":`` guard), say so in one line, instead of
+    multiprocessing's bootstrap traceback on every rank."""
+    import multiprocessing
+
+    # multiprocessing's own test for "still bootstrapping" (it refuses to start processes then, with a traceback)
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    print("ddpkit: error: this script starts training when it is imported, and worker processes import it: put "
+          "the code that calls Trainer(...).fit() or ddpkit.launch(...) under `if __name__ == \"__main__\":`",
+          file=sys.stderr, flush=True)
+    os._exit(ConfigError.exit_code)  # a reported exit: the launcher adds nothing
+
+
+def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:
+    """How workers start.
+
+    * the forkserver (:mod:`ddpkit.dist.prestart`) when it can import ``fn`` and its arguments: a
+      single-threaded process that imported torch once, so each fork is safe and quick. The
+      CLI starts it first thing, so its import of torch overlaps the launcher's.
+    * ``spawn`` where a platform has no forkserver.
+    * ``fork`` from this process only where nothing else can import ``fn`` (a notebook's or
+      ``python -c``'s code, a lambda), and only on CPU with CUDA untouched here. It is the last
+      resort because this process is multi-threaded by then (the elastic agent's store server
+      and keep-alive timer, OpenMP's pool), and a child forked while another thread holds a
+      lock can deadlock: once in ~1500 forks a rank hung before joining the process group, in
+      CI. Python 3.14 moved its own default from fork to forkserver for the same reason.
+    """
+    problem = unspawnable(fn, args)
+    if problem is None:
+        return "forkserver" if forkserver_available() else "spawn"
+    if device_type == "cpu" and not torch.cuda.is_initialized() and "fork" in multiprocessing.get_all_start_methods():
+        return "fork"
+    raise ConfigError(f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
+                      f"Move it into a .py file and import it from there")
+
+
+def unspawnable(fn: Callable, args: tuple) -> str | None:
+    """Why a spawned interpreter could not rebuild ``(fn, args)``, or None if it can."""
+    main = sys.modules.get("__main__")
+    main_importable = bool(getattr(main, "__file__", None)) and not str(main.__file__).startswith("<")
+    probe = _Probe(main_importable)
+    try:
+        probe.dump((fn, args))
+    except Exception as exc:  # a lambda, a local function or class, an open file, ...
+        return f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be pickled ({exc})"
+    if probe.found is not None:
+        return f"{probe.found.__qualname__!r} is defined in __main__ of an interactive session or `python -c`"
+    return None
+
+
+class _Probe(pickle.Pickler):
+    """Pickles to nowhere, noting anything defined in a __main__ that has no file to import.
+
+    Tensors and arrays are stood in for by an empty reduction: the probe looks at what the
+    objects reference, not at their data, so a large dataset costs nothing to check.
+    """
+
+    def __init__(self, main_importable: bool):
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.main_importable, self.found = main_importable, None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            return tuple, ()
+        if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+                and not self.main_importable and self.found is None):
+            self.found = obj
+        return NotImplemented
+
+
+def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None = None):
+    """The agent's LaunchConfig, and the environment variables it and the workers need."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
+    env[names.LAUNCHER_PID] = str(os.getpid())  # so a worker can tell its launcher died before it started
+    if start == "fork":
+        env[names.FORKED_WORKER] = "1"  # one intra-op thread each: OpenMP hangs in a child forked after its parent used it
+    for var in names.TO_WORKERS:  # set by the launcher before it launches
+        if var in os.environ:
+            env[var] = os.environ[var]
+    if names.OMP_NUM_THREADS not in os.environ:
+        # What torchrun sets and elastic_launch does not: each worker's share of the cores,
+        # read by torch and by numpy's BLAS when they load.
+        env[names.OMP_NUM_THREADS] = str(cpu_threads(spec.nproc))
+    if spec.max_restarts and names.SHARE_RDZV_STORE_OFF not in os.environ:
+        # With the agent's TCPStore shared into the workers (torch >= 2.5's default), restarted
+        # workers read the previous attempt's gloo/NCCL addresses from it and fail to connect
+        # (pytorch/pytorch#135712). A store per rendezvous round avoids that.
+        env[names.SHARE_RDZV_STORE_OFF] = "1"
+    if spec.nnodes > 1:
+        endpoint = spec.rdzv_endpoint
+        host, _ = split_endpoint(endpoint)
+        local_addr = spec.local_addr or route_addr(host)
+        rdzv_configs["join_timeout"] = max(1, int(spec.timeout_s))
+        if not is_loopback(host) and is_local(host):
+            # torch recognises its store host by hostname; an address on a secondary interface
+            # (or in a network namespace) is missed, and then no node would host the store.
+            rdzv_configs["is_host"] = True
+        if "local_addr" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+            extra["local_addr"] = local_addr
+        # gloo binds to whatever the hostname resolves to unless told, and NCCL's bootstrap
+        # may pick a docker or virtual bridge: use the interface that reaches the other nodes.
+        # (NCCL's data path over InfiniBand is chosen by NCCL itself and not affected.)
+        iface = interface_of(local_addr)
+        for var in names.SOCKET_IFNAMES:
+            if iface and var not in os.environ:
+                env[var] = iface
+    config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
+                        run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
+                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method=start,
+                        logs_specs=DefaultLogsSpecs(log_dir=log_dir), **extra)
+    return config, env

@@ -1,0 +1,70 @@
+"""Atomic file writes, shared by everything that writes (the run dir, snapshots, the imagefolder cache).
+
+    atomic_write(path, data)     # temporary file, fsync, rename, fsync of the directory
+
+A write that fails removes its temporary file and becomes a one-line :class:`RunDirError`
+(said in the user's terms by :func:`describe_io_error`); the old file, if any, is untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import shutil
+from pathlib import Path
+
+from .errors import RunDirError
+
+
+def describe_io_error(exc: OSError, path: Path, size: int | None = None) -> str:
+    """An OSError while writing ``path``, said in the user's terms."""
+    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        need = f"it needs {size / 2**20:.1f} MiB" if size is not None else "it needs more"
+        have = f", {free / 2**20:.1f} MiB are free there" if free is not None else ""
+        what = "no space left" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        return (f"{what} writing {path} ({need}{have}); free some space or point --run-dir elsewhere. "
+                f"The previous files are intact")
+    if exc.errno == errno.EROFS:
+        return f"cannot write {path}: the filesystem is read-only; point --run-dir at a writable place"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"cannot write {path}: permission denied; point --run-dir at a directory you can write"
+    return f"cannot write {path}: {exc.strerror or exc}"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename; on failure remove the
+    temporary file and raise a one-line RunDirError (the old ``path``, if any, is untouched)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)  # a partial file must not keep holding the space
+        except OSError:
+            pass
+        raise RunDirError(describe_io_error(exc, path, len(data))) from None
+
+
+def torch_bytes(obj) -> bytes:
+    """``obj`` as ``torch.save`` writes it."""
+    import torch  # here, not at the top: ``ddpkit plot`` writes files without loading torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

@@ -1,0 +1,199 @@
+"""Every check that can fail before launch, said once, in the launcher: config values, world size,
+batch divisibility, the loggers' packages, the dataset, one real batch through the model and the task,
+the run directory's state, and whether the node can hold the processes asked for.
+
+    cfg, spec, splits, task = preflight(config, splits, model, task_for, optimizer)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from .config import TrainConfig, parse_loggers
+from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
+from .data.batch import first_tensor
+from .data.loader import Preprocess
+from .data.materialize import materialize
+from .dist.context import cpu_cores, env
+from .dist.launcher import LaunchSpec
+from .errors import ConfigError, DataError, DdpkitError, RunDirError
+from .models import model_for
+from .run.checkpoint import check_weights_fit
+from .run.loggers import check_installed
+from .train.task import Classification, Task
+
+
+def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable,
+              optimizer: Any = None):
+    """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task)."""
+    cfg = config.resolved()
+    spec = LaunchSpec.from_config(cfg)
+    world = spec.world_size
+    if cfg.ddp is False and world > 1:
+        raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
+    if cfg.batch_size % world:
+        lo, hi = (cfg.batch_size // world) * world, (cfg.batch_size // world + 1) * world
+        near = " or ".join(str(v) for v in (lo, hi) if v > 0)
+        raise ConfigError(f"--batch-size {cfg.batch_size} (global) is not divisible by the world size {world}; "
+                          f"use {near}")
+    per_rank_batch = cfg.batch_size // world
+    if per_rank_batch % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the per-rank batch {per_rank_batch} "
+                          f"(--batch-size {cfg.batch_size} over {world} ranks)")
+    check_installed(parse_loggers(cfg.log))  # before the data loads: a missing package is a quick error
+    if isinstance(optimizer, torch.optim.Optimizer) and model is None:
+        raise ConfigError("an optimizer object needs the model it was built on: pass model=... too, or a factory "
+                          "optimizer=lambda model: ...")
+    if splits is None:
+        splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")
+    if splits.meta is None and model is None:
+        raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
+    if splits.test is None or len(splits.test) == 0:
+        raise DataError(f"the test set of {cfg.dataset} is empty: there is nothing to evaluate on. Give at least "
+                        f"one test sample (check --limit-test, or pass test_data)")
+    if len(splits.train) // world < per_rank_batch:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
+                          f"allow at world size {world}")
+    # Held in memory where it fits (once per node: the workers receive it through shared memory).
+    splits = materialize(splits, cfg, available_memory_bytes())
+    if cfg.data_path in ("device", "host") and not isinstance(splits.train, (ImageData, TensorData)):
+        raise ConfigError(f"--data-path {cfg.data_path} needs a dataset held in memory, and {cfg.dataset} is not "
+                          f"({splits.note}); use --data-path loader or auto")
+    task = task_for(cfg)
+    if model is None:
+        model = model_for(cfg, splits.meta)
+    if cfg.init_from:
+        check_weights_fit(model, cfg.init_from)
+    check_one_batch(model, splits, task, cfg)
+    if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
+        raise RunDirError(f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or "
+                          f"--resume auto to continue it")
+    check_processes(spec, splits, model)
+    return cfg, spec, splits, task
+
+
+def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> None:
+    """More processes than the node can hold: a warning past the core count (on CPU), an error
+    past the memory. Each spawned rank holds what this process holds now (torch, the data)
+    plus its model, gradients and optimizer state (about 4 copies of the weights)."""
+    if spec.in_process or spec.device_type != "cpu":
+        return
+    cores = cpu_cores()
+    if spec.nproc > cores:
+        print(f"ddpkit: warning: --nproc {spec.nproc} runs {spec.nproc} processes on {cores} core(s); each gets one "
+              f"thread and they take turns, which is slower than --nproc {cores}", file=sys.stderr)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    per_rank = rss_bytes() + 4 * weights
+    available = available_memory_bytes()
+    if available is not None and spec.nproc * per_rank > available:
+        raise ConfigError(f"--nproc {spec.nproc} needs about {spec.nproc * per_rank / 2**30:.1f} GiB ({spec.nproc} x "
+                          f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model), but "
+                          f"{available / 2**30:.1f} GiB are available; lower --nproc")
+
+
+def sample_batch(splits: DataSplits, n: int = 2) -> Any:
+    """A batch of the first ``n`` training samples, shaped as the training loop will see it, on the CPU."""
+    data = splits.train
+    if isinstance(data, ImageData):
+        x, y = data.images[:n], data.labels[:n]
+    else:
+        items = [data[i] for i in range(min(n, len(data)))]
+        batch = (splits.collate_fn or default_collate)(items)
+        if splits.meta is None:
+            return batch
+        x, y = batch
+    return Preprocess(splits.meta, torch.device("cpu"), False).eval(x), y
+
+
+def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig) -> None:
+    """Run the task on a real batch of two samples, in eval mode, before any worker starts.
+
+    A model that rejects the input shape, outputs that do not fit the task, or a metric that
+    breaks the contract are then one line, said once. Skipped for a model on a GPU (it would
+    need a GPU copy of the batch here, in the launcher).
+    """
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return
+    batch = sample_batch(splits)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            task.evaluate(model, batch)
+    except DdpkitError:
+        raise
+    except Exception as exc:
+        x = first_tensor(batch)
+        shape = list(x.shape) if x is not None else "?"
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        step = "model" if isinstance(task, Classification) else f"{task.identity} step with model"
+        raise ConfigError(f"{step} {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): "
+                          f"{type(exc).__name__}: {first}") from None
+    finally:
+        model.train(was_training)
+
+
+def infer_classes(data: Dataset | None) -> int | None:
+    """The class count an integer-labelled dataset needs at least: max label + 1, read from where
+    common datasets keep their labels (a TensorDataset's second tensor, ``.targets``)."""
+    labels = None
+    if isinstance(data, torch.utils.data.TensorDataset) and len(data.tensors) == 2:
+        labels = data.tensors[1]
+    elif hasattr(data, "targets"):
+        labels = torch.as_tensor(data.targets)
+    if labels is None or labels.is_floating_point() or labels.dim() != 1 or not len(labels):
+        return None
+    return int(labels.max()) + 1
+
+
+def infer_meta(data: Dataset | None) -> Meta | None:
+    """Meta for an in-memory ImageData passed without one: shape, class count, and channel statistics."""
+    if not isinstance(data, ImageData):
+        return None
+    x = data.images[:10000].float() / 255
+    dims = (0, 2, 3)
+    _, c, h, w = data.images.shape
+    return Meta(c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist()))
+
+
+def move_to_cpu(model: nn.Module | None) -> torch.device | None:
+    """Move a model that is on a GPU to the CPU, returning where it was (None if it was on the CPU).
+
+    Spawned workers receive the model pickled; CUDA tensors travel as CUDA IPC handles and
+    are rebuilt on the parent's GPU in every worker, opening a context there per rank
+    (and failing outright in EXCLUSIVE_PROCESS mode). Each worker moves its copy to its
+    own GPU anyway.
+    """
+    if model is None:
+        return None
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    home = next((d for d in devices if d.type != "cpu"), None)
+    if home is not None:
+        model.to("cpu")
+    return home
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where unknown)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable (Linux), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None

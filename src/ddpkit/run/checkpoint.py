@@ -1,0 +1,254 @@
+"""Snapshots: everything needed to continue a run exactly, written by global rank 0.
+
+    ckpt = Checkpointer(run_dir, ctx, cfg, keep=3)
+    state = ckpt.load_latest()          # every rank; None when there is nothing to resume
+    ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
+
+A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
+(model, optimizer, schedule, scaler, EMA, data position, metric accumulators), every
+rank's RNG states, the resolved config and its hash, and the ddpkit/torch versions. It
+is written to a temporary file, fsynced and renamed, so a kill during a save leaves
+the previous snapshot intact; a truncated or corrupt one is reported by name and the
+one before it is used.
+
+Snapshots are loaded onto the CPU whatever the training device: ``load_state_dict``
+copies each tensor to the device anyway, and the RNG states must be CPU tensors
+(``.numpy()`` raises on any other device). Per-rank state travels to rank 0 through
+``all_gather_object`` (pickle), which would rebuild a CUDA tensor on the *sender's* GPU
+index in every receiver; so it must hold CPU tensors and plain numbers only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import TrainConfig
+from ..dist.context import DistContext, on_rank0
+from ..errors import ConfigError, RunDirError
+from ..files import atomic_write, torch_bytes
+from ..version import __version__
+from .paths import RunFiles
+
+FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
+_NAME = re.compile(r"snapshot-(\d+)\.pt$")
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNGs as tensors and ints (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_pos": int(np_state[2]), "numpy_gauss": [int(np_state[3]), float(np_state[4])],
+             "python": [py_version, list(py_internal), py_gauss]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_gauss"][0], state["numpy_gauss"][1]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def check_host_only(tree, what: str) -> None:
+    """Raise unless every tensor in ``tree`` (dicts, lists, tuples) is on the CPU."""
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type != "cpu":
+            raise ValueError(f"{what} holds a tensor on {tree.device}; copy it to the CPU (or a float) first")
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            check_host_only(value, what)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            check_host_only(value, what)
+
+
+def weights_mismatch(mine: dict, theirs: dict) -> str:
+    """How ``theirs`` (a state dict) fails to fit ``mine``, name for name and shape for shape; "" if it fits."""
+    missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    shapes = sorted(k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape))
+    parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+             f"other shapes {shapes[:5]}" if shapes else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def read_weights(path: str | Path, what: str = "weights file") -> dict:
+    """Model weights from a model.pt (a plain state_dict) or a ddpkit snapshot, onto the CPU.
+
+    A ``module.`` prefix (a state_dict saved from a DDP wrapper) is dropped. ``what`` names the
+    file in errors (``--init-from``, ``model.pt``).
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise RunDirError(f"{what} {path}: no such file") from None
+    except Exception as exc:  # truncated zip, not a torch file, pickled code
+        raise RunDirError(f"{what} {path}: not a loadable weights file, truncated or damaged "
+                          f"({type(exc).__name__}: {_first_line(exc)})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("trainer"), dict) and "model" in obj["trainer"]:
+        obj = obj["trainer"]["model"]  # a snapshot
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise RunDirError(f"{what} {path}: expected a state_dict (name -> tensor), as model.pt holds")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def check_weights_fit(model: nn.Module, path: str | Path, what: str = "--init-from") -> None:
+    """The file's tensors must be the model's, name for name and shape for shape."""
+    problem = weights_mismatch(model.state_dict(), read_weights(path, what))
+    if problem:
+        raise ConfigError(f"{what} {path} does not fit the model: {problem}")
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str | Path, ctx: DistContext, cfg: TrainConfig, keep: int = 2, every_steps: int = 0):
+        self.dir = RunFiles(run_dir).checkpoints
+        self.ctx, self.cfg, self.keep, self.every_steps = ctx, cfg, max(1, keep), every_steps
+        self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
+
+    def snapshots(self) -> list[Path]:
+        """Snapshot files by name, newest first (``.tmp`` leftovers of killed saves are ignored)."""
+        found = [(int(m.group(1)), p) for p in self.dir.glob("snapshot-*.pt") if (m := _NAME.search(p.name))]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def maybe_save(self, global_step: int, state: Callable[[], dict], epoch_end: bool = False) -> Path | None:
+        """Save if a snapshot is due: at every epoch's end, and every ``--save-every-steps`` steps within
+        one. Call on every rank with the same arguments; ``state`` is called only when one is due."""
+        if not (epoch_end or (self.every_steps and global_step % self.every_steps == 0)):
+            return None
+        return self.save(state(), global_step)
+
+    def save(self, trainer_state: dict, global_step: int) -> Path:
+        """Call on every rank. Gathers per-rank state, then rank 0 writes; every rank learns whether it did."""
+        per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
+        check_host_only(per_rank, "per-rank snapshot state")
+        gathered = [None] * self.ctx.world_size
+        if self.ctx.world_size > 1:
+            dist.all_gather_object(gathered, per_rank)  # a collective: outside any rank-0 branch
+        else:
+            gathered = [per_rank]
+        path = self.dir / f"snapshot-{global_step:09d}.pt"
+
+        def write():
+            for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
+                stale.unlink(missing_ok=True)
+            snapshot = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
+                        "world_size": self.ctx.world_size,
+                        "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+                        "global_step": global_step, "trainer": trainer_state, "ranks": gathered}
+            atomic_write(path, torch_bytes(snapshot))
+            self.valid.add(path)
+            self._prune()
+
+        on_rank0(self.ctx, write)  # also the barrier: nobody moves on (or reads) before the file is complete
+        return path
+
+    def _prune(self) -> None:
+        """Delete what ``keep`` newer valid snapshots supersede. A file never validated (a stray or
+        damaged one) neither counts toward ``keep`` nor is deleted unless superseded."""
+        files = self.snapshots()
+        valid = [p for p in files if p in self.valid]
+        if len(valid) <= self.keep:
+            return
+        oldest_kept = _step(valid[self.keep - 1])
+        for p in files:
+            if _step(p) < oldest_kept:
+                p.unlink(missing_ok=True)
+                self.valid.discard(p)
+
+    def load_latest(self, fits=lambda snap: None, warn=print) -> dict | None:
+        """The newest snapshot for this config that loads and ``fits`` (a check that raises on a
+        snapshot this run cannot use: another model's weights, missing parts). Every rank calls
+        this and makes the same choice (checked with one all-reduce); rank 0 moves the ones it
+        skipped to ``checkpoints/corrupt/`` with one warning each. None: nothing to resume."""
+        chosen, skipped = None, []
+        for path in self.snapshots():
+            try:
+                snap = torch.load(path, map_location="cpu", weights_only=True)
+                _check_layout(snap)
+            except Exception as exc:  # truncated zip, bad pickle, wrong layout
+                skipped.append((path, f"corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
+            try:
+                fits(snap)
+            except Exception as exc:
+                skipped.append((path, f"does not fit this run ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            chosen = (path, snap)
+            break
+        step = _step(chosen[0]) if chosen else -1
+        self._agree_on(step)
+        if self.ctx.is_main:
+            for path, why in skipped:
+                warn(f"ddpkit: warning: snapshot {path} {why}; moved to {self.dir / 'corrupt'}, using the one before")
+                _move_aside(path, self.dir / "corrupt")
+        if chosen is None:
+            return None
+        self.valid.add(chosen[0])
+        return chosen[1]
+
+    def _agree_on(self, step: int) -> None:
+        """Every rank must resume from the same snapshot (a rank that could not read a file would not)."""
+        if self.ctx.world_size == 1:
+            return
+        lo = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MIN).item()
+        hi = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MAX).item()
+        if lo != hi:
+            raise RunDirError(f"ranks disagree on the newest readable snapshot in {self.dir} (steps {lo:.0f} and "
+                              f"{hi:.0f}): some rank cannot read a file the others can; check that every node sees "
+                              f"the same run directory")
+
+    def _check_compatible(self, snap: dict, path: Path) -> None:
+        if snap["format"] != FORMAT:
+            raise RunDirError(f"snapshot {path} was written by another ddpkit version (snapshot format "
+                              f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir")
+        if snap["config_hash"] != self.cfg.hash():
+            keys = self.cfg.differing_keys(snap["config"])
+            raise RunDirError(f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
+                              f"pass a new --run-dir to start a new run")
+        if snap["world_size"] != self.ctx.world_size:
+            raise RunDirError(f"snapshot {path} was made with world size {snap['world_size']}, this run has "
+                              f"{self.ctx.world_size}; resume with the same number of processes for an exact continuation")
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.search(path.name).group(1))
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _check_layout(snap) -> None:
+    """A snapshot's top level, as :meth:`Checkpointer.save` writes it."""
+    if not isinstance(snap, dict):
+        raise ValueError(f"not a snapshot (a {type(snap).__name__})")
+    if not isinstance(snap.get("format"), int):
+        raise ValueError("no snapshot format")
+    for key, kind in (("config", dict), ("config_hash", str), ("world_size", int), ("global_step", int),
+                      ("trainer", dict), ("ranks", list)):
+        if not isinstance(snap.get(key), kind):
+            raise ValueError(f"missing or malformed {key!r}")
+
+
+def _move_aside(path: Path, folder: Path) -> None:
+    try:
+        folder.mkdir(exist_ok=True)
+        os.replace(path, folder / path.name)
+    except OSError:  # read-only storage: leave it; it is skipped again next time
+        pass

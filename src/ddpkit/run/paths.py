@@ -1,0 +1,64 @@
+"""The files of a run directory, named once.
+
+    files = RunFiles(run_dir)
+    files.config, files.metrics, files.summary, files.model, files.checkpoints
+
+    RUN_DIR/config.toml      the resolved config (identical keys on resume, or the run is refused)
+    RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
+    RUN_DIR/summary.json     final figures
+    RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
+    RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable ones go to checkpoints/corrupt/
+    RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
+    RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
+    RUN_DIR/.fatal.json      an error a restart would only meet again, for restarted workers to report
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = ("config.toml", "metrics.jsonl", "summary.json", "model.pt",
+                                                       "checkpoints", "plots")
+# What ddpkit keeps in a run dir, each as a file or a directory; another kind of entry there is refused.
+EXPECTED = {CONFIG: "file", METRICS: "file", SUMMARY: "file", MODEL: "file", CHECKPOINTS: "directory"}
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def model(self) -> Path:
+        return self.root / MODEL
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def plots(self) -> Path:
+        return self.root / PLOTS
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
+
+    @property
+    def fatal(self) -> Path:
+        return self.root / ".fatal.json"

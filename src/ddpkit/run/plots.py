@@ -1,0 +1,159 @@
+"""Figures as PNG files (matplotlib, rendered off-screen).
+
+    training_plots(["runs/a", "runs/b"], "plots/")   # loss.png, <metric>.png, throughput.png
+    scaling_plot(bench_report, "bench/scaling.png")
+
+Styled to survive greyscale printing: runs, and measured against predicted series, differ in
+line style and marker, not only in colour.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import RunDirError
+from ..files import describe_io_error
+from .records import read_records
+
+# One style per run, told apart without colour: line style, marker, and a luminance spread
+RUN_STYLES = [("-", "o", "black"), ("--", "s", "tab:blue"), (":", "^", "tab:orange"), ("-.", "D", "tab:green"),
+              ((0, (5, 1, 1, 1)), "v", "tab:purple"), ((0, (1, 2)), "P", "tab:brown")]
+
+
+def read_run(run_dir: str | Path) -> dict:
+    """A run's curves from its metrics.jsonl: step records, epoch records, and a label naming the
+    run and its world size. A directory without records is a one-line error."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise RunDirError(f"{path} not found; is {run_dir} a ddpkit run directory?")
+    records = read_records(path)
+    steps = [r for r in records if r.get("event") == "step"]
+    if not steps:
+        raise RunDirError(f"{path} holds no training steps yet; nothing to plot")
+    world = next((r["world_size"] for r in reversed(records) if r.get("event") == "start"), None)
+    label = Path(run_dir).resolve().name + (f" (world {world})" if world else "")
+    return {"label": label, "steps": steps, "epochs": [r for r in records if r.get("event") == "epoch"]}
+
+
+def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
+    """loss.png (train per log interval, test per epoch), one PNG per other metric (accuracy, the
+    user's), and throughput.png, for one run or several overlaid. Returns the files written."""
+    runs = [read_run(d) for d in run_dirs]
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(describe_io_error(exc, out)) from None
+    metrics = list(dict.fromkeys(k for run in runs for r in run["steps"] for k in r
+                                 if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
+                                 and isinstance(r[k], (int, float))))
+    written = []
+    for metric in metrics:
+        pct = metric == "accuracy"
+        written.append(_curve_figure(runs, metric, out / f"{metric}.png", pct,
+                                     ylabel=f"{metric} (%)" if pct else metric))
+    written.append(_curve_figure(runs, "samples_per_s", out / "throughput.png", False, ylabel="samples/s",
+                                 test=False, title="Training throughput per log interval"))
+    return written
+
+
+def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True,
+                  title: str = "") -> Path:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    ax = fig.subplots()
+    scale = 100.0 if pct else 1.0
+    for run, (line, marker, colour) in zip(runs, RUN_STYLES * 4):
+        who = f"{run['label']}: " if len(runs) > 1 else ""
+        pts = [(r["step"], r[metric]) for r in run["steps"] if r.get(metric) is not None]
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=1.6,
+                    marker=marker if len(pts) <= 30 else None, ms=4,
+                    label=f"{who}train (per log interval)" if test else who[:-2] or None)
+        ends = [(r["step"], r[f"test_{metric}"]) for r in run["epochs"]
+                if test and r.get("step") is not None and r.get(f"test_{metric}") is not None]
+        if ends:
+            x, y = zip(*ends)
+            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=0.8, marker=marker, ms=8,
+                    markerfacecolor="white", markeredgewidth=1.8, label=f"{who}test (epoch end)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 14, 14, 15, 15 ticks
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    if metric == "samples_per_s":
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    elif metric == "loss" and _spread(ax) > 30:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=9)
+    names = runs[0]["label"] if len(runs) == 1 else f"{len(runs)} runs"
+    ax.set_title(f"{title or ylabel.split(' (')[0].capitalize()}: {names}", fontsize=11)
+    fig.tight_layout()
+    if path.exists() and path.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        raise RunDirError(f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: "
+                          f"choose another --out")
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise RunDirError(describe_io_error(exc, path)) from None
+    return path
+
+
+def _spread(ax) -> float:
+    """max / min of the positive values plotted: a loss falling 30-fold reads better on a log scale."""
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
+    return max(ys) / min(ys) if ys else 1.0
+
+
+def scaling_plot(rep: dict, path: str | Path) -> Path:
+    """Throughput and scaling efficiency against world size: measured (solid, circles) and
+    predicted by the cost model (dashed, squares; one series per fabric)."""
+    # A bare Figure renders with Agg on any machine, and leaves pyplot's backend (the caller's) alone.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    c = rep["config"]
+    fig = Figure(figsize=(10, 4.2), dpi=120)
+    ax1, ax2 = fig.subplots(1, 2)
+    worlds = [r["world_size"] for r in rep["rows"]]
+    if worlds:
+        ax1.plot(worlds, [r["samples_per_s"] for r in rep["rows"]], "o-", color="black", label="measured", lw=2)
+        ax2.plot(worlds, [100 * r["efficiency"] for r in rep["rows"]], "o-", color="black", label="measured", lw=2)
+    styles = [("s--", "tab:blue"), ("^:", "tab:orange"), ("D-.", "tab:green")]
+    for (name, preds), (style, colour) in zip(rep["predictions"].items(), styles):
+        w = [p["world"] for p in preds]
+        label = f"predicted: {name}" + (", cores shared" if name.startswith("measured") else
+                                        f" (world-1 step {rep['gpu_step_s'] * 1e3:.2g} ms)" if rep.get("gpu_step_s") else "")
+        ax1.plot(w, [p["samples_per_s"] for p in preds], style, color=colour, label=label)
+        ax2.plot(w, [100 * p["efficiency"] for p in preds], style, color=colour, label=label)
+    all_worlds = sorted({*worlds, *(p["world"] for preds in rep["predictions"].values() for p in preds)})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_worlds)
+        ax.set_xticklabels([str(w) for w in all_worlds])
+        ax.set_xlabel("world size (processes)")
+        ax.grid(True, alpha=0.3)
+    rates = [line_y for line in ax1.get_lines() for line_y in line.get_ydata()]
+    wide = max(rates) / max(min(rates), 1e-9) > 20  # a GPU prediction beside CPU figures: log scale
+    if wide:
+        ax1.set_yscale("log")
+        ax1.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    else:
+        ax1.set_ylim(0, 1.1 * max(rates))
+    ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax1.set_ylabel("throughput (samples/s" + (", log scale)" if wide else ")"))
+    ax1.set_title("Throughput")
+    ax2.set_ylabel("scaling efficiency (%)")
+    ax2.set_ylim(0, 110)
+    ax2.axhline(100, color="grey", lw=0.8)
+    ax2.set_title("Efficiency = speedup / world size")
+    ax2.legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"ddpkit bench: {c['model']} on {c['dataset']} ({c['device']}, {c['scaling']} scaling)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)

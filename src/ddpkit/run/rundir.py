@@ -1,0 +1,232 @@
+"""The run directory: who may write it, whether a run may use it, and how nothing in it gets lost.
+
+Its files are named in :mod:`ddpkit.run.paths`. Every writer here is called on all ranks and writes
+only on global rank 0, atomically (:func:`ddpkit.files.atomic_write`); :func:`ddpkit.dist.context.on_rank0`
+tells every rank whether the write worked, so no rank is left waiting for one that stopped. Before
+launch, :func:`check_run_dir` refuses a run dir that cannot be used as asked, and one process at a
+time owns a run dir (:func:`owning_run_dir` in the launcher, :func:`rank0_owns` under torchrun or
+across nodes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from torch import nn
+
+from ..config import TrainConfig
+from ..data.types import Meta
+from ..dist import env
+from ..dist.context import DistContext, agree, on_rank0
+from ..dist.launcher import LaunchSpec
+from ..errors import ConfigError, DdpkitError, RunDirError
+from ..files import atomic_write, describe_io_error, torch_bytes
+from ..models import model_for
+from .checkpoint import check_weights_fit, read_weights
+from .paths import EXPECTED, RunFiles
+
+
+# ---------------------------------------------------------------------- before launch
+def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
+    """The config of a finished run whose model the CLI can rebuild (``ddpkit eval``, ``show-data
+    --predictions``); else one line. ``from_python``: what to do instead for a run trained from Python."""
+    run_dir, files = Path(run_dir), RunFiles(run_dir)
+    for path in (files.config, files.model):
+        if not path.exists():
+            raise RunDirError(f"{path} not found; is {run_dir} a finished ddpkit run?")
+    cfg = TrainConfig.from_toml(files.config)
+    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
+              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
+    if custom:
+        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
+                          f"{from_python}")
+    return cfg
+
+
+def check_run_dir(cfg: TrainConfig) -> dict | None:
+    """Refuse a run dir that cannot be used as asked; return its summary if that run already finished.
+
+    Checked before any worker starts: the layout (each entry a file or a directory as ddpkit
+    writes it), that it can be written, that it holds the same config. A finished run whose
+    summary.json is unreadable is not "finished": it resumes from its last snapshot, which
+    writes model.pt and summary.json again.
+    """
+    run_dir, files = Path(cfg.run_dir), RunFiles(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} exists and is not a directory")
+    for name, kind in EXPECTED.items():
+        entry = run_dir / name
+        if entry.exists() and (entry.is_dir() != (kind == "directory")):
+            raise RunDirError(f"{entry} is a {'directory' if entry.is_dir() else 'file'}, where ddpkit keeps its "
+                              f"{name} {kind}; move it away, or pass another --run-dir")
+    check_writable(run_dir)
+    if not files.config.exists():
+        return None
+    try:
+        saved = TrainConfig.from_toml(files.config).to_dict()
+    except ConfigError as exc:
+        raise RunDirError(f"{run_dir} holds a config.toml ddpkit cannot read ({exc}); pass a new --run-dir") from None
+    differing = cfg.differing_keys(saved)
+    trained = files.model.exists() or list(files.checkpoints.glob("snapshot-*.pt"))
+    if differing and trained:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in differing)
+        raise RunDirError(f"run dir {run_dir} holds a run with a different config ({detail}); "
+                          f"pass a new --run-dir, or delete {run_dir} to start over")
+    if differing:  # an attempt that failed before its first snapshot: nothing trained to lose
+        print(f"ddpkit: {run_dir} holds an earlier attempt that saved nothing (config differs in "
+              f"{', '.join(differing)}); starting over in it")
+        return None
+    summary = files.summary
+    if not (summary.exists() and files.model.exists()):
+        return None
+    try:
+        return json.loads(summary.read_text())
+    except (OSError, ValueError):
+        if list(files.checkpoints.glob("snapshot-*.pt")):
+            return None  # resume from the final snapshot: it rewrites summary.json and model.pt
+        raise RunDirError(f"{summary} is unreadable (truncated?) and {run_dir} holds no snapshot to rebuild it "
+                          f"from; model.pt is intact. Evaluate it with `ddpkit eval {run_dir}`") from None
+
+
+def check_writable(run_dir: Path) -> None:
+    """Write and remove a probe file in ``run_dir`` (or the nearest existing parent it will be made in)."""
+    where = run_dir
+    while not where.exists():
+        where = where.parent
+    probe = where / f".ddpkit-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(describe_io_error(exc, run_dir)) from None
+
+
+# ---------------------------------------------------------------------- one run at a time
+@contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``RUN_DIR/.lock`` for the block; a second run gets a one-line
+    error naming the holder. ``flock`` is released by the kernel when the holder dies, however
+    it dies, so a killed run never leaves a stale lock. On NFS, Linux emulates flock with
+    POSIX locks, which hold across nodes when the server supports locking (NFSv4, or NLM)."""
+    path = RunFiles(run_dir).lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise RunDirError(f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop "
+                              f"it, or pass another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race a waiting run)
+
+
+# ---------------------------------------------------------------------- who owns the run dir
+@contextmanager
+def owning_run_dir(cfg: TrainConfig, spec: LaunchSpec) -> Iterator[bool]:
+    """On one node, the launcher holds the run dir's lock for the whole job, its workers (which
+    die with it) included. Across nodes or under torchrun no launcher sees the whole job, and
+    global rank 0 holds it instead (:func:`rank0_owns`)."""
+    if env.under_launcher() or spec.nnodes > 1:
+        yield False
+        return
+    with run_lock(cfg.run_dir):
+        RunFiles(cfg.run_dir).fatal.unlink(missing_ok=True)  # a new launch: forget the last one's fatal error
+        os.environ[env.RUN_LOCKED] = str(Path(cfg.run_dir).resolve())
+        try:
+            yield True
+        finally:
+            os.environ.pop(env.RUN_LOCKED, None)
+
+
+def record_teardown(cfg: TrainConfig, summary: dict) -> dict:
+    """Add ``teardown_s`` to summary.json: from rank 0 writing it to this launcher regaining control
+    (process-group teardown, the agent's exit barrier, joining the workers). Written by the launcher,
+    which holds the run dir's lock; the workers are gone."""
+    if summary.get("finished_at") is None:
+        return summary
+    summary = {**summary, "teardown_s": round(time.time() - summary["finished_at"], 3)}
+    atomic_write(RunFiles(cfg.run_dir).summary, summary_bytes(summary))
+    return summary
+
+
+@contextmanager
+def rank0_owns(cfg: TrainConfig, ctx: DistContext) -> Iterator[None]:
+    """Global rank 0 takes the lock when no launcher holds it; every rank learns whether it could."""
+    held = os.environ.get(env.RUN_LOCKED) == str(Path(cfg.run_dir).resolve())
+    with ExitStack() as stack:
+        error = None
+        if ctx.is_main and not held:
+            try:
+                stack.enter_context(run_lock(cfg.run_dir))
+                if env.restart_count() == 0:
+                    RunFiles(cfg.run_dir).fatal.unlink(missing_ok=True)
+            except (RunDirError, OSError) as exc:
+                error = exc if isinstance(exc, RunDirError) else RunDirError(f"cannot lock {cfg.run_dir}: {exc}")
+        agree(ctx, error)
+        yield
+
+
+# ---------------------------------------------------------------------- no restarts into deterministic errors
+def record_fatal(run_dir: str | Path, exc: DdpkitError) -> bool:
+    """Note an error a restart would only meet again (bad data, a task mismatch), for the restarted
+    workers to report instead of training into it. Returns whether it was written."""
+    try:
+        atomic_write(RunFiles(run_dir).fatal, json.dumps({"message": str(exc), "exit_code": exc.exit_code}).encode())
+        return True
+    except RunDirError:
+        return False
+
+
+def read_fatal(run_dir: str | Path) -> dict | None:
+    try:
+        return json.loads(RunFiles(run_dir).fatal.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------- writers
+def write_config(cfg: TrainConfig, ctx: DistContext) -> None:
+    on_rank0(ctx, lambda: atomic_write(RunFiles(cfg.run_dir).config, cfg.to_toml().encode()))
+
+
+def summary_bytes(summary: dict) -> bytes:
+    return (json.dumps(summary, indent=2) + "\n").encode()
+
+
+def write_summary(run_dir: Path, summary: dict, ctx: DistContext) -> None:
+    on_rank0(ctx, lambda: atomic_write(RunFiles(run_dir).summary, summary_bytes(summary)))
+
+
+def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
+    """The unwrapped model's weights, loadable with plain ``model.load_state_dict``."""
+    def write():
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        atomic_write(RunFiles(run_dir).model, torch_bytes(state))
+
+    on_rank0(ctx, write)
+
+
+# ---------------------------------------------------------------------- a finished run's model
+def load_trained_model(cfg: TrainConfig, meta: Meta, run_dir: str | Path) -> nn.Module:
+    """The registry model of a finished CLI run with its model.pt loaded, on the CPU (``ddpkit eval``,
+    ``show-data --predictions``); a model.pt that does not fit the config is a one-line error."""
+    path = RunFiles(run_dir).model
+    model = model_for(cfg, meta)
+    check_weights_fit(model, path, "model.pt")
+    if cfg.dtype == "float64":
+        model.double()  # before loading: float64 weights would be rounded into float32 ones
+    model.load_state_dict(read_weights(path, "model.pt"))
+    return model

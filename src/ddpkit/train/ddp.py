@@ -1,0 +1,86 @@
+"""The DDP wrap: the model placed, converted and wrapped as the config asks, in one function.
+
+    raw, ddp, model = wrap(model, cfg, ctx, static_graph=True)
+    # raw: the module itself (its state_dict is what model.pt holds); ddp: the DDP wrapper or None;
+    # model: what the loop calls (ddp or raw, compiled with --compile)
+
+Order matters: dtype, then SyncBatchNorm (before the wrap, so DDP sees the final modules), then
+channels-last, then DDP (with a communication hook), then torch.compile around the whole.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..config import TrainConfig
+from ..dist.context import DistContext
+from ..models import to_channels_last, uses_conv
+from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
+
+# DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
+SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+    else "broadcast_buffers"
+
+
+def wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool
+         ) -> tuple[nn.Module, DDP | None, nn.Module]:
+    """``(raw, ddp, wrapped)``: see the module docstring. ``static_graph``: every parameter is used in
+    every step (the registry models), so DDP may record the first iteration's graph."""
+    raw = model.to(ctx.device)
+    if cfg.dtype == "float64":  # float32 (the default) leaves a user's own float64 model as it is
+        raw = raw.double()
+    if cfg.sync_bn:
+        raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
+    if cfg.channels_last and uses_conv(raw):
+        raw = to_channels_last(raw, ctx.device.type)
+    ddp = None
+    # At world size 1 there is nothing to all-reduce, and the wrapper's per-step work (hooks,
+    # bucket copies, buffer broadcasts) took 20-37% of the MNIST ConvNet's step on an H100
+    # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
+    if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
+        sync_buffers = not only_batchnorm_buffers(raw)
+        ddp = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+                  gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
+                  **{SYNC_BUFFERS: sync_buffers},
+                  static_graph=static_graph)
+        if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
+            for buf in raw.buffers():
+                ctx.broadcast(buf)
+        register_comm_hook(ddp, cfg.comm_hook)
+    wrapped = ddp or raw
+    if cfg.compile:
+        wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
+    return raw, ddp, wrapped
+
+
+def register_comm_hook(ddp: DDP, name: str) -> None:
+    """``--comm-hook``: all-reduce gradients as bf16/fp16 (cast back after), or PowerSGD rank-1.
+
+    PowerSGD all-reduces plainly for its first 10 steps, then compresses each gradient matrix
+    to rank 1 with error feedback; that feedback state lives in the hook and is not part of
+    snapshots, so a resumed PowerSGD run restarts it (not bitwise-exact).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "none":
+        return
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return
+    ddp.register_comm_hook(None, {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[name])
+
+
+def ddp_timers(ddp: DDP | None) -> dict | None:
+    """DDP's own averages (ns) of forward, backward compute, backward comm and their overlap, where the
+    installed torch exposes them (``_get_ddp_logging_data``, a private API; sampled every 100 iterations)."""
+    try:
+        data = ddp._get_ddp_logging_data() if ddp is not None else {}
+    except Exception:  # a private API: gone or changed in this torch
+        return None
+    timers = {k: int(v) for k, v in data.items() if k.startswith("avg_") and str(v).lstrip("-").isdigit()}
+    return timers or None

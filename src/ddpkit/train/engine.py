@@ -1,0 +1,429 @@
+"""One rank's training run: the loop, and the only training loop in ddpkit.
+
+    with distributed(cfg.device, cfg.timeout_s) as ctx:
+        summary = Engine(cfg, ctx, model, splits, task).fit()
+
+The loop knows nothing of image classification: it asks ``task`` for the loss and the
+metrics (see :mod:`ddpkit.train.task`). The step (:meth:`Engine._step`) is free of host syncs:
+no ``.item()``, no print, no host copy. Metrics accumulate on the device and are
+all-reduced every ``--log-every`` steps. The checkpointer, the logger and the run-dir
+writers are called on every rank and decide themselves that only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig, parse_loggers
+from ..data import DataSplits, ImageData
+from ..data.loader import EvalSource, Preprocess, make_train_source
+from ..dist.context import DistContext, on_rank0
+from ..errors import NonFiniteLoss, RunDirError, Stopped
+from ..run.checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
+from ..run.display import summary_fields
+from ..run.paths import RunFiles
+from ..run.plots import training_plots
+from ..run.recorder import MetricLogger
+from ..run.rundir import write_config, write_model, write_summary
+from .ddp import ddp_timers, wrap
+from .evaluate import evaluate
+from .metrics import Accumulator, means, peak_memory_mb
+from .optim import (
+    EMA,
+    autocast,
+    build_optimizer,
+    build_scaler,
+    build_schedule,
+    optimizer_state,
+    user_optimizer,
+    user_schedule,
+)
+from .signals import StopSignal
+from .task import Task
+
+
+def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
+    """This rank's train and eval batch sources (the engine's, and what ``ddpkit check`` counts)."""
+    per_rank_batch = cfg.batch_size // ctx.world_size
+    train_src = make_train_source(splits, cfg, ctx, per_rank_batch // cfg.grad_accum, group=cfg.grad_accum)
+    test = splits.test
+    if getattr(train_src, "on_device", False) and isinstance(test, ImageData):
+        test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
+    eval_src = EvalSource(test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, max(256, per_rank_batch),
+                          splits.collate_fn)
+    return train_src, eval_src
+
+
+@dataclass
+class Position:
+    """Where the run is; saved in every snapshot as ``position``."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps done in this epoch
+    global_step: int = 0  # optimizer steps done in all
+
+
+@dataclass
+class Timing:
+    """Time spent so far (s); saved in every snapshot as ``timing``."""
+
+    train_time_s: float = 0.0  # training steps only: no eval, snapshots or compilation
+    compile_time_s: float = 0.0  # the first step of a compiled run
+    epoch_elapsed_s: float = 0.0  # time already spent in the current epoch before a resume
+
+
+class Engine:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, model: nn.Module, splits: DataSplits, task: Task,
+                 optimizer=None, scheduler=None, static_graph: bool = False, t0: float | None = None):
+        self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
+        self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
+        self.accum = cfg.grad_accum
+        self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
+        self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
+        # Optimizer steps per epoch; with --join this rank may run fewer, and catches up after the Join.
+        self.steps_per_epoch = getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
+        self.data_note = splits.note
+        if cfg.init_from:
+            model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
+        # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
+        self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static_graph and self.accum == 1 and cfg.grad_sync)
+        torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
+        self.opt = user_optimizer(optimizer, self.raw) if optimizer is not None else \
+            build_optimizer(self.raw, cfg, ctx.device, zero=cfg.zero)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.sched = user_schedule(scheduler, self.opt, self.total_steps) if scheduler is not None else \
+            build_schedule(self.opt, cfg, self.total_steps)
+        self.scaler = build_scaler(cfg, ctx.device)
+        self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
+        self.autocast = autocast(cfg, ctx.device)
+        extra = ("grad_norm",) if cfg.clip_grad_norm else ()  # per optimizer step, count 1
+        self.acc = Accumulator(task.names + extra, ctx.device)
+        self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
+        self._no_norm = [(0.0, 0.0)] * len(extra)
+        self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots, every_steps=cfg.save_every_steps)
+        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress, cfg.quiet,
+                                loggers=parse_loggers(cfg.log), config=cfg.to_dict(), metric_names=task.names)
+        self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
+        self._epoch_t0 = 0.0
+        self.final_train: dict = {}
+        self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
+        self._last_eval: tuple | None = None  # (global step, result, local sums) of the newest evaluation
+        self._stop = StopSignal()
+        self._nan_warned = False
+
+    # ------------------------------------------------------------------ state
+    def _stateful(self) -> dict:
+        """The components that save and load their own state, by their key in the snapshot."""
+        return {"model": self.raw, "optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler,
+                "ema": self.ema}
+
+    def state_dict(self) -> dict:
+        state = {key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer"
+                 else part.state_dict() for key, part in self._stateful().items()}
+        elapsed = time.perf_counter() - self._epoch_t0 if self.pos.step_in_epoch else 0.0
+        return {**state, "position": dataclasses.asdict(self.pos),
+                "timing": dataclasses.asdict(dataclasses.replace(self.timing, epoch_elapsed_s=elapsed)),
+                "final_train": self.final_train,
+                # Plain floats: this travels through all_gather_object, which would rebuild a
+                # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
+                "rank_state": {"acc": self.acc.state()}}
+
+    def load_state_dict(self, snap: dict) -> None:
+        state = snap["trainer"]
+        for key, part in self._stateful().items():
+            if part is not None:
+                part.load_state_dict(state[key])
+        self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
+        self.final_train = state["final_train"]
+        mine = snap["ranks"][self.ctx.rank]
+        self.acc.load(mine["rank_state"]["acc"])
+        set_rng_state(mine["rng"], self.ctx.device)
+
+    # ------------------------------------------------------------------ loop
+    def _fits(self, snap: dict) -> None:
+        """Raise unless ``snap`` can be loaded into this run as it is: checked before anything is
+        changed, so a damaged or foreign snapshot is skipped for the one before it."""
+        state = snap["trainer"]
+        problem = weights_mismatch(self.raw.state_dict(), state["model"])
+        if problem:
+            raise ValueError(f"its model weights are not this model's: {problem}")
+        groups = state["optimizer"]["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.opt.param_groups]:
+            raise ValueError("its optimizer state is for other parameters")
+        for key in ("scheduler", "scaler", "position", "timing", "final_train"):
+            if key not in state:
+                raise ValueError(f"it has no {key!r}")
+        if self.ema and set(state["ema"] or {}) != set(self.ema.state_dict()):
+            raise ValueError("its EMA weights are not this model's")
+        ranks = snap["ranks"]
+        if len(ranks) != self.ctx.world_size or any(len(r["rank_state"]["acc"]) != 2 * len(self.acc.names)
+                                                    for r in ranks):
+            raise ValueError("its per-rank state does not match this run's ranks and metrics")
+
+    def fit(self) -> dict:
+        ok = False
+        try:  # from here the --log loggers may be open and the bar running: both are closed however it ends
+            snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
+            if snap is not None:
+                self.load_state_dict(snap)
+            # The steps after the snapshot (all of them, when starting over) run again: drop their records.
+            on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
+            write_config(self.cfg, self.ctx)
+            self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
+                         device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
+                         task=self.task.identity,
+                         steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
+                         grad_accum=self.accum, resumed_at_step=self.pos.global_step if snap else None)
+            with self._stop:
+                while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
+                    self._run_epoch()
+            summary = self._finish()
+            ok = True
+            return summary
+        finally:
+            self.log.close(ok)
+
+    def _run_epoch(self) -> None:
+        cfg = self.cfg
+        self.model.train()
+        # After a mid-epoch resume the restored accumulator already holds the epoch's earlier
+        # samples; the first interval must count only new ones. (Same condition on every rank.)
+        totals = self._sync()[0] if self.pos.step_in_epoch else [0.0] * (2 * len(self.acc.names))
+        self._epoch_t0 = time.perf_counter() - self.timing.epoch_elapsed_s
+        self._interval_start(time.perf_counter(), totals)
+        micro = self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
+        with self._join():
+            for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
+                if self._first_step_at is None:
+                    self._first_step_at = time.time()
+                if cfg.compile and self.pos.global_step == 0:
+                    self._compile_step(group)
+                    self._epoch_t0 += self.timing.compile_time_s
+                    self._interval_start(time.perf_counter(), totals)
+                else:
+                    self._step(group)
+                self.pos.step_in_epoch += 1
+                self.pos.global_step += 1
+                self.log.progress(self.pos.global_step)  # the bar, if any, moves every step
+                if cfg.join:
+                    continue  # ranks run different step counts: no collective of ours until all have joined
+                last = self.pos.step_in_epoch == self.steps_per_epoch or self.pos.global_step == self.total_steps  # --max-steps
+                if self.pos.step_in_epoch % cfg.log_every == 0 or last:
+                    self._log_interval()
+                if last:
+                    break
+                self.ckpt.maybe_save(self.pos.global_step, self._checked_state)  # the epoch's last: after eval
+        if cfg.join:
+            self._rejoin()
+        # The epoch's last step always logs, and that all-reduce synced the device: reuse its totals.
+        epoch_time = time.perf_counter() - self._epoch_t0
+        self.timing.epoch_elapsed_s = 0.0
+        self.timing.train_time_s += epoch_time
+        self._end_epoch(self.acc.means(self._totals_last, "train_"), epoch_time,
+                        self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size)
+
+    def _join(self):
+        """``--join``: DDP's (and ZeRO's) Join, under which a rank out of batches keeps answering the
+        others' gradient all-reduces with zeros until every rank is out."""
+        if not self.cfg.join or self.ddp is None:
+            return nullcontext()
+        from torch.distributed.algorithms.join import Join
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return Join([self.ddp, *([self.opt] if isinstance(self.opt, ZeroRedundancyOptimizer) else [])])
+
+    def _rejoin(self) -> None:
+        """After an uneven epoch, make the ranks alike again: the Join gave every rank the last
+        joiner's weights, but a rank that ran fewer steps skipped their schedule steps and
+        optimizer updates. It steps its schedule up to rank 0's count (rank 0 always has the most
+        batches) and takes rank 0's optimizer state; then the epoch's one log interval."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        missing = self.steps_per_epoch - self.pos.step_in_epoch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
+            for _ in range(missing):
+                self.sched.step()
+        self.pos.step_in_epoch += missing
+        self.pos.global_step += missing
+        if not isinstance(self.opt, ZeroRedundancyOptimizer):  # ZeRO's own join hook keeps its shards
+            for group in self.opt.param_groups:
+                for p in group["params"]:
+                    state = self.opt.state.get(p, {})
+                    for key in sorted(state):
+                        if torch.is_tensor(state[key]):
+                            on_device = state[key].to(self.ctx.device)  # e.g. Adam's step count lives on the CPU
+                            self.ctx.broadcast(on_device)
+                            state[key].copy_(on_device)
+        self._log_interval()
+
+    def _step(self, micro: tuple) -> None:
+        """One optimisation step over ``grad_accum`` micro-batches. Hot path: no host sync of any kind."""
+        self.opt.zero_grad(set_to_none=True)
+        k = len(micro)
+        for i, batch in enumerate(micro):
+            # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads
+            # (unless grad_sync is off: ddpkit bench's compute-only timing).
+            skip = self.ddp is not None and (i < k - 1 or not self.cfg.grad_sync)
+            with self.ddp.no_sync() if skip else nullcontext():
+                with self.autocast:
+                    loss, outputs = self.task.loss(self.model, batch)
+                self.scaler.scale(loss / k if k > 1 else loss).backward()
+            self.acc.add(self.task.measure(loss, outputs, batch) + self._no_norm)
+        if self.cfg.clip_grad_norm:
+            self.scaler.unscale_(self.opt)  # clip the true gradients, not the fp16-scaled ones
+            norm = nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.clip_grad_norm, foreach=True)
+            self.acc.add(self._no_metrics + [(norm, 1)])
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        if self.ema is not None:
+            self.ema.update(self.raw)
+
+    def _compile_step(self, micro: tuple) -> None:
+        """The first step of a compiled run, timed apart: it includes compilation."""
+        t = time.perf_counter()
+        self._step(micro)
+        self._sync()
+        self.timing.compile_time_s = time.perf_counter() - t
+
+    def _interval_start(self, now: float, totals: list[float]) -> None:
+        self._t_last, self._step_last, self._totals_last = now, self.pos.step_in_epoch, totals
+
+    def _sync(self, check_weights: bool = False) -> tuple[list[float], bool, bool]:
+        """One all-reduce and host copy, at log intervals and snapshots only: this epoch's metric
+        totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
+        rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
+        flags = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        flags[0] = float(self._stop.received is not None)
+        flags[2] = float(self.log.error is not None)  # rank 0 could not append to metrics.jsonl
+        if check_weights:
+            flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
+        values = self.ctx.all_reduce(torch.cat([self.acc.local(), flags])).tolist()
+        if values[-1] > 0:  # every rank stops together; rank 0's error carries the reason
+            raise self.log.error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the "
+                                                "one printed)")
+        return values[:-3], values[-3] > 0, values[-2] > 0
+
+    def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
+        """``--on-nan``: stop (same decision on every rank: the inputs are all-reduced), or warn once."""
+        if math.isfinite(loss_sum) and not bad_weights:
+            return
+        what = "the weights" if bad_weights else "the training loss"
+        msg = f"{what} became NaN or Inf by step {self.pos.global_step} (epoch {self.pos.epoch})"
+        if self.cfg.on_nan == "warn":
+            if not self._nan_warned:
+                self.log.print(f"ddpkit: warning: {msg}; training on (--on-nan warn)")
+                self._nan_warned = True
+            return
+        last = self.ckpt.snapshots()
+        self.log.log("stopped", reason="non-finite", step=self.pos.global_step)
+        raise NonFiniteLoss(f"{msg}. Stopped without saving it: the last good snapshot is "
+                            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
+                            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless.")
+
+    def _checked_state(self) -> dict:
+        """The state to snapshot, after checking (on every rank: a collective) there is nothing non-finite in it."""
+        totals, _, bad = self._sync(check_weights=True)
+        self._check_finite(totals[0], bad)
+        return self.state_dict()
+
+    def _log_interval(self) -> None:
+        totals, stop, _ = self._sync()
+        now = time.perf_counter()
+        interval = [a - b for a, b in zip(totals, self._totals_last)]
+        n = (self.pos.step_in_epoch - self._step_last) * self.per_rank_batch * self.ctx.world_size
+        means = self.acc.means(interval)
+        rate = n / max(1e-9, now - self._t_last)
+        self.log.log("step", epoch=self.pos.epoch, step=self.pos.global_step, **means, lr=self.sched.get_last_lr()[0],
+                     samples_per_s=rate)
+        self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
+        self._interval_start(now, totals)
+        self._check_finite(totals[0])
+        if stop:
+            path = self.ckpt.save(self._checked_state(), self.pos.global_step)
+            name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
+            self.log.log("stopped", reason="signal", signal=name, step=self.pos.global_step)
+            raise Stopped(f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; "
+                          f"run the same command again to resume from it", name)
+
+    def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
+        result, local = self._evaluate()
+        self._last_eval = (self.pos.global_step, result, local)
+        self.log.log("epoch", epoch=self.pos.epoch, step=self.pos.global_step, **train, **result, epoch_time_s=epoch_time,
+                     samples_per_s=seen / max(1e-9, epoch_time), peak_memory_mb=peak_memory_mb(self.ctx))
+        self.final_train = train
+        self._train_local = self.acc.local()
+        self.pos.epoch += 1
+        self.pos.step_in_epoch = 0
+        self.acc.reset()
+        self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
+
+    def _evaluate(self) -> tuple[dict, torch.Tensor]:
+        model = self.ema.module if self.ema is not None else self.raw
+        # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
+        # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
+        # what model.pt (rank 0's) will hold.
+        for buf in model.buffers():
+            self.ctx.broadcast(buf)
+        return evaluate(model, self.eval_src, self.task, self.cfg, self.ctx)
+
+    def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
+        """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
+        k = len(self.acc.names)
+        train_local = self._train_local if self._train_local is not None else torch.full((2 * k,), math.nan,
+                                                                                          dtype=torch.float64,
+                                                                                          device=self.ctx.device)
+        rows = self.ctx.all_gather(torch.cat([train_local, test_local])).tolist()
+        test_names = self.task.names
+        out = []
+        for rank, row in enumerate(rows):
+            train, test = row[:2 * k], row[2 * k:]
+            out.append({"rank": rank, **self.acc.means(train, "train_"), **means(test_names, test[:-1], "test_"),
+                        "test_samples": int(test[-1])})
+        return out
+
+    def _finish(self) -> dict:
+        cfg, ctx = self.cfg, self.ctx
+        if self._last_eval is not None and self._last_eval[0] == self.pos.global_step:
+            _, result, test_local = self._last_eval  # the weights have not changed since the last epoch's
+        else:
+            result, test_local = self._evaluate()
+        per_rank = self._per_rank(test_local)
+        model = self.ema.module if self.ema is not None else self.raw
+        write_model(cfg.run_dir, model, ctx)
+        summary = {"world_size": ctx.world_size, "backend": ctx.backend, "device_type": ctx.device.type,
+                   "dataset": cfg.dataset, "model": cfg.model, "task": self.task.identity, "recipe": cfg.recipe,
+                   "epochs": cfg.epochs, "global_batch_size": self.per_rank_batch * ctx.world_size,
+                   "grad_accum": self.accum, "steps": self.pos.global_step, "data_path": self.train_src.path,
+                   "train_time_s": round(self.timing.train_time_s, 4), "compile_time_s": round(self.timing.compile_time_s, 4),
+                   "samples_per_s": self.pos.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.timing.train_time_s),
+                   **{f"final_{k}": v for k, v in self.final_train.items()}, **result,
+                   "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
+                   "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
+                   "finished_at": round(time.time(), 3), "per_rank": per_rank, "ddp_timers": ddp_timers(self.ddp)}
+        write_summary(cfg.run_dir, summary, ctx)
+        self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
+        if ctx.is_main and cfg.plots:
+            self._plot()
+        return summary
+
+    def _plot(self) -> None:
+        """Rank 0, after everything else is written: RUN/plots/*.png. A figure that fails to draw
+        is a warning; the run itself is complete."""
+        try:
+            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots)
+        except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
+            self.log.print(f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
+                           f"`ddpkit plot {self.cfg.run_dir}` draws them later")
+

@@ -1,0 +1,90 @@
+"""The functions the launcher runs on every rank: train (start to finish, the process group destroyed
+even on error) and evaluate. What each needs travels as one :class:`Job`.
+
+    run_workers(train_worker, (Job(cfg, task, model, splits),), spec)     # ddpkit.dist.launcher
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from ..data import DataSplits, load_dataset
+from ..data.loader import EvalSource, Preprocess
+from ..dist import env
+from ..dist.context import DistContext, distributed
+from ..errors import AlreadyReported, DataError, TaskError
+from ..models import model_for
+from ..run.rundir import load_trained_model, rank0_owns, read_fatal, record_fatal
+from .engine import Engine
+from .evaluate import evaluate
+from .task import Task
+
+
+@dataclass
+class Job:
+    """What one worker needs. Model and splits are None when they come from the registries."""
+
+    cfg: TrainConfig
+    task: Task
+    model: Optional[nn.Module] = None
+    splits: Optional[DataSplits] = None
+    optimizer: Any = None  # None: built from the config; else a factory or an optimizer on ``model``
+    scheduler: Any = None
+    t0: float | None = None  # when the user launched the run (wall clock), for summary.json's startup_s
+
+
+
+
+def train_worker(job: Job) -> dict:
+    """One rank, start to finish; the process group is destroyed even on error."""
+    cfg = job.cfg
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx, rank0_owns(cfg, ctx):
+        fatal = read_fatal(cfg.run_dir) if env.restart_count() > 0 else None
+        if fatal is not None:  # the last attempt met an error a restart cannot fix; it was reported then
+            raise AlreadyReported(fatal["message"], fatal["exit_code"])
+        try:
+            return _train(job, ctx)
+        except (DataError, TaskError) as exc:  # deterministic: every restart would meet it again
+            if env.restarts_left():
+                record_fatal(cfg.run_dir, exc)
+            raise
+
+
+def _train(job: Job, ctx: DistContext) -> dict:
+    cfg = job.cfg
+    splits = job.splits or load_dataset(cfg, download=False)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    # One deep copy of model, optimizer and scheduler together keeps the optimizer pointing at
+    # this copy's parameters. Without a copy, spawned ranks on a node would share the
+    # tensors torch.multiprocessing put in shared memory, and an in-process run would
+    # train the caller's object in place.
+    model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
+    if model is None:
+        model = model_for(cfg, splits.meta)
+    # Registry models use every parameter every step, so DDP may assume a static graph.
+    return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None,
+                  t0=job.t0).fit()
+
+
+def eval_worker(job: Job) -> dict:
+    """Evaluate ``job.model`` (or the run dir's model.pt in a registry model) on every rank's test shard."""
+    cfg = job.cfg
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
+        splits = job.splits or load_dataset(cfg, download=False)
+        if job.model is not None:
+            model = copy.deepcopy(job.model)
+            if cfg.dtype == "float64":
+                model.double()
+        else:
+            model = load_trained_model(cfg, splits.meta, cfg.run_dir)
+        model.to(ctx.device)
+        source = EvalSource(splits.test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, 256,
+                            splits.collate_fn)
+        result, _ = evaluate(model, source, job.task, cfg, ctx)
+        return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}

@@ -1,0 +1,223 @@
+"""--nproc resolution, the CPU thread budget, launch specs and the agent's configuration."""
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddpkit.config import TrainConfig
+
+from ddpkit.dist import context as dist, launcher
+from ddpkit.dist.failures import signal_failure
+from ddpkit.errors import WorkersFailed
+from ddpkit.errors import ConfigError
+from clirun import cli_env
+
+
+def test_auto_is_one_process_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launcher.resolve_nproc("auto", "auto") == 1
+    assert launcher.resolve_nproc("3", "cpu") == 3
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert launcher.resolve_nproc("auto", "auto") == 2
+    with pytest.raises(ConfigError, match=r"--nproc 4 asks for more processes than the 2 visible GPU\(s\)"):
+        launcher.resolve_nproc("4", "cuda")
+
+
+def test_threads_never_oversubscribe(monkeypatch):
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 2)
+    assert [dist.cpu_threads(n) for n in (1, 2, 3)] == [2, 1, 1]
+
+
+def test_under_torchrun_nothing_is_relaunched(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert launcher.resolve_nproc("auto", "cpu") == 2 and launcher.LaunchSpec(nproc=2).world_size == 4
+    assert launcher.run_workers(lambda x: x + 1, (1,), 2) == 2  # ran here, in this process
+
+
+def test_under_torchrun_launch_flags_belong_to_torchrun(monkeypatch):
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="started by torchrun, which owns --max-restarts"):
+        launcher.LaunchSpec.from_config(TrainConfig(max_restarts=2))
+
+
+def test_single_node_launch_needs_no_agent_unless_restarts_are_asked_for():
+    assert launcher.LaunchSpec(nproc=1).in_process
+    assert not launcher.LaunchSpec(nproc=1, max_restarts=1).in_process  # the agent does the restarting
+    assert launcher.LaunchSpec(nproc=2, nnodes=3).world_size == 6
+
+
+def test_multi_node_run_id_is_the_same_for_the_same_command_on_every_node():
+    cfg = TrainConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29500", nproc="1")
+    a, b = launcher.LaunchSpec.from_config(cfg), launcher.LaunchSpec.from_config(dataclasses.replace(cfg))
+    assert a.rdzv_id == b.rdzv_id and a.rdzv_id.startswith("ddpkit-")
+    assert launcher.LaunchSpec.from_config(dataclasses.replace(cfg, epochs=3)).rdzv_id != a.rdzv_id
+
+
+def test_agent_config_for_restarts_and_nodes(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(dist, "cpu_cores", lambda: 16)
+    config, env = launcher._launch_config(launcher.LaunchSpec(nproc=2, max_restarts=2))
+    assert config.max_restarts == 2 and config.rdzv_endpoint == "localhost:0"
+    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # pytorch/pytorch#135712
+                   "OMP_NUM_THREADS": "8",  # what torchrun would set, which elastic_launch does not
+                   "DDPKIT_LAUNCHER_PID": str(os.getpid())}  # a worker whose launcher died exits at once
+    config, env = launcher._launch_config(launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500",
+                                                          rdzv_id="job"))
+    assert (config.min_nodes, config.max_nodes, config.run_id) == (2, 2, "job")
+    assert config.rdzv_endpoint == "127.0.0.1:29500" and "is_host" not in config.rdzv_configs  # loopback: torch's own
+    assert getattr(config, "local_addr", "127.0.0.1") == "127.0.0.1"
+    # Both backends are pointed at the interface that reaches the other nodes.
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_a_users_socket_interfaces_and_threads_are_left_alone(monkeypatch):
+    for var, value in (("GLOO_SOCKET_IFNAME", "eth9"), ("NCCL_SOCKET_IFNAME", "ib0"), ("OMP_NUM_THREADS", "3")):
+        monkeypatch.setenv(var, value)
+    _, env = launcher._launch_config(launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500"))
+    assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS"} & set(env)
+
+
+@pytest.mark.parametrize("codes,kind,fragments", [
+    ({1: -6}, "CollectiveTimeout", ["rank 1 was aborted (SIGABRT)", "NCCL's watchdog", "--timeout-s 30 s"]),
+    ({0: -6, 1: -9}, "CollectiveTimeout", ["rank 0 was aborted"]),
+    ({1: -9}, "PeerLost", ["rank 1 was killed (SIGKILL)", "out-of-memory killer"]),
+    ({0: -11}, "PeerLost", ["rank 0 died of SIGSEGV"]),
+])
+def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, fragments):
+    err = signal_failure(codes, timeout_s=30)
+    assert type(err).__name__ == kind and err.exit_code in (3, 4)
+    for fragment in fragments:
+        assert fragment in str(err)
+    assert signal_failure({0: 1, 1: 2}, 30) is None  # ordinary exits keep their own reporting
+
+
+@pytest.mark.multiprocess
+def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
+    code = ("import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
+            "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))")
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert len(errors) == 1 and "was aborted (SIGABRT)" in errors[0] and "--timeout-s 600 s" in errors[0], proc.stderr
+
+
+SCRIPT = """
+import sys
+from ddpkit import launch
+
+def main(ctx, scale):                      # a user's own loop, in the script itself
+    import torch
+    t = torch.tensor([float(ctx.rank + 1)])
+    ctx.all_reduce(t)
+    return (ctx.rank, ctx.world_size, t.item() * scale)
+
+if __name__ == "__main__":
+    print("RESULT", launch(main, 10, nproc=2), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def user_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("script") / "my_loop.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.multiprocess
+def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_result(user_script):
+    proc = subprocess.run([sys.executable, str(user_script)], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
+
+
+@pytest.mark.multiprocess
+def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(user_script)],
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # two processes share the pipe, so their lines may interleave
+    assert sorted(re.findall(r"\(\d, \d, [\d.]+\)", proc.stdout)) == ["(0, 2, 30.0)", "(1, 2, 30.0)"]
+
+
+def test_how_workers_start(monkeypatch):
+    import types
+
+    import user_code
+
+    # Regression: with one thread per rank (ranks >= cores) workers were forked from this
+    # multi-threaded process, and in CI one rank hung before joining the group. Now fork is
+    # only for what nothing else can import.
+    for cores in (8, 2):
+        monkeypatch.setattr(dist, "cpu_cores", lambda: cores)
+        assert launcher.start_method(user_code.all_reduce_rank, (1,), "cpu", nproc=2) == "forkserver"
+        assert launcher.start_method(lambda ctx: 0, (), "cpu", nproc=2) == "fork"  # a lambda cannot be pickled
+    with pytest.raises(ConfigError, match="cannot be pickled.*only 'spawn' is safe.*Move it into a .py file"):
+        launcher.start_method(lambda ctx: 0, (), "cuda")
+    # A class defined in a notebook's (or `python -c`'s) __main__, which has no file to import:
+    notebook = types.ModuleType("__main__")
+    Net = type("Net", (), {"__module__": "__main__", "__qualname__": "Net"})
+    notebook.Net = Net
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) == \
+        "'Net' is defined in __main__ of an interactive session or `python -c`"
+    assert launcher.start_method(user_code.all_reduce_rank, (Net(),), "cpu", nproc=2) == "fork"
+    notebook.__file__ = "/home/me/train.py"  # a script: spawn re-imports it as __mp_main__
+    assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resumable", [True, False])
+def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, resumable):
+    """Regression: `ddpkit eval` interrupted with Ctrl-C advised rerunning to resume from a snapshot."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    import torch.distributed.launcher.api as api
+
+    def interrupted(config, entrypoint):
+        def run(*args):
+            raise SignalException("interrupted", sigval=signal.SIGINT)
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", interrupted)
+    with pytest.raises(WorkersFailed) as err:
+        launcher.run_workers(len, ((),), launcher.LaunchSpec(nproc=2, resumable=resumable))
+    assert err.value.exit_code == 130 and "received SIGINT" in str(err.value)
+    assert ("run the same command again to resume" in str(err.value)) == resumable
+
+
+OMP_THEN_FORK = """
+import torch
+from ddpkit import launch
+torch.set_num_threads(2)
+x = torch.randn(1500, 1500)
+for _ in range(3):
+    x @ x                                   # OpenMP parallel regions in this (the parent) process
+# A lambda cannot be imported by a forkserver child: the workers are forked from here.
+print("RESULT", launch(lambda ctx: (torch.get_num_threads(), float((x @ x).sum() != 0)), nproc=1, max_restarts=1))
+"""
+
+
+@pytest.mark.multiprocess
+def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_hang():
+    """Regression: a child forked after its parent ran OpenMP regions hangs in its first parallel
+    region (libgomp), so forked workers with more than one thread each hung (here: 1 process,
+    2 cores, 2 threads). Forked workers now run one intra-op thread."""
+    proc = subprocess.run([sys.executable, "-c", OMP_THEN_FORK], env=cli_env(), capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESULT (1, 1.0)" in proc.stdout

@@ -1,0 +1,53 @@
+"""The CLI as a user runs it, in a subprocess, and what its runs leave: the helpers most system tests share.
+
+    proc = run_cli("train", "--dataset", "mnist", ...)    # python -m ddpkit ..., returns the finished process
+    records = read_jsonl(run_dir / "metrics.jsonl")
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + str(ROOT / "tests" / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd=None, timeout: float = 300, module: str = "ddpkit") -> subprocess.CompletedProcess:
+    """``python -m ddpkit ARGS`` as a user would run it; returns the finished process."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the kernel's choice), for a test's rendezvous endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _load_benchmark(name: str):
+    """A script of benchmarks/ as a module, loaded from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The fault benchmark and the tests find the workers to kill in one way (benchmarks/faults.py).
+worker_pids = _load_benchmark("faults").worker_pids

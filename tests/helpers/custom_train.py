@@ -1,0 +1,29 @@
+"""Train a test-only model through the public API, in its own process, as a user script would.
+
+    python tests/helpers/custom_train.py '{"fault": "slow", "seconds": 0.04, "config": {...}}'
+
+The JSON gives the :class:`workers.FaultyConvNet` arguments and the TrainConfig fields.
+Exit status and stderr are the CLI's (one line per user error).
+"""
+
+import json
+import sys
+
+import torch
+from workers import FaultyConvNet
+
+from ddpkit import TrainConfig, Trainer
+from ddpkit.cli import run_reporting_errors
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    torch.manual_seed(spec.get("seed", 0))  # identical initial weights in every run of a test
+    model = FaultyConvNet(spec.get("fault", "none"), spec.get("at_step", 0), spec.get("rank", -1),
+                          spec.get("seconds", 0.0))
+    cfg = TrainConfig(**spec["config"])
+    return run_reporting_errors(lambda: Trainer(cfg, model=model).fit() and 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Snapshots: weights_only round trip, atomic files, config checks and corrupt-file fallback."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ddpkit.config import TrainConfig
+from ddpkit.dist.context import DistContext
+from ddpkit.errors import RunDirError
+from ddpkit.run.checkpoint import Checkpointer, rng_state, set_rng_state
+
+CTX = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
+
+
+def make(tmp_path, **kw):
+    cfg = TrainConfig(run_dir=str(tmp_path), **kw).resolved()
+    return Checkpointer(tmp_path, CTX, cfg, keep=2), cfg
+
+
+def test_round_trip_loads_with_weights_only(tmp_path):
+    ckpt, _ = make(tmp_path)
+    model = torch.nn.Linear(3, 2)
+    ckpt.save({"model": model.state_dict(), "position": {"epoch": 1}, "rank_state": {"acc": torch.ones(2)}}, 10)
+    snap = ckpt.load_latest()
+    assert snap["global_step"] == 10 and snap["trainer"]["position"] == {"epoch": 1}
+    assert torch.equal(snap["trainer"]["model"]["weight"], model.weight)
+    assert torch.equal(snap["ranks"][0]["rank_state"]["acc"], torch.ones(2))
+    assert snap["versions"]["torch"] == str(torch.__version__)
+    assert not list(tmp_path.glob("checkpoints/*.tmp"))
+
+
+def test_keeps_the_newest_k(tmp_path):
+    ckpt, _ = make(tmp_path)
+    for step in (1, 2, 3):
+        ckpt.save({}, step)
+    assert [p.name for p in ckpt.snapshots()] == ["snapshot-000000003.pt", "snapshot-000000002.pt"]
+
+
+def test_truncated_latest_is_named_and_the_previous_is_used(tmp_path):
+    ckpt, _ = make(tmp_path)
+    ckpt.save({"x": 1}, 1)
+    ckpt.save({"x": 2}, 2)
+    latest = ckpt.snapshots()[0]
+    latest.write_bytes(latest.read_bytes()[:100])
+    warnings = []
+    snap = ckpt.load_latest(warn=warnings.append)
+    assert snap["trainer"] == {"x": 1}
+    assert len(warnings) == 1 and str(latest) in warnings[0] and "corrupt or truncated" in warnings[0]
+
+
+def test_a_killed_save_leaves_the_previous_snapshot(tmp_path):
+    ckpt, _ = make(tmp_path)
+    ckpt.save({"x": 1}, 1)
+    (ckpt.dir / "snapshot-000000002.pt.tmp").write_bytes(b"half a file")  # what a kill mid-write leaves
+    assert ckpt.load_latest()["trainer"] == {"x": 1}
+
+
+def test_other_config_is_refused(tmp_path):
+    ckpt, _ = make(tmp_path, seed=1)
+    ckpt.save({}, 1)
+    other, _ = make(tmp_path, seed=2)
+    with pytest.raises(RunDirError, match="different config \\(differs in: seed\\)"):
+        other.load_latest()
+
+
+def test_rng_states_restore_exactly():
+    state = rng_state(torch.device("cpu"))
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    set_rng_state(state, torch.device("cpu"))
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+
+
+def test_resume_on_a_gpu_loads_the_snapshot_onto_the_cpu(tmp_path):
+    """Regression: snapshots were loaded with map_location=<training device>, which put the
+    numpy RNG key tensor on the GPU, and ``.numpy()`` raised on every CUDA resume. ``meta``
+    stands in for CUDA here: it raises on ``.numpy()`` the same way."""
+    cfg = TrainConfig(run_dir=str(tmp_path)).resolved()
+    Checkpointer(tmp_path, CTX, cfg).save({"rank_state": {"acc": [1.0, 2.0]}}, 5)
+    gpu_like = DistContext(0, 0, 1, 1, torch.device("meta"), "nccl")
+    snap = Checkpointer(tmp_path, gpu_like, cfg).load_latest()
+    assert snap["global_step"] == 5
+    set_rng_state(snap["ranks"][0]["rng"], gpu_like.device)  # raised "Cannot copy out of meta tensor" before
+
+
+def test_per_rank_state_must_be_host_data_before_it_is_gathered(tmp_path):
+    """all_gather_object pickles; a CUDA tensor would be rebuilt on the sender's GPU in every rank."""
+    ckpt, _ = make(tmp_path)
+    with pytest.raises(ValueError, match="per-rank snapshot state holds a tensor on meta"):
+        ckpt.save({"rank_state": {"acc": torch.zeros(2, device="meta")}}, 1)
+    assert not ckpt.snapshots()

@@ -1,0 +1,482 @@
+"""Bad input and environment faults: one clean line, a non-zero exit, nothing in the run dir lost.
+
+Every case runs the real CLI entry point. Those that fail before launch run it in this
+process (``ddpkit.cli.main``: the same code as the ``ddpkit`` command, without paying an
+interpreter start per case); faults that need processes, signals or a filesystem of
+their own run it as a subprocess. Each case asserts: the exit status, exactly one
+``ddpkit: error:`` line (not one per rank) carrying the expected words, no
+``Traceback``, and every file that was in the run dir before still there, unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from clirun import cli_env, free_port, read_jsonl, worker_pids
+
+import ddpkit.preflight
+from ddpkit.cli import main
+from ddpkit.run.rundir import run_lock
+
+TINY = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", "400", "--limit-test", "200", "--batch-size", "50",
+        "--lr", "0.05", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4",
+        "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
+
+
+def files(run_dir: Path) -> dict[str, str]:
+    """Every file under ``run_dir`` and a digest of its bytes (the lock file is bookkeeping)."""
+    if not run_dir.exists():
+        return {}
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def check_one_line(code: int, out: str, err: str, fragments: list[str], exit_code: int = 2) -> str:
+    assert code == exit_code, err[-2000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("ddpkit: error:")]
+    assert len(errors) == 1, err[-2000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A tiny finished run to copy and damage (trained once per module, in this process)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", *TINY, "--save-every-steps", "4", "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    return run_dir
+
+
+# ---------------------------------------------------------------------- values and flags
+def toml_file(tmp_path, text: str | bytes) -> str:
+    path = tmp_path / "run.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+VALUE_CASES = {
+    "timeout nan": (["--timeout-s", "nan"], ["timeout_s = nan: expected a finite number"]),
+    "timeout inf": (["--timeout-s", "inf"], ["timeout_s = inf: expected a finite number"]),
+    "nproc superscript": (["--nproc", "²"], ["--nproc must be a positive integer or 'auto', got '²'"]),
+    "adam beta1": (["--optimizer", "adam", "--momentum", "1.5"], ["--momentum is Adam's beta1", "[0, 1)"]),
+    "custom dataset": (["--dataset", "custom:x"], ["--dataset custom:x: custom: names are recorded by the Python"]),
+    "custom model": (["--model", "custom:x"], ["--model custom:x: custom: names"]),
+    "input too small": (["--dataset", "synthetic", "--synthetic-shape", "3,1,1", "--synthetic-size", "100",
+                         "--model", "resnet9"], ["model resnet9 fails on a batch of synthetic (input [2, 3, 1, 1])"]),
+    "negative clip": (["--clip-grad-norm", "-1"], ["--clip-grad-norm must be >= 0"]),
+    "accum not dividing": (["--grad-accum", "3"], ["--grad-accum 3 does not divide the per-rank batch 50"]),
+}
+
+TOML_CASES = {
+    "epochs string": ("[train]\nepochs = \"two\"\n", ["epochs = 'two' (str): expected an integer"]),
+    "device int": ("[run]\ndevice = 1\n", ["device = 1 (int): expected a string in quotes"]),
+    "lr string": ("[optim]\nlr = \"0.1\"\n", ["lr = '0.1' (str): expected a number"]),
+    "a list": ("[train]\nseed = [1, 2]\n", ["seed = [1, 2] (list): expected an integer"]),
+    "fractional epochs": ("[train]\nepochs = 1.5\n", ["epochs = 1.5 (float): expected an integer"]),
+    "progress no": ("[run]\nprogress = \"no\"\n", ["progress = 'no' (str): expected true or false"]),
+    "unknown key": ("[train]\nepoch = 3\n", ["unknown config key(s): epoch (did you mean epochs?)"]),
+    "not toml": ("epochs = = 3\n", ["is not valid TOML"]),
+    "not utf-8": (b"[train]\nseed = 1 # \xff\xfe\n", ["is not UTF-8 text"]),
+}
+
+
+@pytest.mark.parametrize("case", VALUE_CASES)
+def test_bad_values_are_one_line_before_anything_is_written(tmp_path, capsys, case):
+    args, fragments = VALUE_CASES[case]
+    run_dir = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", *TINY, *args, "--run-dir", str(run_dir))
+    check_one_line(code, out, err, fragments)
+    assert not run_dir.exists()
+
+
+@pytest.mark.multiprocess  # the CLI starts its forkserver early, while it checks
+def test_more_processes_than_memory_holds_is_one_line_before_launch(tmp_path, capsys, monkeypatch):
+    # The memory is pinned: with the machine's own, 64 processes fit on a large enough host and would start.
+    monkeypatch.setattr(ddpkit.preflight, "available_memory_bytes", lambda: 4 * 2**30)
+    run_dir = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", *TINY, "--nproc", "64", "--batch-size", "128", "--run-dir", str(run_dir))
+    check_one_line(code, out, err, ["--nproc 64 needs about", "but 4.0 GiB are available; lower --nproc"])
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("case", TOML_CASES)
+def test_bad_config_files_name_the_key_and_the_expected_type(tmp_path, capsys, case):
+    text, fragments = TOML_CASES[case]
+    code, out, err = run_main(capsys, "train", "--config", toml_file(tmp_path, text), "--run-dir", str(tmp_path / "r"))
+    check_one_line(code, out, err, fragments)
+    assert not (tmp_path / "r").exists()
+
+
+def test_nproc_may_be_a_plain_number_in_a_config_file(tmp_path):
+    from ddpkit.config import TrainConfig
+
+    assert TrainConfig.from_toml(toml_file(tmp_path, "[launch]\nnproc = 2\n")).nproc == "2"
+
+
+def test_a_directory_given_as_config_file(tmp_path, capsys):
+    code, out, err = run_main(capsys, "train", "--config", str(tmp_path), "--run-dir", str(tmp_path / "r"))
+    check_one_line(code, out, err, [f"config file {tmp_path} is a directory"])
+
+
+# ---------------------------------------------------------------------- a run dir that cannot be used as it is
+def damage_config_utf8(run: Path):
+    (run / "config.toml").write_bytes(b"\xff\xfe" + (run / "config.toml").read_bytes())
+
+
+def damage_config_dir(run: Path):
+    (run / "config.toml").unlink()
+    (run / "config.toml").mkdir()
+
+
+def damage_checkpoints_file(run: Path):
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("not a directory")
+
+
+def damage_metrics_dir(run: Path):
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+
+
+RUN_DIR_CASES = {
+    "config.toml not utf-8": (damage_config_utf8, [], ["holds a config.toml ddpkit cannot read", "not UTF-8"]),
+    "config.toml a directory": (damage_config_dir, [], ["config.toml is a directory, where ddpkit keeps its"]),
+    "checkpoints a file": (damage_checkpoints_file, [], ["checkpoints is a file, where ddpkit keeps its checkpoints"]),
+    "metrics.jsonl a directory": (damage_metrics_dir, [], ["metrics.jsonl is a directory"]),
+    "resume never": (lambda run: None, ["--resume", "never"], ["--resume never:", "already holds a run"]),
+    "another config": (lambda run: None, ["--seed", "7"], ["holds a run with a different config (seed: 0 -> 7)"]),
+}
+
+
+@pytest.mark.parametrize("case", RUN_DIR_CASES)
+def test_a_run_dir_that_cannot_be_used_is_refused_and_left_as_it_was(tmp_path, capsys, finished, case):
+    damage, args, fragments = RUN_DIR_CASES[case]
+    run = copy_of(finished, tmp_path)
+    damage(run)
+    before = files(run)
+    code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", *args, "--run-dir", str(run))
+    check_one_line(code, out, err, fragments)
+    assert files(run) == before
+
+
+def test_a_second_run_on_a_locked_run_dir_names_the_holder(tmp_path, capsys, finished):
+    run = copy_of(finished, tmp_path)
+    (run / "summary.json").unlink()  # unfinished, so the second run would train
+    before = files(run)
+    with run_lock(run):
+        code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", "--run-dir", str(run))
+    check_one_line(code, out, err, [f"{run} is in use by another ddpkit run (pid {os.getpid()} on"])
+    assert files(run) == before
+
+
+EVAL_CASES = {
+    "model.pt truncated": (lambda run: (run / "model.pt").write_bytes((run / "model.pt").read_bytes()[:300]),
+                           ["model.pt", "not a loadable weights file, truncated or damaged"]),
+    "model.pt of another model": (lambda run: torch.save(torch.nn.Linear(3, 2).state_dict(), run / "model.pt"),
+                                  ["model.pt", "does not fit the model: missing"]),
+    "model.pt missing": (lambda run: (run / "model.pt").unlink(), ["model.pt not found"]),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", EVAL_CASES)
+def test_eval_of_a_damaged_run_is_one_line(tmp_path, capsys, finished, case):
+    damage, fragments = EVAL_CASES[case]
+    run = copy_of(finished, tmp_path)
+    damage(run)
+    before = files(run)
+    code, out, err = run_main(capsys, "eval", str(run), "--nproc", "2")
+    check_one_line(code, out, err, fragments)
+    assert files(run) == before
+
+
+@pytest.mark.multiprocess
+def test_eval_on_two_processes_with_missing_data_is_reported_once(tmp_path, capsys, finished):
+    """Regression: each rank loaded the data and printed its own error."""
+    run = copy_of(finished, tmp_path)
+    text = (run / "config.toml").read_text().replace('dataset = "mnist"', 'dataset = "cifar10"')
+    (run / "config.toml").write_text(text.replace('data_dir = "data"', f'data_dir = "{tmp_path / "nothing"}"'))
+    code, out, err = run_main(capsys, "eval", str(run), "--nproc", "2")
+    check_one_line(code, out, err, ["dataset files missing in", "cifar-10-batches-py"])
+
+
+# ---------------------------------------------------------------------- damage that ddpkit repairs: nothing lost
+def test_a_truncated_summary_is_rebuilt_from_the_final_snapshot(tmp_path, capsys, finished):
+    run = copy_of(finished, tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    weights = (run / "model.pt").read_bytes()
+    (run / "summary.json").write_text((run / "summary.json").read_text()[:40])
+    code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", "--run-dir", str(run))
+    assert code == 0, err
+    rebuilt = json.loads((run / "summary.json").read_text())
+    assert rebuilt["test_accuracy"] == summary["test_accuracy"] and rebuilt["steps"] == summary["steps"]
+    restored = torch.load(run / "model.pt", weights_only=True)
+    original = torch.load(__import__("io").BytesIO(weights), weights_only=True)
+    assert all(torch.equal(restored[k], v) for k, v in original.items())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing keys", "another model"])
+def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_path, capsys, finished, damage):
+    """Regression: a garbage snapshot-999999999.pt counted toward --keep-snapshots (so with 1 each real
+    snapshot was deleted as soon as written), and a valid zip with the wrong contents gave a
+    traceback on every rank instead of the fallback a truncated file gets."""
+    run = copy_of(finished, tmp_path)
+    (run / "summary.json").unlink()
+    (run / "model.pt").unlink()
+    ckpt = run / "checkpoints"
+    sorted(ckpt.glob("snapshot-*.pt"))[-1].unlink()  # resume mid-run, so this run saves (and prunes) again
+    real = sorted(ckpt.glob("snapshot-*.pt"))[-1]
+    bad = ckpt / "snapshot-999999999.pt"
+    if damage == "garbage":
+        bad.write_bytes(b"not a snapshot at all")
+    else:
+        snap = torch.load(real, weights_only=True)
+        if damage == "missing keys":
+            del snap["trainer"]["optimizer"], snap["trainer"]["position"]
+        else:
+            snap["trainer"]["model"] = torch.nn.Linear(3, 2).state_dict()
+        torch.save(snap, bad)
+    code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", "--keep-snapshots", "1",
+                              "--run-dir", str(run))
+    assert code == 0, err
+    warnings = [line for line in out.splitlines() + err.splitlines() if "snapshot" in line and "warning" in line]
+    assert len(warnings) == 1 and "snapshot-999999999.pt" in warnings[0] and "moved to" in warnings[0]
+    assert (ckpt / "corrupt" / "snapshot-999999999.pt").exists() and not bad.exists()
+    starts = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "start"]
+    assert starts[-1]["resumed_at_step"] == int(real.stem.split("-")[1])
+    # keep 1 kept the real snapshot this run wrote last, not deleted it for the stray file's sake
+    assert [p.name for p in ckpt.glob("snapshot-*.pt")] == ["snapshot-000000008.pt"]
+
+
+# ---------------------------------------------------------------------- storage faults, on real filesystems
+def in_namespace(script: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a bash script in a private mount namespace (its tmpfs mounts are invisible outside)."""
+    proc = subprocess.run(["unshare", "-m", "bash", "-c", script], env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip("mount namespaces are not permitted here")
+    return proc
+
+
+PY = f"{sys.executable} -m ddpkit train {' '.join(TINY)}"
+
+
+@pytest.mark.multiprocess
+def test_a_read_only_run_dir_is_one_line_and_untouched(tmp_path, finished):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = in_namespace(f"""
+        set -e
+        mount -t tmpfs tmpfs {mnt} && cp -r {finished} {mnt}/run && rm {mnt}/run/summary.json
+        mount -o remount,ro {mnt}
+        before=$(cd {mnt}/run && find . -type f | sort | xargs sha256sum)
+        set +e; {PY} --save-every-steps 4 --run-dir {mnt}/run 2>{mnt}/../err.txt; echo "EXIT=$?"; set -e
+        after=$(cd {mnt}/run && find . -type f | sort | xargs sha256sum)
+        [ "$before" = "$after" ] && echo SAME
+        cat {mnt}/../err.txt
+    """)
+    assert "EXIT=2" in proc.stdout and "SAME" in proc.stdout, proc.stdout + proc.stderr
+    check_one_line(2, "", proc.stdout.split("SAME", 1)[1], ["the filesystem is read-only"])
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_during_a_snapshot_is_one_line_leaving_no_partial_file(tmp_path):
+    """Regression: an ENOSPC traceback, and a partial .tmp left holding the space."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = in_namespace(f"""
+        mount -t tmpfs -o size=700k tmpfs {mnt}
+        {PY} --epochs 3 --save-every-steps 2 --keep-snapshots 5 --run-dir {mnt}/run; echo "EXIT=$?"
+        ls -a {mnt}/run/checkpoints
+        for f in {mnt}/run/checkpoints/snapshot-*.pt; do
+          {sys.executable} -c "import torch,sys; torch.load(sys.argv[1], weights_only=True); print('LOADS', sys.argv[1])" $f
+        done
+    """)
+    out, err = proc.stdout, proc.stderr
+    assert "EXIT=2" in out, out + err
+    check_one_line(2, "", err, ["no space left writing", "MiB are free there", "The previous files are intact"])
+    assert ".tmp" not in out
+    names = [line for line in out.splitlines() if line.startswith("snapshot-")]
+    assert names and out.count("LOADS") == len(names)  # every snapshot left is whole
+
+
+# ---------------------------------------------------------------------- faults that need processes
+@pytest.fixture
+def image_tree(tmp_path) -> Path:
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split, n in (("train", 6), ("val", 2)):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(root / split / cls / f"{i}.png")
+    return root
+
+
+@pytest.mark.multiprocess
+def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image_tree):
+    """Regression: a 45-75 line traceback on each rank, and with --max-restarts 2, three attempts. An image
+    folder that fits in memory is decoded before launch, so the bad file is found there."""
+    bad = image_tree / "train" / "b" / "3.png"
+    bad.write_bytes(b"\x89PNG but not really")
+    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
+                              "--model", "mlp", "--batch-size", "4", "--nproc", "2", "--device", "cpu",
+                              "--max-restarts", "2", "--run-dir", str(tmp_path / "run"))
+    check_one_line(code, out, err, [f"{bad}: not a readable image"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multiprocess
+def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_into(tmp_path, image_tree):
+    """The same on the DataLoader path, where a worker meets it: one line, and no restart into it."""
+    bad = image_tree / "train" / "b" / "3.png"
+    bad.write_bytes(b"\x89PNG but not really")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", f"imagefolder:{image_tree}",
+                           "--image-size", "8", "--model", "mlp", "--batch-size", "4", "--epochs", "1", "--nproc", "2",
+                           "--device", "cpu", "--no-progress", "--num-workers", "0", "--max-restarts", "2",
+                           "--data-path", "loader", "--run-dir", str(run)], env=cli_env(), capture_output=True,
+                          text=True, timeout=240)
+    line = check_one_line(proc.returncode, proc.stdout, proc.stderr, [f"{bad}: not a readable image"])
+    assert "rank" in line
+    starts = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "start"]
+    assert len(starts) <= 2  # at most the one restart that learns it cannot help
+
+
+def test_imagefolder_honours_the_limits(tmp_path, capsys, image_tree):
+    """Regression: --limit-train/--limit-test were recorded in config.toml but not applied."""
+    run = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
+                              "--model", "mlp", "--batch-size", "2", "--epochs", "1", "--nproc", "1", "--device",
+                              "cpu", "--no-progress", "--num-workers", "0", "--limit-train", "4", "--limit-test", "2",
+                              "--run-dir", str(run))
+    assert code == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["test_samples"] == 2
+
+
+def test_a_streamed_dataset_on_the_device_path_is_refused_once_before_launch(tmp_path):
+    """Regression: refused in every worker, so printed once per rank."""
+    from user_code import NoisyData, RegressionMLP, mse
+
+    from ddpkit import TrainConfig, Trainer
+    from ddpkit.errors import ConfigError
+
+    trainer = Trainer(TrainConfig(nproc="2", device="cpu", batch_size=8, data_path="device", run_dir=str(tmp_path / "r")),
+                      model=RegressionMLP(), train_data=NoisyData(32), test_data=NoisyData(8), loss_fn=mse)
+    with pytest.raises(ConfigError, match="--data-path device needs a dataset held in memory.*differ between reads"):
+        trainer.fit()
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image_tree):
+    for png in (image_tree / "val").rglob("*.png"):
+        png.unlink()
+    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
+                              "--nproc", "1", "--device", "cpu", "--run-dir", str(tmp_path / "r"))
+    check_one_line(code, out, err, [f"imagefolder:{image_tree}"])
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", *TINY, "--nnodes", "2", "--rdzv-endpoint",
+                           endpoint, "--rdzv-id", "lonely", "--timeout-s", "3", "--run-dir",
+                           str(tmp_path / "r")], env=cli_env(), capture_output=True, text=True, timeout=120)
+    check_one_line(proc.returncode, proc.stdout, proc.stderr,
+                   [f"did not join within --timeout-s 3 s at --rdzv-endpoint {endpoint} (--rdzv-id lonely)"],
+                   exit_code=4)
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
+    """Regression: Ctrl-C took no snapshot, printed a KeyboardInterrupt traceback, and promised a snapshot."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
+            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
+            "--log-every", "2", "--run-dir", str(run)]
+    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            steps = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "step"] \
+                if (run / "metrics.jsonl").exists() else []
+            if steps and steps[-1]["step"] >= 4:
+                break
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in err, err[-3000:]
+    stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
+    assert stopped and stopped[0]["signal"] == "SIGINT"
+    assert (run / "checkpoints" / f"snapshot-{stopped[0]['step']:09d}.pt").exists()
+    assert "stopped on SIGINT" in err
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_path, capsys):
+    """Regression: workers outlived a SIGKILLed launcher by 1-3 s and once wrote one more snapshot."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
+            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
+            "--log-every", "1", "--save-every-steps", "2", "--run-dir", str(run)]
+    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list((run / "checkpoints").glob("snapshot-*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2, workers
+    proc.kill()
+    proc.wait()
+    time.sleep(0.5)
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
+             and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    assert not alive, f"workers outlived their launcher: {alive}"
+    snapshots = sorted(p.name for p in (run / "checkpoints").glob("snapshot-*.pt"))
+    time.sleep(1.0)
+    assert sorted(p.name for p in (run / "checkpoints").glob("snapshot-*.pt")) == snapshots  # nobody writes on
+    with run_lock(run):  # the kernel released the lock with its holder
+        pass
+
+
+def test_any_unicode_run_dir_trains_resumes_and_evaluates(tmp_path, capsys):
+    """Regression: an emoji in --run-dir was written to config.toml as a surrogate pair TOML rejects; the
+    rerun the stop message recommends then refused, and `ddpkit eval` could not read the run."""
+    run = tmp_path / 'runs 😀 "q" \\ é'
+    assert main(["train", *TINY, "--run-dir", str(run)]) == 0
+    code, out, err = run_main(capsys, "train", *TINY, "--run-dir", str(run))
+    assert code == 0 and "already holds this finished run" in out, err
+    code, out, err = run_main(capsys, "eval", str(run), "--nproc", "1")
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["test_samples"] == 200

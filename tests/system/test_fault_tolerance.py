@@ -1,0 +1,212 @@
+"""Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall.
+
+Every run goes through the public API in its own process (tests/helpers/custom_train.py), with
+the seed ConvNet wrapped to inject one fault at a chosen step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from clirun import ROOT, cli_env, read_jsonl, worker_pids
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+SCRIPT = str(ROOT / "tests" / "helpers" / "custom_train.py")
+# 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
+BASE = dict(dataset="mnist", recipe="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2,
+            progress=False, device="cpu", nproc="2", plots=False)  # plots are tested in test_loggers.py
+
+
+def spec(run_dir: Path, fault: str = "none", **kw) -> dict:
+    fault_keys = {"at_step", "rank", "seconds"}
+    return {"fault": fault, **{k: kw.pop(k) for k in list(kw) if k in fault_keys},
+            "config": {**BASE, "run_dir": str(run_dir), **kw}}
+
+
+def start(s: dict, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+
+
+def run(s: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, pred, timeout: float = 120) -> dict:
+    """Poll metrics.jsonl until a step record satisfies ``pred``."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"run ended early: {proc.communicate()}"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("event") == "step" and pred(rec["step"]):
+                    return rec
+        time.sleep(0.02)
+    raise AssertionError("the awaited step never came")
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    sa, sb = load(a), load(b)
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"tensors differ: {different}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """Run A: the same run as the kill test's, never interrupted."""
+    run_dir = tmp_path_factory.mktemp("a") / "run"
+    proc = run(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1))
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = start(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1, max_restarts=2))
+    try:
+        # Mid-epoch 2 (steps 21..40), past the snapshot at step 25 and before the next one.
+        wait_for_step(run_dir, proc, lambda step: 26 <= step <= 28)
+        killed_at = time.monotonic()
+        pids = worker_pids(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    starts = [r for r in records if r["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_at_step"] == 25, starts
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 40  # replayed steps were not logged twice
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["world_size"] == 2
+    assert_bitwise_equal(run_dir / "model.pt", uninterrupted / "model.pt")
+    print(f"kill -> end of run: {time.monotonic() - killed_at:.1f} s")
+
+
+def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_exact(tmp_path):
+    """The snapshot write is SIGKILLed after half its bytes; resuming gives the uninterrupted model."""
+    one = dict(nproc="1", save_every_steps=8, log_every=4)
+    ref_dir = tmp_path / "ref"
+    assert run(spec(ref_dir, **one)).returncode == 0
+
+    run_dir = tmp_path / "run"
+    killer = ("import os, signal, sys; sys.path[:0] = {paths!r}; import ddpkit.run.checkpoint as c; w = c.atomic_write\n"
+              "def half(path, data):\n"
+              "    if path.name == 'snapshot-000000016.pt':\n"
+              "        with open(str(path) + '.tmp', 'wb') as fh: fh.write(data[: len(data) // 2]); fh.flush()\n"
+              "        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    w(path, data)\n"
+              "c.atomic_write = half\n"
+              "sys.argv = [{script!r}, {spec!r}]\n"
+              "exec(open({script!r}).read())\n")
+    code = killer.format(paths=[str(ROOT / "src"), str(ROOT / "tests" / "helpers")], script=SCRIPT,
+                         spec=json.dumps(spec(run_dir, **one)))
+    killed = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "snapshot-000000016.pt.tmp").exists()  # the half-written file
+    assert not (ckpts / "snapshot-000000016.pt").exists()
+    assert load(ckpts / "snapshot-000000008.pt")["global_step"] == 8  # the previous one is whole
+
+    resumed = run(spec(run_dir, **one))
+    assert resumed.returncode == 0, resumed.stderr
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert starts[-1]["resumed_at_step"] == 8
+    assert not list(ckpts.glob("*.tmp"))  # cleaned up by the next save
+    assert_bitwise_equal(run_dir / "model.pt", ref_dir / "model.pt")
+
+
+def test_sigterm_to_the_launcher_saves_a_snapshot_and_the_rerun_resumes_there(tmp_path):
+    run_dir = tmp_path / "run"
+    s = spec(run_dir, "slow", seconds=0.03, log_every=2)
+    proc = start(s)
+    try:
+        wait_for_step(run_dir, proc, lambda step: step >= 6)
+        os.kill(proc.pid, signal.SIGTERM)  # as a scheduler would: the launcher forwards it to the workers
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped on SIGTERM at step" in err and "run the same command again" in err
+    stopped = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"]
+    assert stopped and stopped[0]["reason"] == "signal"
+    step = stopped[0]["step"]
+    assert (run_dir / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 40
+    assert not (run_dir / "model.pt").exists()
+
+    again = run(s)
+    assert again.returncode == 0, again.stderr
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert starts[-1]["resumed_at_step"] == step
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
+
+
+def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(spec(run_dir, "slow", seconds=0.03, log_every=2, max_restarts=1))
+    try:
+        wait_for_step(run_dir, proc, lambda step: step >= 4)
+        os.kill(worker_pids(proc.pid)[-1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # A stop is not a failure: the agent does not restart it, even with restarts allowed.
+    assert proc.returncode == 143, err
+    assert err.count("stopped on SIGTERM") == 1, err
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert len(starts) == 1
+
+
+@pytest.mark.parametrize("log_every,caught_by", [(2, "log interval"), (100, "pre-save check")])
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, log_every, caught_by):
+    """NaN injected on rank 1 only at step 5; snapshots every 3 steps; logs every `log_every`."""
+    run_dir = tmp_path / "run"
+    proc = run(spec(run_dir, "nan", at_step=5, rank=1, save_every_steps=3, log_every=log_every, max_restarts=1))
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len([line for line in err if "NaN or Inf" in line]) == 1, proc.stderr  # reported once
+    assert "by step 6" in proc.stderr and "snapshot-000000003.pt" in proc.stderr
+    snaps = sorted(p.name for p in (run_dir / "checkpoints").glob("snapshot-*.pt"))
+    assert snaps == ["snapshot-000000003.pt"]
+    good = load(run_dir / "checkpoints" / snaps[0])
+    assert all(torch.isfinite(v).all() for v in good["trainer"]["model"].values() if v.is_floating_point())
+    assert not (run_dir / "model.pt").exists()
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert len(starts) == 1  # not restarted into the same NaN
+
+
+def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    # 5 s: every collective gets --timeout-s, and make test runs another test beside this one on 2 cores
+    proc = run(spec(run_dir, "stall", at_step=3, rank=1, seconds=12, timeout_s=5, log_every=1), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 0: a collective did not complete within --timeout-s 5 s" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 5 + 12 + 30, elapsed  # timeout + the stall + process start, not a hang

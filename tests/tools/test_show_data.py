@@ -1,0 +1,181 @@
+"""``ddpkit show-data``: labelled image grids as real PNG files, with a real trained run's predictions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from clirun import cli_env, run_cli
+from matplotlib.image import imread
+from PIL import Image
+
+from ddpkit.cli import main
+from ddpkit.errors import ConfigError, RunDirError
+from ddpkit.tools.showdata import (
+    MAX_NAME,
+    PNG_SIGNATURE,
+    class_names,
+    sample_indices,
+    show_data,
+    tile_labels,
+)
+
+FOLDER_CLASSES = ["cat", "dog", "sea_urchin_with_a_very_long_name"]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process."""
+    run_dir = tmp_path_factory.mktemp("run") / "mnist-mlp"
+    proc = run_cli("train", "--dataset", "mnist", "--recipe", "mnist", "--model", "mlp", "--epochs", "1", "--limit-train", "512",
+                   "--limit-test", "256", "--nproc", "1", "--device", "cpu", "--run-dir", str(run_dir),
+                   "--quiet", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """An ImageFolder tree in the layout ddpkit reads: train/<class>/ and test/<class>/, PNG and JPEG files."""
+    root = tmp_path / "folder"
+    for split in ("train", "test"):
+        for k, name in enumerate(FOLDER_CLASSES):
+            (root / split / name).mkdir(parents=True)
+            for j in range(2):
+                pixels = np.zeros((20, 30, 3), np.uint8)
+                pixels[..., k] = 200
+                pixels[5:15, 5 + 5 * j:15 + 5 * j] = 255
+                Image.fromarray(pixels).save(root / split / name / f"img{j}.{'png' if j else 'jpg'}")
+    return root
+
+
+def read_png(path):
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    return imread(str(path))  # [H, W, 4] floats
+
+
+def test_mnist_grid_is_a_png_of_sensible_size(tmp_path):
+    out = tmp_path / "grid.png"
+    result = show_data("mnist", out, n=32, seed=3)
+    assert result["count"] == 32 and result["path"] == str(out)
+    pixels = read_png(out)
+    height, width = pixels.shape[:2]
+    assert 1000 <= width <= 2500 and 700 <= height <= 1800, (width, height)  # 8 x 4 tiles of ~1.2 in at 150 dpi
+    assert pixels[..., :3].std() > 0.1  # images drawn, not a blank page
+    # The same seed, the same images; another seed, others.
+    assert sample_indices(10000, 32, 3) == result["indices"] and len(set(result["indices"])) == 32
+    assert sample_indices(10000, 32, 4) != result["indices"]
+
+
+def test_class_names_of_every_dataset():
+    assert class_names("mnist", 10) == [str(k) for k in range(10)]
+    assert class_names("fashion-mnist", 10)[:2] == ["T-shirt/top", "Trouser"]
+    assert class_names("cifar10", 10)[:2] == ["airplane", "automobile"]
+    assert class_names("cifar100", 100, "/nonexistent") == [str(k) for k in range(100)]  # no meta file: numbers
+    assert class_names("synthetic", 3) == ["class 0", "class 1", "class 2"]
+
+
+def test_cifar100_names_come_from_its_meta_file(tmp_path):
+    import pickle
+
+    (tmp_path / "cifar-100-python").mkdir()
+    names = [f"name_{k}".encode() for k in range(100)]
+    with open(tmp_path / "cifar-100-python" / "meta", "wb") as fh:
+        pickle.dump({b"fine_label_names": names}, fh)
+    assert class_names("cifar100", 100, tmp_path)[:2] == ["name 0", "name 1"]
+
+
+def test_imagefolder_shows_its_folder_names(image_folder, tmp_path):
+    assert class_names(f"imagefolder:{image_folder}", 3) == FOLDER_CLASSES
+    result = show_data(f"imagefolder:{image_folder}", tmp_path / "folder.png", n=6)
+    assert result["count"] == 6 and sorted(result["labels"]) == [0, 0, 1, 1, 2, 2]  # the whole test split
+    read_png(tmp_path / "folder.png")
+    labels = tile_labels(result["labels"], FOLDER_CLASSES, None)
+    shown = {line for tile in labels for line, _ in tile}
+    assert {"cat", "dog"} <= shown
+    long = [line for line in shown if line.startswith("sea_urchin")]
+    assert long and len(long[0]) == MAX_NAME and long[0].endswith("\u2026")  # long names truncated
+
+
+def test_tile_labels_mark_right_and_wrong():
+    tiles = tile_labels([0, 1], ["zero", "one"], [0, 0])
+    assert tiles[0] == [("\u2713 pred zero", False)]
+    assert tiles[1] == [("\u2717 pred zero", True), ("true one", True)]  # wrong: bold, with the true class
+
+
+@pytest.mark.multiprocess
+def test_predictions_count_right_as_the_model_does(trained_run, tmp_path):
+    from ddpkit.config import TrainConfig
+    from ddpkit.data import load_dataset
+    from ddpkit.models import model_for
+
+    result = show_data(None, tmp_path / "pred.png", n=64, seed=1, predictions=trained_run)
+    read_png(tmp_path / "pred.png")
+    assert result["dataset"] == "mnist" and result["count"] == 64
+
+    # Independently: the run's model, the raw images normalised by hand, argmax.
+    cfg = TrainConfig.from_toml(trained_run / "config.toml")
+    splits = load_dataset(cfg)
+    model = model_for(cfg, splits.meta)
+    model.load_state_dict(torch.load(trained_run / "model.pt", weights_only=True))
+    model.eval()
+    idx = torch.tensor(result["indices"])
+    x = splits.test.images[idx].float() / 255
+    x = (x - 0.1307) / 0.3081
+    with torch.no_grad():
+        preds = model(x).argmax(1)
+    labels = splits.test.labels[idx]
+    assert result["labels"] == labels.tolist()
+    assert result["predictions"] == preds.tolist()
+    assert result["right"] == int((preds == labels).sum())
+    assert 0 < result["right"] < 64  # a one-epoch MLP: some right, some wrong, so both marks are drawn
+
+    # The command prints the same count; the explicit dataset matches the run's.
+    assert main(["show-data", "mnist", "--predictions", str(trained_run), "--n", "64", "--seed", "1",
+                 "--out", str(tmp_path / "cli.png")]) == 0
+    read_png(tmp_path / "cli.png")
+
+
+def test_refuses_to_overwrite_a_file_that_is_not_a_png(tmp_path):
+    precious = tmp_path / "notes.png"
+    precious.write_text("not an image")
+    with pytest.raises(ConfigError, match="not a PNG"):
+        show_data("mnist", precious, n=4)
+    assert precious.read_text() == "not an image"
+    with pytest.raises(ConfigError, match=r"\.png"):
+        show_data("mnist", tmp_path / "grid.jpg", n=4)
+    with pytest.raises(ConfigError, match="between 1 and 256"):
+        show_data("mnist", tmp_path / "grid.png", n=257)
+    with pytest.raises(ConfigError, match="--seed -1: give a whole number >= 0"):  # was numpy's traceback
+        show_data("mnist", tmp_path / "grid.png", n=4, seed=-1)
+
+
+@pytest.mark.multiprocess
+def test_custom_run_is_refused(trained_run, tmp_path):
+    run = tmp_path / "custom"
+    run.mkdir()
+    (run / "model.pt").write_bytes((trained_run / "model.pt").read_bytes())
+    config = (trained_run / "config.toml").read_text()
+    (run / "config.toml").write_text(config.replace('model = "mlp"', 'model = "custom:Net"'))
+    with pytest.raises(RunDirError, match="trained from Python"):
+        show_data(None, tmp_path / "grid.png", predictions=run)
+
+
+@pytest.mark.multiprocess
+def test_cli_errors_are_one_line(trained_run, tmp_path):
+    """A dataset that is not the run's, and a run dir that does not exist: one line each, non-zero exit."""
+    a, b = str(tmp_path / "a.png"), str(tmp_path / "b.png")
+    cases = {"cifar10 is not the one": ["cifar10", "--predictions", str(trained_run), "--out", a],
+             "no such run directory": ["--predictions", str(tmp_path / "no-such-run"), "--out", b]}
+    procs = {words: subprocess.Popen([sys.executable, "-m", "ddpkit", "show-data", *args], env=cli_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for words, args in cases.items()}  # side by side: each is mostly torch's import
+    for words, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "Traceback" not in stderr
+        assert len(stderr.strip().splitlines()) == 1 and words in stderr, stderr
+    assert not (tmp_path / "a.png").exists() and not (tmp_path / "b.png").exists()
