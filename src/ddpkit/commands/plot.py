@@ -21,12 +21,13 @@ def register(parser) -> None:
 
 
 def run(args) -> int:
+    from ..run.paths import RunFiles
     from ..run.plots import training_plots
 
     if args.out is None and len(args.run_dirs) > 1:
         raise ConfigError(f"{len(args.run_dirs)} run dirs are drawn into one set of plots: name its folder with "
                           f"--out DIR")
-    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plots"
+    out = Path(args.out) if args.out else RunFiles(args.run_dirs[0]).plots
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory")
     for path in training_plots(args.run_dirs, out):

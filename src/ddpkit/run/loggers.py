@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..files import atomic_write
+from .paths import RunFiles
 from .records import read_records
 
 BOOKKEEPING = ("event", "time", "epoch", "step")  # in every record; not plotted as a scalar
@@ -125,7 +126,7 @@ class CsvLogger:
     from metrics.jsonl: a few kB, a few times per run."""
 
     def __init__(self, run_dir: Path, config: dict, start_step: int, metric_names: tuple[str, ...]):
-        self.jsonl, self.path = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
+        self.jsonl, self.path = RunFiles(run_dir).metrics, run_dir / "metrics.csv"
         self.columns: list[str] = []
         self._rebuild()  # after a resume, metrics.jsonl has already dropped the steps that run again
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import RunDirError
 from ..files import describe_io_error
+from .paths import RunFiles
 from .records import read_records
 
 # One style per run, told apart without colour: line style, marker, and a luminance spread
@@ -23,7 +24,7 @@ RUN_STYLES = [("-", "o", "black"), ("--", "s", "tab:blue"), (":", "^", "tab:oran
 def read_run(run_dir: str | Path) -> dict:
     """A run's curves from its metrics.jsonl: step records, epoch records, and a label naming the
     run and its world size. A directory without records is a one-line error."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunFiles(run_dir).metrics
     if not path.is_file():
         raise RunDirError(f"{path} not found; is {run_dir} a ddpkit run directory?")
     records = read_records(path)

@@ -16,6 +16,7 @@ from ..errors import RunDirError
 from ..files import atomic_write, describe_io_error
 from .display import Display
 from .loggers import LOGGERS, open_loggers
+from .paths import RunFiles
 from .records import read_records
 
 
@@ -28,7 +29,7 @@ class MetricLogger:
                  quiet: bool = False, *, loggers: tuple[str, ...] = (), config: dict | None = None,
                  metric_names: tuple[str, ...] = ()):
         self.main = ctx.is_main
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / "metrics.jsonl"
+        self.run_dir, self.path = Path(run_dir), RunFiles(run_dir).metrics
         self.loggers, self.config, self.metric_names = tuple(loggers), config or {}, tuple(metric_names)
         self.error: RunDirError | None = None  # a failed append; the engine's next all-reduce stops every rank
         self.sinks: list = []

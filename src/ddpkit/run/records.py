@@ -1,6 +1,6 @@
 """metrics.jsonl, read back: one JSON record per line, as :class:`ddpkit.run.recorder.MetricLogger` appends them.
 
-    records = read_records(Path(run_dir) / "metrics.jsonl")   # [{"event": "step", "step": 50, ...}, ...]
+    records = read_records(RunFiles(run_dir).metrics)   # [{"event": "step", "step": 50, ...}, ...]
 
 Used by the CSV logger, the plots and the resume rewind. Torch-free, so ``ddpkit plot`` starts at once.
 """

@@ -36,6 +36,7 @@ from ..dist.context import cpu_cores, distributed, resolve_device_type
 from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import ConfigError
 from ..models import model_for
+from ..run.paths import RunFiles
 from ..run.plots import scaling_plot
 from ..trainer import Trainer
 from .costmodel import LINKS, Link, ddp_buckets, predict_step
@@ -124,7 +125,7 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
                 run_cfg = dataclasses.replace(cfg, grad_sync=sync, run_dir=str(work / f"w{n}-{'sync' if sync else 'nosync'}"))
                 result = Trainer(run_cfg, model=copy.deepcopy(model), train_data=train_data, test_data=test_data,
                                  loss_fn=loss_fn, metrics=metrics).fit()  # a copy: fit() trains the object it gets
-                s = spread(windows(result.run_dir / "metrics.jsonl", global_batch, window))
+                s = spread(windows(RunFiles(result.run_dir).metrics, global_batch, window))
                 if sync:
                     row.update(step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers"))
                 else:

@@ -57,6 +57,7 @@ from ..errors import (
 from ..models import model_for
 from ..preflight import sample_batch
 from ..run.checkpoint import read_weights
+from ..run.paths import RunFiles
 from ..train.engine import make_sources
 from ..train.workers import Job
 from ..trainer import Trainer
@@ -232,7 +233,7 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
                               train_data=train_data, test_data=test_data, meta=meta, loss_fn=loss_fn, metrics=metrics,
                               collate_fn=collate_fn)
             result = trainer.fit()
-            weights[name] = read_weights(result.run_dir / "model.pt")
+            weights[name] = read_weights(RunFiles(result.run_dir).model)
             if name == "test":
                 coverage = data_coverage(trainer, nproc)
     except (DdpkitError, WorkersFailed) as exc:
