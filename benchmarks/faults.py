@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ddpkit import TrainConfig  # noqa: E402
-from ddpkit.run.checkpoint import Checkpointer  # noqa: E402
 from ddpkit.dist.context import distributed  # noqa: E402
 from ddpkit.models import build_model  # noqa: E402
+from ddpkit.run.checkpoint import Checkpointer  # noqa: E402
 from ddpkit.train.optim import build_optimizer, build_schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,8 +53,12 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
             ckpt = Checkpointer(work, ctx, cfg, keep=2)
             times = []
             for step in range(repeats):
-                state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                         "rank_state": {"acc": torch.zeros(2, dtype=torch.float64)}}
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rank_state": {"acc": torch.zeros(2, dtype=torch.float64)},
+                }
                 t = time.perf_counter()
                 path = ckpt.save(state, step)
                 times.append(time.perf_counter() - t)
@@ -68,6 +72,7 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
 def worker_pids(launcher: int) -> list[int]:
     """The workers: children of the launcher's forkserver, or children of the launcher, spawned
     (spawn_main) or forked (the launcher's own command line)."""
+
     def kids(pid: int) -> list[tuple[int, bytes]]:
         out = []
         for entry in Path("/proc").iterdir():
@@ -99,7 +104,9 @@ def train_killing_one_worker(args: list[str], run_dir: Path, kill_after_step: in
     """``ddpkit train ARGS --run-dir RUN_DIR`` (with restarts allowed in ARGS); SIGKILL the newest
     worker once a step record at or after ``kill_after_step`` is logged. Returns (exit code, kill time)."""
     cmd = [sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         while True:
@@ -121,16 +128,36 @@ def train_killing_one_worker(args: list[str], run_dir: Path, kill_after_step: in
 def restart_to_first_step_s(kill_after_step: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-restart-"))
     run_dir = work / "run"
-    args = ["--dataset", "mnist", "--nproc", "2", "--epochs", "1", "--lr", "0.05", "--log-every", "1",
-            "--save-every-steps", "10", "--max-restarts", "1", "--no-progress", "--device", "cpu"]
+    args = [
+        "--dataset",
+        "mnist",
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--lr",
+        "0.05",
+        "--log-every",
+        "1",
+        "--save-every-steps",
+        "10",
+        "--max-restarts",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     try:
         exit_code, killed_at = train_killing_one_worker(args, run_dir, kill_after_step)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         restart = next(i for i, r in enumerate(records) if r["event"] == "start" and r.get("resumed_at_step"))
         first = next(r for r in records[restart:] if r["event"] == "step")
-        return {"exit_code": exit_code, "resumed_at_step": records[restart]["resumed_at_step"],
-                "restart_to_first_step_s": first["time"] - killed_at,
-                "restart_to_start_event_s": records[restart]["time"] - killed_at}
+        return {
+            "exit_code": exit_code,
+            "resumed_at_step": records[restart]["resumed_at_step"],
+            "restart_to_first_step_s": first["time"] - killed_at,
+            "restart_to_start_event_s": records[restart]["time"] - killed_at,
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -141,17 +168,25 @@ def main(argv=None) -> int:
     p.add_argument("--kill-after-step", type=int, default=15)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    figures = {"torch": str(torch.__version__),
-               "snapshots": [snapshot_save_s("convnet", (1, 28, 28), args.repeats),
-                             snapshot_save_s("resnet9", (3, 32, 32), args.repeats)],
-               "restart": restart_to_first_step_s(args.kill_after_step)}
+    figures = {
+        "torch": str(torch.__version__),
+        "snapshots": [
+            snapshot_save_s("convnet", (1, 28, 28), args.repeats),
+            snapshot_save_s("resnet9", (3, 32, 32), args.repeats),
+        ],
+        "restart": restart_to_first_step_s(args.kill_after_step),
+    }
     for s in figures["snapshots"]:
-        print(f"snapshot save  {s['model']:8s} {s['params'] / 1e6:6.2f} M params  {s['file_mb']:7.1f} MiB  "
-              f"{1e3 * s['save_s']:8.1f} ms (median of {args.repeats})")
+        print(
+            f"snapshot save  {s['model']:8s} {s['params'] / 1e6:6.2f} M params  {s['file_mb']:7.1f} MiB  "
+            f"{1e3 * s['save_s']:8.1f} ms (median of {args.repeats})"
+        )
     r = figures["restart"]
-    print(f"restart        SIGKILL -> first step of the restarted group: {r['restart_to_first_step_s']:.2f} s "
-          f"(start event after {r['restart_to_start_event_s']:.2f} s; resumed at step {r['resumed_at_step']}; "
-          f"exit {r['exit_code']})")
+    print(
+        f"restart        SIGKILL -> first step of the restarted group: {r['restart_to_first_step_s']:.2f} s "
+        f"(start event after {r['restart_to_start_event_s']:.2f} s; resumed at step {r['resumed_at_step']}; "
+        f"exit {r['exit_code']})"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

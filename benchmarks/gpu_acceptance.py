@@ -41,12 +41,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
 
+from faults import src_env, train_killing_one_worker  # noqa: E402
+from pipelines import seed_worker, torchvision_mnist_root  # noqa: E402
+
 from ddpkit import TrainConfig, Trainer  # noqa: E402
 from ddpkit.dist.launcher import run_workers  # noqa: E402
 from ddpkit.models import ResNet9  # noqa: E402
 from ddpkit.train.syncbn import convert_sync_batchnorm  # noqa: E402
-from faults import src_env, train_killing_one_worker  # noqa: E402
-from pipelines import seed_worker, torchvision_mnist_root  # noqa: E402
 
 
 @dataclass
@@ -72,8 +73,9 @@ class Env:
         return str(self.work / f"run{self.runs}")
 
     def train(self, **kw) -> dict:
-        cfg = dict(dataset="mnist", device=self.device, nproc="1", progress=False, log_every=10_000,
-                   run_dir=self.run_dir())
+        cfg = dict(
+            dataset="mnist", device=self.device, nproc="1", progress=False, log_every=10_000, run_dir=self.run_dir()
+        )
         if kw.get("dataset", "mnist") == "mnist":
             # what auto picks on a GPU, so the CPU rehearsal runs it too (auto: bf16 on CPUs with native bf16)
             cfg["recipe"] = "mnist"
@@ -88,14 +90,19 @@ class Env:
 
 
 def mnist_accuracy(env: Env) -> Check:
-    c = Check("MNIST ConvNet, default recipe, 1 epoch, 1 GPU",
-              ">= 99.0% mean test accuracy over 5 seeds, <= 0.5 s training (warm-up excluded)")
+    c = Check(
+        "MNIST ConvNet, default recipe, 1 epoch, 1 GPU",
+        ">= 99.0% mean test accuracy over 5 seeds, <= 0.5 s training (warm-up excluded)",
+    )
     warm = env.train(epochs=1, seed=1000)  # CUDA context, cuDNN heuristics, allocator: excluded
     runs = [env.train(epochs=1, seed=s) for s in range(1 if env.tiny else 5)]
     acc = statistics.mean(r["test_accuracy"] for r in runs)
     secs = statistics.mean(r["train_time_s"] for r in runs)
-    c.figures = {"test_accuracy": [r["test_accuracy"] for r in runs], "train_time_s": [r["train_time_s"] for r in runs],
-                 "warmup_run_train_time_s": warm["train_time_s"]}
+    c.figures = {
+        "test_accuracy": [r["test_accuracy"] for r in runs],
+        "train_time_s": [r["train_time_s"] for r in runs],
+        "warmup_run_train_time_s": warm["train_time_s"],
+    }
     per_seed = ", ".join(f"{r['test_accuracy']:.4f}" for r in runs)
     c.measured = f"{acc:.4f} in {secs:.3f} s (per seed: {per_seed}; warm-up run {warm['train_time_s']:.2f} s, excluded)"
     c.verdict = env.judge(acc >= 0.99 and secs <= 0.5)
@@ -112,8 +119,11 @@ def seed_vs_ddpkit(env: Env) -> Check:
         shutil.rmtree(root, ignore_errors=True)
     ours = env.train(epochs=1, batch_size=batch, lr=0.05, limit_train=limit)
     ratio = ours["samples_per_s"] / seed["samples_per_s"]
-    c.figures = {"seed_samples_per_s": seed["samples_per_s"], "ddpkit_samples_per_s": ours["samples_per_s"],
-                 "ratio": ratio}
+    c.figures = {
+        "seed_samples_per_s": seed["samples_per_s"],
+        "ddpkit_samples_per_s": ours["samples_per_s"],
+        "ratio": ratio,
+    }
     c.measured = f"{ratio:.1f}x ({ours['samples_per_s']:,.0f} vs {seed['samples_per_s']:,.0f} samples/s)"
     c.verdict = env.judge(ratio >= 20)
     return c
@@ -129,8 +139,17 @@ def resnet9_throughput(env: Env) -> Check:
     # tiny: fp32 and 16x16, since bf16 convolutions on this CPU are ~100x slower than fp32 (BENCHMARKS.md)
     size, batch, shape, amp = (96, 32, "3,16,16", "none") if env.tiny else (25_600, 512, "3,32,32", "bf16")
     run_dir = env.run_dir()
-    env.train(dataset="synthetic", synthetic_size=size, synthetic_shape=shape, model="resnet9", batch_size=batch,
-              amp=amp, channels_last=True, epochs=3, run_dir=run_dir)
+    env.train(
+        dataset="synthetic",
+        synthetic_size=size,
+        synthetic_shape=shape,
+        model="resnet9",
+        batch_size=batch,
+        amp=amp,
+        channels_last=True,
+        epochs=3,
+        run_dir=run_dir,
+    )
     per_epoch = [r["samples_per_s"] for r in epoch_records(run_dir)]
     c.figures = {"samples_per_s_per_epoch": per_epoch}
     epochs = ", ".join(f"{v:,.0f}" for v in per_epoch)
@@ -140,8 +159,10 @@ def resnet9_throughput(env: Env) -> Check:
 
 
 def world_one_overhead(env: Env) -> Check:
-    c = Check("world 1, MNIST epoch: ddpkit vs a bare hand-written step (benchmarks/step_floor.py)",
-              "<= 3% below the bare step's samples/s; the DDP wrapper, forced with --ddp, reported")
+    c = Check(
+        "world 1, MNIST epoch: ddpkit vs a bare hand-written step (benchmarks/step_floor.py)",
+        "<= 3% below the bare step's samples/s; the DDP wrapper, forced with --ddp, reported",
+    )
     from step_floor import variant
 
     batch, steps = (100, 10) if env.tiny else (128, 468)
@@ -153,25 +174,58 @@ def world_one_overhead(env: Env) -> Check:
         rounds.append({"ddpkit": ours, "ddpkit_forced_ddp": wrapped, "bare": bare})
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     overhead = 1 - med["ddpkit"] / med["bare"]
-    c.figures = {"rounds": rounds, "overhead": overhead, "wrapper_overhead": 1 - med["ddpkit_forced_ddp"] / med["ddpkit"]}
-    c.measured = (f"{100 * overhead:+.1f}% (median of {len(rounds)}: ddpkit {med['ddpkit']:,.0f}, bare "
-                  f"{med['bare']:,.0f} samples/s); with the DDP wrapper forced: {med['ddpkit_forced_ddp']:,.0f} "
-                  f"({100 * c.figures['wrapper_overhead']:+.1f}%)")
+    c.figures = {
+        "rounds": rounds,
+        "overhead": overhead,
+        "wrapper_overhead": 1 - med["ddpkit_forced_ddp"] / med["ddpkit"],
+    }
+    c.measured = (
+        f"{100 * overhead:+.1f}% (median of {len(rounds)}: ddpkit {med['ddpkit']:,.0f}, bare "
+        f"{med['bare']:,.0f} samples/s); with the DDP wrapper forced: {med['ddpkit_forced_ddp']:,.0f} "
+        f"({100 * c.figures['wrapper_overhead']:+.1f}%)"
+    )
     c.verdict = env.judge(overhead <= 0.03)
     return c
 
 
 def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
     n, batch, kill_at = (1000, 50, 25) if env.tiny else (12_800, 128, 130)
-    args = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", str(n), "--limit-test", "500" if env.tiny else "2000",
-            "--batch-size", str(batch),
-            "--lr", "0.05", "--epochs", "2", "--log-every", "5", "--save-every-steps", "20", "--no-progress",
-            "--device", env.device, "--nproc", "1", "--max-restarts", "1"]
+    args = [
+        "--dataset",
+        "mnist",
+        "--recipe",
+        "mnist",
+        "--limit-train",
+        str(n),
+        "--limit-test",
+        "500" if env.tiny else "2000",
+        "--batch-size",
+        str(batch),
+        "--lr",
+        "0.05",
+        "--epochs",
+        "2",
+        "--log-every",
+        "5",
+        "--save-every-steps",
+        "20",
+        "--no-progress",
+        "--device",
+        env.device,
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "1",
+    ]
     args += ["--deterministic"] if deterministic else []
     ref, killed = Path(env.run_dir()), Path(env.run_dir())
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(ref)],
-                          env=src_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(ref)],
+        env=src_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed: {done.stderr.strip().splitlines()[-1:]}")
     code, _ = train_killing_one_worker(args, killed, kill_at)
@@ -186,10 +240,13 @@ def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
 
 
 def deterministic_resume(env: Env) -> Check:
-    c = Check("SIGKILL mid-epoch, restart, resume, with --deterministic", "model.pt bitwise equal to an uninterrupted run")
+    c = Check(
+        "SIGKILL mid-epoch, restart, resume, with --deterministic", "model.pt bitwise equal to an uninterrupted run"
+    )
     equal, c.figures = _kill_and_resume(env, deterministic=True)
-    c.measured = ("bitwise equal" if equal else f"{len(c.figures['differing_tensors'])} tensors differ") + \
-        f" (resumed at step {c.figures['resumed_at_step']})"
+    c.measured = (
+        "bitwise equal" if equal else f"{len(c.figures['differing_tensors'])} tensors differ"
+    ) + f" (resumed at step {c.figures['resumed_at_step']})"
     c.verdict = "met" if equal else "missed"  # judged in tiny mode too: CPU must be exact
     return c
 
@@ -206,8 +263,10 @@ def nondeterministic_resume(env: Env) -> Check:
 
 
 def world_two(env: Env) -> Check:
-    c = Check("world 2 (NCCL on GPUs), and a user model already on the GPU",
-              "trains; test accuracy within 0.5% of world 1; the model object stays on its GPU")
+    c = Check(
+        "world 2 (NCCL on GPUs), and a user model already on the GPU",
+        "trains; test accuracy within 0.5% of world 1; the model object stays on its GPU",
+    )
     if not env.tiny and env.gpus < 2:
         c.verdict = f"skipped: needs 2 GPUs, {env.gpus} visible"
         return c
@@ -220,17 +279,21 @@ def world_two(env: Env) -> Check:
     passed = env.train(epochs=1, nproc="2", model_object=mine)
     home = {p.device.type for p in mine.parameters()}
     c.figures = {"world1": one, "world2": two, "user_model_world2": passed}
-    c.measured = (f"world 2 {two['test_accuracy']:.4f} ({two['backend']}, {two['samples_per_s']:,.0f} samples/s) vs "
-                  f"world 1 {one['test_accuracy']:.4f} ({one['samples_per_s']:,.0f}); user model: "
-                  f"{passed['test_accuracy']:.4f}, left on {sorted(home)}")
+    c.measured = (
+        f"world 2 {two['test_accuracy']:.4f} ({two['backend']}, {two['samples_per_s']:,.0f} samples/s) vs "
+        f"world 1 {one['test_accuracy']:.4f} ({one['samples_per_s']:,.0f}); user model: "
+        f"{passed['test_accuracy']:.4f}, left on {sorted(home)}"
+    )
     ok = abs(two["test_accuracy"] - one["test_accuracy"]) <= 0.005 and home == {env.device}
     c.verdict = env.judge(ok)
     return c
 
 
 def syncbn_implementations(env: Env) -> Check:
-    c = Check("--sync-bn on CUDA: torch's SyncBatchNorm vs ddpkit's all-reduce BN, resnet9 bf16, world 2",
-              "reported: step time of each (torch's syncs the host once per BN layer per step)")
+    c = Check(
+        "--sync-bn on CUDA: torch's SyncBatchNorm vs ddpkit's all-reduce BN, resnet9 bf16, world 2",
+        "reported: step time of each (torch's syncs the host once per BN layer per step)",
+    )
     if env.tiny or env.gpus < 2:
         c.verdict = f"skipped: needs 2 GPUs, {env.gpus} visible"
         return c
@@ -239,8 +302,16 @@ def syncbn_implementations(env: Env) -> Check:
         run_dir = env.run_dir()
         torch.manual_seed(0)
         model = convert_sync_batchnorm(ResNet9(), torch.device("cpu"), impl)  # converted here, so the engine keeps it
-        env.train(dataset="synthetic", synthetic_size=25_600, model_object=model, batch_size=1024, amp="bf16",
-                  epochs=3, nproc="2", run_dir=run_dir)
+        env.train(
+            dataset="synthetic",
+            synthetic_size=25_600,
+            model_object=model,
+            batch_size=1024,
+            amp="bf16",
+            epochs=3,
+            nproc="2",
+            run_dir=run_dir,
+        )
         figures[impl] = epoch_records(run_dir)[-1]["samples_per_s"]
     c.figures = figures
     c.measured = f"torch {figures['torch']:,.0f} img/s, all-reduce {figures['allreduce']:,.0f} img/s"
@@ -248,13 +319,27 @@ def syncbn_implementations(env: Env) -> Check:
     return c
 
 
-CHECKS = [mnist_accuracy, seed_vs_ddpkit, resnet9_throughput, world_one_overhead, deterministic_resume,
-          nondeterministic_resume, world_two, syncbn_implementations]
+CHECKS = [
+    mnist_accuracy,
+    seed_vs_ddpkit,
+    resnet9_throughput,
+    world_one_overhead,
+    deterministic_resume,
+    nondeterministic_resume,
+    world_two,
+    syncbn_implementations,
+]
 
 
 def environment(env: Env) -> dict:
-    info = {"torch": str(torch.__version__), "cuda": torch.version.cuda, "device": env.device, "gpus": env.gpus,
-            "tiny": env.tiny, "date": time.strftime("%Y-%m-%d")}
+    info = {
+        "torch": str(torch.__version__),
+        "cuda": torch.version.cuda,
+        "device": env.device,
+        "gpus": env.gpus,
+        "tiny": env.tiny,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if env.gpus:
         info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(env.gpus)]
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -262,9 +347,13 @@ def environment(env: Env) -> dict:
 
 
 def table(checks: list[Check], info: dict) -> str:
-    lines = [f"Machine: {info.get('gpu_names', ['cpu'])[0]} x{max(1, info['gpus'])}, torch {info['torch']}, "
-             f"CUDA {info['cuda']}, {info['date']}{' (tiny mode)' if info['tiny'] else ''}", "",
-             "| check | target | measured | verdict |", "|---|---|---|---|"]
+    lines = [
+        f"Machine: {info.get('gpu_names', ['cpu'])[0]} x{max(1, info['gpus'])}, torch {info['torch']}, "
+        f"CUDA {info['cuda']}, {info['date']}{' (tiny mode)' if info['tiny'] else ''}",
+        "",
+        "| check | target | measured | verdict |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {c.name} | {c.target} | {c.measured} | {c.verdict} |" for c in checks]
     return "\n".join(lines) + "\n"
 
@@ -300,8 +389,9 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     info = environment(env)
     (args.out / "acceptance.md").write_text(table(checks, info))
-    (args.out / "acceptance.json").write_text(json.dumps({"environment": info, "checks": [asdict(c) for c in checks]},
-                                                         indent=2, default=str) + "\n")
+    (args.out / "acceptance.json").write_text(
+        json.dumps({"environment": info, "checks": [asdict(c) for c in checks]}, indent=2, default=str) + "\n"
+    )
     print(table(checks, info))
     return 1 if any(c.verdict.startswith("error") for c in checks) else 0
 

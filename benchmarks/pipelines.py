@@ -107,17 +107,32 @@ def main(argv=None) -> int:
     rounds = []
     try:
         # recipe "mnist": float32 like the seed script (auto picks bf16 on CPUs with native bf16)
-        common = dict(dataset="mnist", recipe="mnist", model="convnet", batch_size=args.batch_size,
-                      epochs=args.epochs, lr=args.lr, limit_train=args.limit_train, device="cpu")
+        common = dict(
+            dataset="mnist",
+            recipe="mnist",
+            model="convnet",
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            lr=args.lr,
+            limit_train=args.limit_train,
+            device="cpu",
+        )
         for r in range(args.repeats):
-            seed = run_workers(seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train),
-                               args.nproc)
+            seed = run_workers(
+                seed_worker, (str(root), args.batch_size, args.epochs, args.lr, args.limit_train), args.nproc
+            )
             ours = ddpkit_run(work / f"ddp-{r}", nproc=str(args.nproc), **common)
             one_ddp = ddpkit_run(work / f"w1-ddp-{r}", nproc="1", ddp=True, **common)  # forced: off at world 1
             one_raw = ddpkit_run(work / f"w1-noddp-{r}", nproc="1", ddp=False, **common)
-            rounds.append({"seed": seed["samples_per_s"], "ddpkit": ours["samples_per_s"],
-                           "w1_ddp": one_ddp["samples_per_s"], "w1_raw": one_raw["samples_per_s"],
-                           "ddpkit_test_accuracy": ours["test_accuracy"]})
+            rounds.append(
+                {
+                    "seed": seed["samples_per_s"],
+                    "ddpkit": ours["samples_per_s"],
+                    "w1_ddp": one_ddp["samples_per_s"],
+                    "w1_raw": one_raw["samples_per_s"],
+                    "ddpkit_test_accuracy": ours["test_accuracy"],
+                }
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
@@ -133,14 +148,20 @@ def main(argv=None) -> int:
         "ddp_wrapper_overhead": 1 - med["w1_ddp"] / med["w1_raw"],
         "rounds": rounds,
     }
-    print(f"world {args.nproc}, global batch {args.batch_size}, {args.epochs} epoch(s), ConvNet on MNIST, CPU, "
-          f"median of {args.repeats} round(s)")
+    print(
+        f"world {args.nproc}, global batch {args.batch_size}, {args.epochs} epoch(s), ConvNet on MNIST, CPU, "
+        f"median of {args.repeats} round(s)"
+    )
     print(f"  (a) seed-style pipeline : {figures['seed_samples_per_s']:9.0f} samples/s")
-    print(f"  (b) ddpkit              : {figures['ddpkit_samples_per_s']:9.0f} samples/s   "
-          f"ratio {figures['speedup']:.2f}x   test acc {figures['ddpkit_test_accuracy']:.4f}")
+    print(
+        f"  (b) ddpkit              : {figures['ddpkit_samples_per_s']:9.0f} samples/s   "
+        f"ratio {figures['speedup']:.2f}x   test acc {figures['ddpkit_test_accuracy']:.4f}"
+    )
     print(f"  (c) world 1, DDP        : {figures['world1_ddp_samples_per_s']:9.0f} samples/s")
-    print(f"      world 1, no DDP     : {figures['world1_no_ddp_samples_per_s']:9.0f} samples/s   "
-          f"wrapper overhead {100 * figures['ddp_wrapper_overhead']:.1f}%")
+    print(
+        f"      world 1, no DDP     : {figures['world1_no_ddp_samples_per_s']:9.0f} samples/s   "
+        f"wrapper overhead {100 * figures['ddp_wrapper_overhead']:.1f}%"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -37,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ddpkit.train.metrics import Accumulator  # noqa: E402
 from ddpkit.models import ConvNet, to_channels_last  # noqa: E402
+from ddpkit.train.metrics import Accumulator  # noqa: E402
 from ddpkit.train.optim import ScheduleFactor  # noqa: E402
 from ddpkit.train.task import Classification  # noqa: E402
 
@@ -46,8 +46,11 @@ from ddpkit.train.task import Classification  # noqa: E402
 def setup(device: torch.device, batch: int, ddp: bool):
     torch.manual_seed(0)
     model = to_channels_last(ConvNet().to(device), device.type)  # as ddpkit's engine does
-    net = DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True) \
-        if ddp else model
+    net = (
+        DDP(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        if ddp
+        else model
+    )
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, **impl)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, ScheduleFactor("onecycle", 10_000, 0.15))
@@ -78,7 +81,7 @@ def variant(device, batch, steps, *, task=False, ddp=False, profile_to=None, cud
     n = x.shape[0] // batch
 
     def step(i):
-        idx = order[(i % n) * batch:(i % n + 1) * batch]
+        idx = order[(i % n) * batch : (i % n + 1) * batch]
         xb, yb = x.index_select(0, idx).contiguous(memory_format=torch.channels_last), y.index_select(0, idx)
         opt.zero_grad(set_to_none=True)
         if cls is None:
@@ -103,18 +106,25 @@ def engine_step(device, batch, steps, profile_to=None) -> float:
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
     from ddpkit.dist.context import DistContext
-    from ddpkit.train.engine import Engine
     from ddpkit.models import build_model
+    from ddpkit.train.engine import Engine
 
     torch.backends.cudnn.benchmark = False
     with tempfile.TemporaryDirectory() as run_dir:
         # recipe "mnist": float32 like the bare step (auto picks bf16 on CPUs with native bf16)
-        cfg = TrainConfig(dataset="mnist", recipe="mnist", batch_size=batch, epochs=1, device=device.type,
-                          progress=False, log_every=10**6, run_dir=run_dir).resolved()
+        cfg = TrainConfig(
+            dataset="mnist",
+            recipe="mnist",
+            batch_size=batch,
+            epochs=1,
+            device=device.type,
+            progress=False,
+            log_every=10**6,
+            run_dir=run_dir,
+        ).resolved()
         ctx = DistContext(0, 0, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
         torch.manual_seed(0)
-        engine = Engine(cfg, ctx, build_model(cfg.model, 1, 28, 28, 10), load_dataset(cfg),
-                        Classification(classes=10))
+        engine = Engine(cfg, ctx, build_model(cfg.model, 1, 28, 28, 10), load_dataset(cfg), Classification(classes=10))
         batches = engine.train_src.batches(0)
         step = lambda i: engine._step((next(batches),))  # noqa: E731
         per_step = time_steps(step, min(steps, engine.steps_per_epoch - 60), device)
@@ -125,7 +135,8 @@ def engine_step(device, batch, steps, profile_to=None) -> float:
 
 def profile(step, device, path: Path) -> None:
     """Host and device time per op over 20 steps, largest host total first."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
@@ -184,8 +195,13 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     table = {k: {"ms_per_step": 1e3 * v, "samples_per_s": b / v} for k, v in rows.items()}
-    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "batch_size": b, "steps": args.steps, "date": time.strftime("%Y-%m-%d")}
+    info = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch_size": b,
+        "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     (args.out / "floor.json").write_text(json.dumps({"environment": info, "variants": table}, indent=2) + "\n")
     print(f"{info['device']}, torch {info['torch']}, batch {b} (batch 512 row: per {b} samples)")
     for k, v in table.items():

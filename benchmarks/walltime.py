@@ -76,7 +76,8 @@ def make_image_folder(root: Path, n_train: int, n_test: int) -> Path:
             (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
             for i in range(n // 10):
                 Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
-                    root / split / f"class{c}" / f"{i:04d}.png")
+                    root / split / f"class{c}" / f"{i:04d}.png"
+                )
     return root
 
 
@@ -91,20 +92,27 @@ def timed(cmd: list[str], src: Path, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])}... failed:\n{proc.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"wall_s": wall, "train_time_s": summary["train_time_s"], "startup_s": summary.get("startup_s"),
-            "teardown_s": summary.get("teardown_s")}
+    return {
+        "wall_s": wall,
+        "train_time_s": summary["train_time_s"],
+        "startup_s": summary.get("startup_s"),
+        "teardown_s": summary.get("teardown_s"),
+    }
 
 
 def data_load_s(src: Path, folder: Path, size: int) -> float:
     """Seconds to have the ImageFolder in memory, in a fresh process (the second run: its cache exists)."""
-    code = ("import sys, time, types; sys.path.insert(0, sys.argv[1]); t = time.perf_counter()\n"
-            "from ddpkit.data.folder import load_imagefolder\n"
-            "from ddpkit.data.materialize import materialize\n"
-            "cfg = types.SimpleNamespace(data_path='auto', dataset='imagefolder:' + sys.argv[2], image_size=int(sys.argv[3]))\n"
-            "t = time.perf_counter(); s = materialize(load_imagefolder(sys.argv[2], int(sys.argv[3])), cfg)\n"
-            "print(time.perf_counter() - t); print(s.note, file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", code, str(src), str(folder), str(size)], capture_output=True,
-                          text=True)
+    code = (
+        "import sys, time, types; sys.path.insert(0, sys.argv[1]); t = time.perf_counter()\n"
+        "from ddpkit.data.folder import load_imagefolder\n"
+        "from ddpkit.data.materialize import materialize\n"
+        "cfg = types.SimpleNamespace(data_path='auto', dataset='imagefolder:' + sys.argv[2], image_size=int(sys.argv[3]))\n"
+        "t = time.perf_counter(); s = materialize(load_imagefolder(sys.argv[2], int(sys.argv[3])), cfg)\n"
+        "print(time.perf_counter() - t); print(s.note, file=sys.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(folder), str(size)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return float(proc.stdout.strip().splitlines()[-1])
@@ -117,15 +125,52 @@ def workloads(args, work: Path, folder: Path) -> dict:
     toy.write_text(TOY)
     epochs = "1" if args.tiny else "4"
     return {
-        "mnist_epoch": lambda d: [py, "-m", "ddpkit", "train", *mnist, "--epochs", "1", "--run-dir", str(d)]
-        + (["--limit-train", "2000", "--limit-test", "500"] if args.tiny else []),
-        "one_step": lambda d: [py, "-m", "ddpkit", "train", *mnist, "--epochs", "1", "--limit-train", "200",
-                               "--batch-size", "100", "--limit-test", "100", "--run-dir", str(d)],
+        "mnist_epoch": lambda d: (
+            [py, "-m", "ddpkit", "train", *mnist, "--epochs", "1", "--run-dir", str(d)]
+            + (["--limit-train", "2000", "--limit-test", "500"] if args.tiny else [])
+        ),
+        "one_step": lambda d: [
+            py,
+            "-m",
+            "ddpkit",
+            "train",
+            *mnist,
+            "--epochs",
+            "1",
+            "--limit-train",
+            "200",
+            "--batch-size",
+            "100",
+            "--limit-test",
+            "100",
+            "--run-dir",
+            str(d),
+        ],
         "toy_api": lambda d: [py, str(toy), str(d)],
-        "imagefolder": lambda d: [py, "-m", "ddpkit", "train", "--dataset", f"imagefolder:{folder}", "--image-size",
-                                  "32", "--model", "mlp" if args.tiny else "resnet9", "--nproc", "2", "--device",
-                                  "cpu", "--epochs", epochs, "--no-progress", "--run-dir", str(d)]
-        + (["--batch-size", "20"] if args.tiny else []),
+        "imagefolder": lambda d: (
+            [
+                py,
+                "-m",
+                "ddpkit",
+                "train",
+                "--dataset",
+                f"imagefolder:{folder}",
+                "--image-size",
+                "32",
+                "--model",
+                "mlp" if args.tiny else "resnet9",
+                "--nproc",
+                "2",
+                "--device",
+                "cpu",
+                "--epochs",
+                epochs,
+                "--no-progress",
+                "--run-dir",
+                str(d),
+            ]
+            + (["--batch-size", "20"] if args.tiny else [])
+        ),
     }
 
 
@@ -141,12 +186,16 @@ def main(argv=None) -> int:
     try:
         if args.baseline:
             tree = work / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.baseline],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.baseline],
+                check=True,
+                capture_output=True,
+            )
             sides = {"baseline": tree / "src", **sides}
         n_train, n_test = (100, 50) if args.tiny else (1500, 500)
-        rounds: dict = {side: {name: [] for name in ("mnist_epoch", "one_step", "toy_api", "imagefolder")}
-                        for side in sides}
+        rounds: dict = {
+            side: {name: [] for name in ("mnist_epoch", "one_step", "toy_api", "imagefolder")} for side in sides
+        }
         loads: dict = {side: [] for side in sides}
         for r in range(args.repeats):
             for side, src in sides.items():  # interleaved: a slow spell hits both sides alike
@@ -157,42 +206,56 @@ def main(argv=None) -> int:
                 loads[side].append(data_load_s(src, folder, 32) if (folder / ".ddpkit-cache").exists() else None)
         figures = {"config": {**vars(args), "json": None}, "sides": {}}
         for side in sides:
-            med = {name: {k: statistics.median(x[k] for x in runs) if runs[0][k] is not None else None
-                          for k in runs[0]} for name, runs in rounds[side].items()}
+            med = {
+                name: {k: statistics.median(x[k] for x in runs) if runs[0][k] is not None else None for k in runs[0]}
+                for name, runs in rounds[side].items()
+            }
             load = [v for v in loads[side] if v is not None]
             figures["sides"][side] = {
                 "mnist_epoch_overhead_s": med["mnist_epoch"]["wall_s"] - med["mnist_epoch"]["train_time_s"],
-                "one_step_wall_s": med["one_step"]["wall_s"], "toy_api_wall_s": med["toy_api"]["wall_s"],
+                "one_step_wall_s": med["one_step"]["wall_s"],
+                "toy_api_wall_s": med["toy_api"]["wall_s"],
                 "imagefolder_wall_over_train": med["imagefolder"]["wall_s"] / med["imagefolder"]["train_time_s"],
                 "imagefolder_second_load_s": statistics.median(load) if load else None,
-                "runs": med, "rounds": rounds[side]}
+                "runs": med,
+                "rounds": rounds[side],
+            }
         print(table(figures, args))
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
     finally:
         if args.baseline:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")],
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")], capture_output=True
+            )
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
 def table(figures: dict, args) -> str:
     sides = figures["sides"]
-    rows = [("MNIST 1 epoch: wall - train_time_s", "mnist_epoch_overhead_s", "<= 3 s", "{:.2f} s"),
-            ("1-step run: wall", "one_step_wall_s", "<= 4 s", "{:.2f} s"),
-            ("seed 004 toy, Python API: wall", "toy_api_wall_s", "<= 6 s", "{:.2f} s"),
-            ("ImageFolder 1,500 PNGs, resnet9, 4 epochs: wall / train", "imagefolder_wall_over_train", "<= 1.3",
-             "{:.2f}"),
-            ("ImageFolder, second run: data load", "imagefolder_second_load_s", "<= 1 s", "{:.2f} s")]
+    rows = [
+        ("MNIST 1 epoch: wall - train_time_s", "mnist_epoch_overhead_s", "<= 3 s", "{:.2f} s"),
+        ("1-step run: wall", "one_step_wall_s", "<= 4 s", "{:.2f} s"),
+        ("seed 004 toy, Python API: wall", "toy_api_wall_s", "<= 6 s", "{:.2f} s"),
+        ("ImageFolder 1,500 PNGs, resnet9, 4 epochs: wall / train", "imagefolder_wall_over_train", "<= 1.3", "{:.2f}"),
+        ("ImageFolder, second run: data load", "imagefolder_second_load_s", "<= 1 s", "{:.2f} s"),
+    ]
     head = "| workload, 2 processes | " + " | ".join(sides) + " | target |"
-    lines = [f"{'tiny mode: ' if args.tiny else ''}median of {args.repeats} round(s)", "", head,
-             "|---" * (len(sides) + 2) + "|"]
+    lines = [
+        f"{'tiny mode: ' if args.tiny else ''}median of {args.repeats} round(s)",
+        "",
+        head,
+        "|---" * (len(sides) + 2) + "|",
+    ]
     for label, key, target, fmt in rows:
         cells = [fmt.format(sides[s][key]) if sides[s][key] is not None else "n/a" for s in sides]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {target} |")
-    startup = " | ".join(f"{s}: startup {sides[s]['runs']['one_step']['startup_s']}, teardown "
-                         f"{sides[s]['runs']['one_step']['teardown_s']}" for s in sides)
+    startup = " | ".join(
+        f"{s}: startup {sides[s]['runs']['one_step']['startup_s']}, teardown "
+        f"{sides[s]['runs']['one_step']['teardown_s']}"
+        for s in sides
+    )
     return "\n".join(lines) + f"\n\n1-step run, from summary.json: {startup}\n"
 
 

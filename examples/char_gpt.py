@@ -45,7 +45,7 @@ class Chunks(Dataset):
         return (len(self.ids) - 1) // CONTEXT
 
     def __getitem__(self, i):
-        chunk = self.ids[i * CONTEXT:(i + 1) * CONTEXT + 1]
+        chunk = self.ids[i * CONTEXT : (i + 1) * CONTEXT + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -99,8 +99,9 @@ def adamw_with_groups(model):
     """minGPT's parameter groups: weight decay on matrices only, none on biases, norms and embeddings."""
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "tok" not in n and "pos" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "tok" not in n and "pos" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                             lr=3e-3, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95)
+    )
 
 
 def native_bf16() -> bool:
@@ -121,8 +122,12 @@ def sample(model, stoi: dict, itos: list, prompt: str, n: int = 200, seed: int =
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--amp", choices=("auto", "bf16", "none"), default="auto",
-                        help="bf16 autocast; auto: where the hardware does bf16 natively")
+    parser.add_argument(
+        "--amp",
+        choices=("auto", "bf16", "none"),
+        default="auto",
+        help="bf16 autocast; auto: where the hardware does bf16 natively",
+    )
     args = parser.parse_args(argv)
     text = corpus()
     itos = sorted(set(text))
@@ -139,15 +144,34 @@ def main(argv: list[str] | None = None) -> dict:
         print("bf16 autocast off: this CPU has no native bf16 (AVX512-BF16 or AMX), where it runs ~7x slower")
     torch.manual_seed(0)
     model = CharGPT(len(itos))
-    config = TrainConfig(nproc="2", device="cpu" if not torch.cuda.is_available() else "auto", epochs=1,
-                         batch_size=64, grad_accum=2, amp=amp, schedule="cosine", warmup_frac=0.1,
-                         clip_grad_norm=1.0, progress=False, log_every=25, run_dir="runs/char-gpt")
-    result = Trainer(config, model=model, train_data=train, test_data=test, loss_fn=next_char_loss,
-                     metrics={"loss": per_token_loss, "accuracy": next_char_accuracy},
-                     optimizer=adamw_with_groups).fit()
-    print(f"test loss {result['test_loss']:.3f} nats/char ({result['test_loss'] / math.log(2):.2f} bits), "
-          f"unigram baseline {unigram:.3f} nats/char; next-char accuracy {result['test_accuracy']:.3f} "
-          f"over {result['test_samples'] * CONTEXT} test characters")
+    config = TrainConfig(
+        nproc="2",
+        device="cpu" if not torch.cuda.is_available() else "auto",
+        epochs=1,
+        batch_size=64,
+        grad_accum=2,
+        amp=amp,
+        schedule="cosine",
+        warmup_frac=0.1,
+        clip_grad_norm=1.0,
+        progress=False,
+        log_every=25,
+        run_dir="runs/char-gpt",
+    )
+    result = Trainer(
+        config,
+        model=model,
+        train_data=train,
+        test_data=test,
+        loss_fn=next_char_loss,
+        metrics={"loss": per_token_loss, "accuracy": next_char_accuracy},
+        optimizer=adamw_with_groups,
+    ).fit()
+    print(
+        f"test loss {result['test_loss']:.3f} nats/char ({result['test_loss'] / math.log(2):.2f} bits), "
+        f"unigram baseline {unigram:.3f} nats/char; next-char accuracy {result['test_accuracy']:.3f} "
+        f"over {result['test_samples'] * CONTEXT} test characters"
+    )
     print("sample:", repr(sample(model, stoi, itos, "The ")))
     return {"test_loss": result["test_loss"], "unigram": unigram, "test_accuracy": result["test_accuracy"]}
 

@@ -46,12 +46,24 @@ def main(root: str = "data/stripes") -> dict:
     root_path = Path(root)
     if not (root_path / "train").is_dir():
         write_tree(root_path, {"train": 200, "val": 50})
-    config = TrainConfig(dataset=f"imagefolder:{root_path}", image_size=32, model="convnet", nproc="2",
-                         device="cpu", epochs=3, batch_size=64, lr=0.01, progress=False,
-                         log_every=5, run_dir="runs/stripes")
+    config = TrainConfig(
+        dataset=f"imagefolder:{root_path}",
+        image_size=32,
+        model="convnet",
+        nproc="2",
+        device="cpu",
+        epochs=3,
+        batch_size=64,
+        lr=0.01,
+        progress=False,
+        log_every=5,
+        run_dir="runs/stripes",
+    )
     result = Trainer(config).fit()
-    print(f"test accuracy {result['test_accuracy']:.3f} over {result['test_samples']} images of "
-          f"{len(CLASSES)} classes (chance {1 / len(CLASSES):.3f})")
+    print(
+        f"test accuracy {result['test_accuracy']:.3f} over {result['test_samples']} images of "
+        f"{len(CLASSES)} classes (chance {1 / len(CLASSES):.3f})"
+    )
     return {"test_accuracy": result["test_accuracy"]}
 
 

@@ -39,14 +39,25 @@ def main() -> dict:
     train, test = make_data(4096, 0), make_data(1000, 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    config = TrainConfig(nproc="2", device="cpu", epochs=10, batch_size=128, lr=0.05,
-                         progress=False, log_every=100, run_dir="runs/regression")
-    result = Trainer(config, model=model, train_data=train, test_data=test, loss_fn=mse_loss,
-                     metrics={"mae": mae}).fit()
+    config = TrainConfig(
+        nproc="2",
+        device="cpu",
+        epochs=10,
+        batch_size=128,
+        lr=0.05,
+        progress=False,
+        log_every=100,
+        run_dir="runs/regression",
+    )
+    result = Trainer(
+        config, model=model, train_data=train, test_data=test, loss_fn=mse_loss, metrics={"mae": mae}
+    ).fit()
     y = test.tensors[1]
     baseline = F.mse_loss(torch.full_like(y, train.tensors[1].mean().item()), y).item()
-    print(f"test MSE {result['test_loss']:.4f} (predicting the training mean: {baseline:.4f}), "
-          f"test MAE {result['test_mae']:.4f} over {result['test_samples']} samples")
+    print(
+        f"test MSE {result['test_loss']:.4f} (predicting the training mean: {baseline:.4f}), "
+        f"test MAE {result['test_mae']:.4f} over {result['test_samples']} samples"
+    )
     return {"test_mse": result["test_loss"], "baseline_mse": baseline, "test_mae": result["test_mae"]}
 
 

@@ -1,4 +1,5 @@
-"""The 5-sample toy problem of LLMs-from-scratch appendix A on 2 processes: per-rank and exact global train/test accuracy.
+"""The 5-sample toy problem of LLMs-from-scratch appendix A on 2 processes: per-rank and exact global
+train/test accuracy.
 
     python examples/toy_mlp.py
 
@@ -17,9 +18,12 @@ class NeuralNetwork(torch.nn.Module):
     def __init__(self, num_inputs: int, num_outputs: int):
         super().__init__()
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(num_inputs, 30), torch.nn.ReLU(),
-            torch.nn.Linear(30, 20), torch.nn.ReLU(),
-            torch.nn.Linear(20, num_outputs))
+            torch.nn.Linear(num_inputs, 30),
+            torch.nn.ReLU(),
+            torch.nn.Linear(30, 20),
+            torch.nn.ReLU(),
+            torch.nn.Linear(20, num_outputs),
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -38,19 +42,35 @@ def main() -> dict:
     # global batch is 4, so each epoch is one step on 4 of the 5 samples (drop_last, as
     # DistributedSampler's even split needs); labels are class indices, so the default
     # classification task (cross-entropy, accuracy) applies unchanged.
-    config = TrainConfig(nproc="2", device="cpu", epochs=3, batch_size=4, optimizer="sgd", lr=0.5, momentum=0.0,
-                         nesterov=False, weight_decay=0.0, schedule="constant", progress=False,
-                         log_every=1, run_dir="runs/toy-mlp")
+    config = TrainConfig(
+        nproc="2",
+        device="cpu",
+        epochs=3,
+        batch_size=4,
+        optimizer="sgd",
+        lr=0.5,
+        momentum=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        schedule="constant",
+        progress=False,
+        log_every=1,
+        run_dir="runs/toy-mlp",
+    )
     result = Trainer(config, model=model, train_data=train, test_data=test).fit()
 
     for r in result.per_rank:
-        print(f"rank {r['rank']}: train accuracy {r['train_accuracy']:.2f} (its samples of the last epoch), "
-              f"test accuracy {r['test_accuracy']:.2f} ({r['test_samples']} of {len(test)} test samples)")
+        print(
+            f"rank {r['rank']}: train accuracy {r['train_accuracy']:.2f} (its samples of the last epoch), "
+            f"test accuracy {r['test_accuracy']:.2f} ({r['test_samples']} of {len(test)} test samples)"
+        )
     # Exact global figures: the trained model (fit() leaves it in `model`), evaluated on every
     # sample once, split over the same 2 processes.
     on_train = Trainer(config, model=model, test_data=train).evaluate()
-    print(f"global: train accuracy {on_train['test_accuracy']:.4f} over all {on_train['test_samples']} training "
-          f"samples, test accuracy {result['test_accuracy']:.4f} over {result['test_samples']} test samples")
+    print(
+        f"global: train accuracy {on_train['test_accuracy']:.4f} over all {on_train['test_samples']} training "
+        f"samples, test accuracy {result['test_accuracy']:.4f} over {result['test_samples']} test samples"
+    )
     return {"train_accuracy": on_train["test_accuracy"], "test_accuracy": result["test_accuracy"]}
 
 

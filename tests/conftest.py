@@ -48,12 +48,20 @@ def refuse_processes(mp: pytest.MonkeyPatch, item: pytest.Item) -> None:
 
     # Every way a process starts: subprocess, multiprocessing (spawn, fork, and the forkserver and resource
     # tracker: refused even when already running, so the verdict does not depend on what ran before), os.
-    for owner, name in ((subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start"),
-                        (multiprocessing.util, "spawnv_passfds"), (multiprocessing.forkserver, "ensure_running"),
-                        (multiprocessing.forkserver.ForkServer, "ensure_running"),
-                        (multiprocessing.resource_tracker, "ensure_running"),
-                        (multiprocessing.resource_tracker.ResourceTracker, "ensure_running"),
-                        (os, "fork"), (os, "forkpty"), (os, "system"), (os, "posix_spawn"), (os, "posix_spawnp")):
+    for owner, name in (
+        (subprocess.Popen, "_execute_child"),
+        (multiprocessing.process.BaseProcess, "start"),
+        (multiprocessing.util, "spawnv_passfds"),
+        (multiprocessing.forkserver, "ensure_running"),
+        (multiprocessing.forkserver.ForkServer, "ensure_running"),
+        (multiprocessing.resource_tracker, "ensure_running"),
+        (multiprocessing.resource_tracker.ResourceTracker, "ensure_running"),
+        (os, "fork"),
+        (os, "forkpty"),
+        (os, "system"),
+        (os, "posix_spawn"),
+        (os, "posix_spawnp"),
+    ):
         mp.setattr(owner, name, refuse)
 
 

@@ -1,10 +1,10 @@
 """ddpkit: data-parallel training with PyTorch DDP, for image classifiers and your own models.
 
-    from ddpkit import Trainer, TrainConfig
-    result = Trainer(TrainConfig(dataset="mnist", epochs=2, nproc="2")).fit()
+from ddpkit import Trainer, TrainConfig
+result = Trainer(TrainConfig(dataset="mnist", epochs=2, nproc="2")).fit()
 
-    from ddpkit import launch               # your own loop: fn(ctx, *args) on every rank
-    launch(fn, *args, nproc=2)
+from ddpkit import launch               # your own loop: fn(ctx, *args) on every rank
+launch(fn, *args, nproc=2)
 """
 
 from .config import TrainConfig

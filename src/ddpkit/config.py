@@ -49,36 +49,69 @@ class TrainConfig:
     # [data]
     dataset: str = _f("mnist", "data", "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH")
     data_dir: str = _f("data", "data", "where torchvision datasets are read from / downloaded to")
-    limit_train: int = _f(0, "data", "use N training samples (0 = all): the first N; for imagefolder N spread "
-                          "evenly over the sorted files, so every class stays")
+    limit_train: int = _f(
+        0,
+        "data",
+        "use N training samples (0 = all): the first N; for imagefolder N spread "
+        "evenly over the sorted files, so every class stays",
+    )
     limit_test: int = _f(0, "data", "use N test samples (0 = all), chosen as for --limit-train")
     synthetic_shape: str = _f("3,32,32", "data", "C,H,W of the synthetic dataset's images")
     synthetic_size: int = _f(50000, "data", "synthetic training samples (test set is a fifth of it)")
     synthetic_classes: int = _f(10, "data", "synthetic class count")
     image_size: int = _f(224, "data", "imagefolder: images are resized and centre-cropped to this many pixels")
-    num_workers: Optional[int] = _f(None, "data", "DataLoader worker processes per rank, DataLoader path only "
-                                    "(default: the rank's cores less one, at most 8; 0 with one core per rank)")
-    data_path: str = _f("auto", "data", "auto: device-resident when it fits, else host; or force device | host | loader",
-                        ("auto", "device", "host", "loader"))
+    num_workers: Optional[int] = _f(
+        None,
+        "data",
+        "DataLoader worker processes per rank, DataLoader path only "
+        "(default: the rank's cores less one, at most 8; 0 with one core per rank)",
+    )
+    data_path: str = _f(
+        "auto",
+        "data",
+        "auto: device-resident when it fits, else host; or force device | host | loader",
+        ("auto", "device", "host", "loader"),
+    )
     device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
     # [model]
     model: Optional[str] = _f(None, "model", "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's)")
-    task: str = _f("classification", "model", "what the loop optimises: classification; the Python API records "
-                   "model-loss or custom:<loss_fn> here", cli=False)
-    init_from: str = _f("", "model", "start from these weights: a model.pt or a snapshot, for fine-tuning "
-                        "(a resumed run continues from its own snapshot instead)")
+    task: str = _f(
+        "classification",
+        "model",
+        "what the loop optimises: classification; the Python API records model-loss or custom:<loss_fn> here",
+        cli=False,
+    )
+    init_from: str = _f(
+        "",
+        "model",
+        "start from these weights: a model.pt or a snapshot, for fine-tuning "
+        "(a resumed run continues from its own snapshot instead)",
+    )
     sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
-    channels_last: Optional[bool] = _f(None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)")
+    channels_last: Optional[bool] = _f(
+        None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)"
+    )
     compile: bool = _f(False, "model", "torch.compile the model; compile time is reported apart from train time")
     # reduce-overhead and max-autotune use CUDA graphs, which are skipped or broken with
     # BatchNorm under DDP (pytorch/pytorch#139207, #161302): not offered until a GPU run shows otherwise.
-    compile_mode: str = _f("default", "model", "torch.compile mode (modes with CUDA graphs are not offered: "
-                           "they break with BatchNorm under DDP)", ("default", "max-autotune-no-cudagraphs"))
-    ddp: Optional[bool] = _f(None, "model", "wrap in DistributedDataParallel (default: when world size > 1; --ddp at "
-                             "world size 1 to measure the wrapper)")
-    comm_hook: str = _f("none", "model", "DDP communication hook: gradients all-reduced as bf16 or fp16 (half the "
-                        "bytes), or PowerSGD rank-1 compressed (its error-feedback state is not saved in snapshots)",
-                        ("none", "bf16", "fp16", "powersgd"))
+    compile_mode: str = _f(
+        "default",
+        "model",
+        "torch.compile mode (modes with CUDA graphs are not offered: they break with BatchNorm under DDP)",
+        ("default", "max-autotune-no-cudagraphs"),
+    )
+    ddp: Optional[bool] = _f(
+        None,
+        "model",
+        "wrap in DistributedDataParallel (default: when world size > 1; --ddp at world size 1 to measure the wrapper)",
+    )
+    comm_hook: str = _f(
+        "none",
+        "model",
+        "DDP communication hook: gradients all-reduced as bf16 or fp16 (half the "
+        "bytes), or PowerSGD rank-1 compressed (its error-feedback state is not saved in snapshots)",
+        ("none", "bf16", "fp16", "powersgd"),
+    )
     zero: bool = _f(False, "model", "ZeroRedundancyOptimizer: each rank holds 1/world_size of the optimizer state")
     # [optim]
     recipe: str = _f("auto", "optim", "named preset filling every unset field below (auto: by dataset)")
@@ -87,49 +120,109 @@ class TrainConfig:
     momentum: Optional[float] = _f(None, "optim", "SGD momentum / Adam beta1")
     nesterov: Optional[bool] = _f(None, "optim", "Nesterov momentum (SGD only)")
     weight_decay: Optional[float] = _f(None, "optim", "L2 weight decay (decoupled for adamw)")
-    schedule: Optional[str] = _f(None, "optim", "onecycle (linear up, linear down to 0) | cosine (linear warm-up) | constant",
-                                 (None, "onecycle", "cosine", "constant"))
+    schedule: Optional[str] = _f(
+        None,
+        "optim",
+        "onecycle (linear up, linear down to 0) | cosine (linear warm-up) | constant",
+        (None, "onecycle", "cosine", "constant"),
+    )
     warmup_frac: Optional[float] = _f(None, "optim", "fraction of all steps spent warming up (0..1)")
     label_smoothing: Optional[float] = _f(None, "optim", "cross-entropy label smoothing (0..1)")
     ema: Optional[float] = _f(None, "optim", "weight EMA decay per step, e.g. 0.999 (0 = off); eval uses the EMA")
-    clip_grad_norm: float = _f(0.0, "optim", "clip the gradients' global L2 norm to this (0 = off); the norm before "
-                               "clipping is logged as grad_norm")
+    clip_grad_norm: float = _f(
+        0.0,
+        "optim",
+        "clip the gradients' global L2 norm to this (0 = off); the norm before clipping is logged as grad_norm",
+    )
     tta: Optional[bool] = _f(None, "optim", "test-time augmentation: average logits over a horizontal flip")
     # [train]
     epochs: int = _f(2, "train", "passes over the training set")
     batch_size: Optional[int] = _f(None, "train", "GLOBAL batch size; each rank gets batch_size // world_size")
-    grad_accum: int = _f(1, "train", "micro-batches per optimizer step: each rank runs batch_size // world_size "
-                         "// grad_accum samples at a time and all-reduces once per step")
-    max_steps: int = _f(0, "train", "stop after this many optimizer steps in all (0 = run every epoch); the LR "
-                        "schedule spans them, and a partial last epoch counts as one")
-    dtype: str = _f("float32", "train", "parameter and input dtype: float64 makes reduction-order noise ~1e-16 "
-                    "(exact comparisons on CPU; see ddpkit check)", ("float32", "float64"))
-    join: bool = _f(False, "train", "uneven inputs: each rank takes its own share of every epoch, none dropped or "
-                    "padded (ranks' step counts may differ by one); DDP's Join stands in for ranks that finish "
-                    "first. DataLoader path; logs and snapshots at epoch ends only")
-    grad_sync: bool = _f(True, "train", "all-reduce gradients; off only for ddpkit bench's compute-only timing "
-                         "(the ranks then diverge)", cli=False)
-    amp: Optional[str] = _f(None, "train", "mixed precision: bf16 | fp16 (with GradScaler) | none (default: the "
-                            "recipe's: none, or bf16 on CPUs with native bf16 for MNIST)", (None, "none", "bf16", "fp16"))
+    grad_accum: int = _f(
+        1,
+        "train",
+        "micro-batches per optimizer step: each rank runs batch_size // world_size "
+        "// grad_accum samples at a time and all-reduces once per step",
+    )
+    max_steps: int = _f(
+        0,
+        "train",
+        "stop after this many optimizer steps in all (0 = run every epoch); the LR "
+        "schedule spans them, and a partial last epoch counts as one",
+    )
+    dtype: str = _f(
+        "float32",
+        "train",
+        "parameter and input dtype: float64 makes reduction-order noise ~1e-16 "
+        "(exact comparisons on CPU; see ddpkit check)",
+        ("float32", "float64"),
+    )
+    join: bool = _f(
+        False,
+        "train",
+        "uneven inputs: each rank takes its own share of every epoch, none dropped or "
+        "padded (ranks' step counts may differ by one); DDP's Join stands in for ranks that finish "
+        "first. DataLoader path; logs and snapshots at epoch ends only",
+    )
+    grad_sync: bool = _f(
+        True,
+        "train",
+        "all-reduce gradients; off only for ddpkit bench's compute-only timing (the ranks then diverge)",
+        cli=False,
+    )
+    amp: Optional[str] = _f(
+        None,
+        "train",
+        "mixed precision: bf16 | fp16 (with GradScaler) | none (default: the "
+        "recipe's: none, or bf16 on CPUs with native bf16 for MNIST)",
+        (None, "none", "bf16", "fp16"),
+    )
     seed: int = _f(0, "train", "seed for weights, data order and augmentation")
-    deterministic: bool = _f(False, "train", "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
-                             "and resumes on CUDA too, at some speed cost")
-    log_every: int = _f(50, "train", "steps between metric logs, NaN checks and SIGTERM checks (the only host syncs in an epoch)")
+    deterministic: bool = _f(
+        False,
+        "train",
+        "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
+        "and resumes on CUDA too, at some speed cost",
+    )
+    log_every: int = _f(
+        50, "train", "steps between metric logs, NaN checks and SIGTERM checks (the only host syncs in an epoch)"
+    )
     # [run]
     run_dir: str = _f("", "run", "run directory (default: runs/<dataset>-<model>-<config hash>)")
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
     timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
-    log: str = _f("", "run", "experiment loggers besides metrics.jsonl (always written), comma-separated: "
-                  "tensorboard, wandb, csv; written by global rank 0 into the run dir")
-    plots: bool = _f(True, "run", "write loss, metric and samples/s plots (PNG) to RUN_DIR/plots at the end; "
-                     "`ddpkit plot RUN_DIR` redraws them")
-    quiet: bool = _f(False, "run", "no per-interval or per-epoch lines on the console (metrics.jsonl still gets "
-                     "them); warnings and errors still print")
-    resume: str = _f("auto", "run", "auto: continue from the run dir's newest snapshot (or return its result if "
-                     "finished) | never: refuse a run dir that already holds a run", ("auto", "never"))
-    on_nan: str = _f("stop", "run", "non-finite loss or weights, checked at log intervals and before each snapshot: "
-                     "stop (keep the last good snapshot) | warn", ("stop", "warn"))
+    log: str = _f(
+        "",
+        "run",
+        "experiment loggers besides metrics.jsonl (always written), comma-separated: "
+        "tensorboard, wandb, csv; written by global rank 0 into the run dir",
+    )
+    plots: bool = _f(
+        True,
+        "run",
+        "write loss, metric and samples/s plots (PNG) to RUN_DIR/plots at the end; `ddpkit plot RUN_DIR` redraws them",
+    )
+    quiet: bool = _f(
+        False,
+        "run",
+        "no per-interval or per-epoch lines on the console (metrics.jsonl still gets "
+        "them); warnings and errors still print",
+    )
+    resume: str = _f(
+        "auto",
+        "run",
+        "auto: continue from the run dir's newest snapshot (or return its result if "
+        "finished) | never: refuse a run dir that already holds a run",
+        ("auto", "never"),
+    )
+    on_nan: str = _f(
+        "stop",
+        "run",
+        "non-finite loss or weights, checked at log intervals and before each snapshot: "
+        "stop (keep the last good snapshot) | warn",
+        ("stop", "warn"),
+    )
     # [checkpoint]
     save_every_steps: int = _f(0, "checkpoint", "also snapshot every N optimizer steps (0 = at epoch ends only)")
     keep_snapshots: int = _f(2, "checkpoint", "how many of the newest snapshots to keep")
@@ -137,12 +230,21 @@ class TrainConfig:
     nproc: str = _f("auto", "launch", "processes on this node: N, or auto (one per visible GPU, 1 on CPU)")
     nnodes: int = _f(1, "launch", "nodes in the job; run the same command on each (needs --rdzv-endpoint when > 1)")
     rdzv_endpoint: str = _f("", "launch", "HOST:PORT of the c10d rendezvous, reachable from every node")
-    rdzv_id: str = _f("", "launch", "job id shared by all nodes (default: derived from the config, so the same "
-                      "command on every node agrees)")
-    local_addr: str = _f("", "launch", "this node's address as the other nodes reach it (default: the local "
-                         "address that routes to --rdzv-endpoint)")
-    max_restarts: int = _f(0, "launch", "times the elastic agent restarts all workers after a failure; "
-                           "each restart resumes from the newest snapshot")
+    rdzv_id: str = _f(
+        "",
+        "launch",
+        "job id shared by all nodes (default: derived from the config, so the same command on every node agrees)",
+    )
+    local_addr: str = _f(
+        "",
+        "launch",
+        "this node's address as the other nodes reach it (default: the local address that routes to --rdzv-endpoint)",
+    )
+    max_restarts: int = _f(
+        0,
+        "launch",
+        "times the elastic agent restarts all workers after a failure; each restart resumes from the newest snapshot",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, int) and not isinstance(self.nproc, bool):
@@ -172,12 +274,21 @@ class TrainConfig:
             if isinstance(value, str) and value.startswith("custom:"):  # set by the Python API
                 continue
             if choices and value not in choices:
-                raise ConfigError(f"--{_flag(f.name)} {getattr(self, f.name)!r} is not one of {[c for c in choices if c]}")
-        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every,
-                    "grad_accum": self.grad_accum,
-                    "keep_snapshots": self.keep_snapshots, "nnodes": self.nnodes,
-                    "timeout_s": self.timeout_s, "synthetic_size": self.synthetic_size,
-                    "synthetic_classes": self.synthetic_classes, "image_size": self.image_size}
+                raise ConfigError(
+                    f"--{_flag(f.name)} {getattr(self, f.name)!r} is not one of {[c for c in choices if c]}"
+                )
+        positive = {
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "log_every": self.log_every,
+            "grad_accum": self.grad_accum,
+            "keep_snapshots": self.keep_snapshots,
+            "nnodes": self.nnodes,
+            "timeout_s": self.timeout_s,
+            "synthetic_size": self.synthetic_size,
+            "synthetic_classes": self.synthetic_classes,
+            "image_size": self.image_size,
+        }
         for name, value in positive.items():
             if value is None or value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
@@ -188,20 +299,38 @@ class TrainConfig:
         if self.dtype == "float64" and self.amp not in (None, "none"):
             raise ConfigError(f"--dtype float64 and --amp {self.amp} contradict each other; drop one")
         if self.zero and (self.ema or str(self.optimizer).startswith("custom:")):
-            raise ConfigError("--zero shards ddpkit's own optimizer; it cannot wrap your own optimizer or run "
-                              "with --ema")
+            raise ConfigError(
+                "--zero shards ddpkit's own optimizer; it cannot wrap your own optimizer or run with --ema"
+            )
         if self.join:
-            clash = [flag for flag, on in (("--sync-bn", self.sync_bn), ("--max-steps", self.max_steps),
-                                           ("--save-every-steps", self.save_every_steps), ("--ema", self.ema),
-                                           ("--grad-accum", self.grad_accum > 1), ("--amp fp16", self.amp == "fp16"),
-                                           ("--data-path device/host", self.data_path in ("device", "host")))
-                     if on]
+            clash = [
+                flag
+                for flag, on in (
+                    ("--sync-bn", self.sync_bn),
+                    ("--max-steps", self.max_steps),
+                    ("--save-every-steps", self.save_every_steps),
+                    ("--ema", self.ema),
+                    ("--grad-accum", self.grad_accum > 1),
+                    ("--amp fp16", self.amp == "fp16"),
+                    ("--data-path device/host", self.data_path in ("device", "host")),
+                )
+                if on
+            ]
             if clash:
-                raise ConfigError(f"--join cannot be combined with {', '.join(clash)}: Join stands in only for DDP's "
-                                  f"and ZeRO's own all-reduces, and ranks run different step counts")
-        nonneg = {"max_steps": self.max_steps, "limit_train": self.limit_train, "limit_test": self.limit_test, "num_workers": self.num_workers,
-                  "save_every_steps": self.save_every_steps, "max_restarts": self.max_restarts,
-                  "weight_decay": self.weight_decay, "momentum": self.momentum}
+                raise ConfigError(
+                    f"--join cannot be combined with {', '.join(clash)}: Join stands in only for DDP's "
+                    f"and ZeRO's own all-reduces, and ranks run different step counts"
+                )
+        nonneg = {
+            "max_steps": self.max_steps,
+            "limit_train": self.limit_train,
+            "limit_test": self.limit_test,
+            "num_workers": self.num_workers,
+            "save_every_steps": self.save_every_steps,
+            "max_restarts": self.max_restarts,
+            "weight_decay": self.weight_decay,
+            "momentum": self.momentum,
+        }
         for name, value in nonneg.items():
             if value is not None and value < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {value}")
@@ -213,11 +342,15 @@ class TrainConfig:
         if self.nproc != "auto" and not re.fullmatch(r"[1-9][0-9]*", self.nproc):  # ASCII digits: int() takes no "²"
             raise ConfigError(f"--nproc must be a positive integer or 'auto', got {self.nproc!r}")
         if self.optimizer in ("adam", "adamw") and self.momentum is not None and not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum is Adam's beta1 with --optimizer {self.optimizer}, and must be in [0, 1); "
-                              f"got {self.momentum}")
+            raise ConfigError(
+                f"--momentum is Adam's beta1 with --optimizer {self.optimizer}, and must be in [0, 1); "
+                f"got {self.momentum}"
+            )
         if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
-                              f"that every node can reach, with a free port), the same on every node")
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
+                f"that every node can reach, with a free port), the same on every node"
+            )
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -237,10 +370,32 @@ class TrainConfig:
     # ------------------------------------------------------------------ identity
     # Fields that change where or how verbosely a run happens, not what it computes:
     # a run directory may be resumed with different values of these.
-    NON_IDENTITY = frozenset({"run_dir", "data_dir", "log_every", "timeout_s", "num_workers", "progress", "resume",
-                              "nproc", "data_path", "device_data_fraction", "on_nan", "quiet", "save_every_steps",
-                              "keep_snapshots", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
-                              "ddp", "log", "plots"})  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py)
+    NON_IDENTITY = frozenset(
+        {
+            "run_dir",
+            "data_dir",
+            "log_every",
+            "timeout_s",
+            "num_workers",
+            "progress",
+            "resume",
+            "nproc",
+            "data_path",
+            "device_data_fraction",
+            "on_nan",
+            "quiet",
+            "save_every_steps",
+            "keep_snapshots",
+            "nnodes",
+            "rdzv_endpoint",
+            "rdzv_id",
+            "local_addr",
+            "max_restarts",
+            "ddp",
+            "log",
+            "plots",
+        }
+    )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
@@ -267,15 +422,18 @@ class TrainConfig:
         flat: dict = {}
         for key, value in values.items():
             if isinstance(value, dict) and key not in section_of.values():
-                raise ConfigError(f"{source}unknown section [{key}]; the sections are "
-                                  f"{', '.join(f'[{s}]' for s in dict.fromkeys(section_of.values()))}")
-            for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+                raise ConfigError(
+                    f"{source}unknown section [{key}]; the sections are "
+                    f"{', '.join(f'[{s}]' for s in dict.fromkeys(section_of.values()))}"
+                )
+            for k, v in value.items() if isinstance(value, dict) else [(key, value)]:
                 name = k.replace("-", "_")  # batch-size, as the flag is spelt, is batch_size
                 if isinstance(value, dict) and section_of.get(name, key) != key:
                     raise ConfigError(f"{source}{k} belongs in [{section_of[name]}], not [{key}]")
                 if name in flat:
-                    raise ConfigError(f"{source}{name} is given twice (as {name} and {name.replace('_', '-')}); "
-                                      f"keep one")
+                    raise ConfigError(
+                        f"{source}{name} is given twice (as {name} and {name.replace('_', '-')}); keep one"
+                    )
                 flat[name] = v
         names = set(section_of)
         unknown = sorted(set(flat) - names)
@@ -284,8 +442,9 @@ class TrainConfig:
 
             near = {k: difflib.get_close_matches(k, names, 1) for k in unknown}
             hints = [f"{k} (did you mean {m[0]}?)" if m else k for k, m in near.items()]
-            raise ConfigError(f"{source}unknown config key(s): {', '.join(hints)}; see `ddpkit train --help` for "
-                              f"the valid ones")
+            raise ConfigError(
+                f"{source}unknown config key(s): {', '.join(hints)}; see `ddpkit train --help` for the valid ones"
+            )
         return cls(**{k: check_value(k, v, source) for k, v in flat.items()})
 
     @classmethod
@@ -311,8 +470,10 @@ def _field_types() -> dict[str, tuple[type, bool]]:
     for f in dataclasses.fields(TrainConfig):
         text = str(f.type)
         optional = text.startswith("Optional[")
-        out[f.name] = ({"int": int, "float": float, "bool": bool, "str": str}[text[9:-1] if optional else text],
-                       optional)
+        out[f.name] = (
+            {"int": int, "float": float, "bool": bool, "str": str}[text[9:-1] if optional else text],
+            optional,
+        )
     return out
 
 
@@ -330,16 +491,19 @@ def check_value(name: str, value: Any, source: str = "") -> Any:
     ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
     if not ok:
         example = '2 or "auto"' if name == "nproc" else _example(name, typ)
-        raise ConfigError(f"{source}{name} = {value!r} ({type(value).__name__}): expected {_KINDS[typ]}, "
-                          f"e.g. {name} = {example}")
+        raise ConfigError(
+            f"{source}{name} = {value!r} ({type(value).__name__}): expected {_KINDS[typ]}, e.g. {name} = {example}"
+        )
     if typ is float and not math.isfinite(value):
         raise ConfigError(f"{source}{name} = {value}: expected a finite number")
     if typ is str:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ConfigError(f"{source}{name} = {value!r} holds bytes that are not UTF-8 (a file name in another "
-                              f"encoding?); rename it") from None
+            raise ConfigError(
+                f"{source}{name} = {value!r} holds bytes that are not UTF-8 (a file name in another "
+                f"encoding?); rename it"
+            ) from None
     return value
 
 
@@ -361,8 +525,10 @@ def parse_loggers(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in LOGGER_NAMES]
     if unknown:
-        raise ConfigError(f"--log {text!r}: unknown logger(s) {', '.join(unknown)}; choose from "
-                          f"{', '.join(LOGGER_NAMES)} (comma-separated; metrics.jsonl is always written)")
+        raise ConfigError(
+            f"--log {text!r}: unknown logger(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(LOGGER_NAMES)} (comma-separated; metrics.jsonl is always written)"
+        )
     return names
 
 

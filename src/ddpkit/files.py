@@ -27,8 +27,10 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None) -> str:
         need = f"it needs {size / 2**20:.1f} MiB" if size is not None else "it needs more"
         have = f", {free / 2**20:.1f} MiB are free there" if free is not None else ""
         what = "no space left" if exc.errno == errno.ENOSPC else "disk quota exceeded"
-        return (f"{what} writing {path} ({need}{have}); free some space or point --run-dir elsewhere. "
-                f"The previous files are intact")
+        return (
+            f"{what} writing {path} ({need}{have}); free some space or point --run-dir elsewhere. "
+            f"The previous files are intact"
+        )
     if exc.errno == errno.EROFS:
         return f"cannot write {path}: the filesystem is read-only; point --run-dir at a writable place"
     if exc.errno in (errno.EACCES, errno.EPERM):

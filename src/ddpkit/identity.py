@@ -43,8 +43,11 @@ def code_digest(fn: Any) -> str:
         consts = [describe(k) if hasattr(k, "co_code") else repr(k) for k in c.co_consts]
         return [c.co_code.hex(), consts, list(c.co_names)]
 
-    cells = [repr(cell.cell_contents) for cell in (getattr(fn, "__closure__", None) or ())
-             if isinstance(getattr(cell, "cell_contents", None), (int, float, str, bool, type(None)))]
+    cells = [
+        repr(cell.cell_contents)
+        for cell in (getattr(fn, "__closure__", None) or ())
+        if isinstance(getattr(cell, "cell_contents", None), (int, float, str, bool, type(None)))
+    ]
     return _digest([describe(code), cells])
 
 
@@ -54,8 +57,9 @@ def model_fingerprint(model: nn.Module) -> str:
     your own module classes. An edited model is a new run. (Initial weight values are left out:
     an unseeded script must still resume its own run.)"""
     layout = [(k, list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
-    own = sorted({type(m) for m in model.modules() if not type(m).__module__.startswith("torch.")},
-                 key=lambda t: t.__qualname__)
+    own = sorted(
+        {type(m) for m in model.modules() if not type(m).__module__.startswith("torch.")}, key=lambda t: t.__qualname__
+    )
     forwards = [(t.__qualname__, code_digest(t.forward)) for t in own]
     return f"{type(model).__name__}#{_digest([type(model).__qualname__, layout, repr(model), forwards])}"
 
@@ -63,6 +67,7 @@ def model_fingerprint(model: nn.Module) -> str:
 def data_fingerprint(train: Dataset | None, test: Dataset | None) -> str:
     """``ClassName#digest`` of each split's length, and the structure and values of its first and
     last samples: other data is another run."""
+
     def describe(data):
         if data is None:
             return None

@@ -1,6 +1,6 @@
 """Models: a plain dict registry. Every builder takes (channels, height, width, classes).
 
-    model = MODELS["resnet9"](3, 32, 32, 10)
+model = MODELS["resnet9"](3, 32, 32, 10)
 """
 
 from __future__ import annotations
@@ -14,15 +14,20 @@ from .config import TrainConfig
 
 
 def conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+    )
 
 
 class ConvNet(nn.Module):
-    """The MNIST ConvNet of the PyTorch DDP-with-MNIST tutorial notebook: two 5x5 conv+BN+ReLU+maxpool blocks and one linear layer."""
+    """The MNIST ConvNet of the PyTorch DDP-with-MNIST tutorial notebook: two 5x5 conv+BN+ReLU+maxpool
+    blocks and one linear layer."""
 
     def __init__(self, channels: int = 1, height: int = 28, width: int = 28, classes: int = 10):
         super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(channels, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.layer1 = nn.Sequential(
+            nn.Conv2d(channels, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2)
+        )
         self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
         self.fc = nn.Linear((height // 4) * (width // 4) * 32, classes)  # 7*7*32 for 28x28 inputs
 
@@ -35,11 +40,18 @@ class SimpleCNN(nn.Module):
 
     def __init__(self, channels: int = 3, height: int = 32, width: int = 32, classes: int = 10):
         super().__init__()
-        self.features = nn.Sequential(conv_bn(channels, 64), nn.MaxPool2d(2), conv_bn(64, 128), nn.MaxPool2d(2),
-                                      conv_bn(128, 256), nn.MaxPool2d(2))
+        self.features = nn.Sequential(
+            conv_bn(channels, 64),
+            nn.MaxPool2d(2),
+            conv_bn(64, 128),
+            nn.MaxPool2d(2),
+            conv_bn(128, 256),
+            nn.MaxPool2d(2),
+        )
         flat = 256 * (height // 8) * (width // 8)  # 4096 for 32x32 inputs
-        self.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(flat, 512), nn.ReLU(inplace=True),
-                                        nn.Dropout(0.5), nn.Linear(512, classes))
+        self.classifier = nn.Sequential(
+            nn.Dropout(0.5), nn.Linear(flat, 512), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(512, classes)
+        )
 
     def forward(self, x):
         return self.classifier(self.features(x).flatten(1))
@@ -77,10 +89,18 @@ class ResNet9(nn.Module):
         super().__init__()
         self.net = nn.Sequential(
             conv_bn(channels, 64),
-            conv_bn(64, 128), nn.MaxPool2d(2), Residual(128),
-            conv_bn(128, 256), nn.MaxPool2d(2),
-            conv_bn(256, 512), nn.MaxPool2d(2), Residual(512),
-            GlobalPool("max"), nn.Flatten(), nn.Linear(512, classes, bias=False))
+            conv_bn(64, 128),
+            nn.MaxPool2d(2),
+            Residual(128),
+            conv_bn(128, 256),
+            nn.MaxPool2d(2),
+            conv_bn(256, 512),
+            nn.MaxPool2d(2),
+            Residual(512),
+            GlobalPool("max"),
+            nn.Flatten(),
+            nn.Linear(512, classes, bias=False),
+        )
         self.scale = 0.125  # Page scales the logits down; it steadies the high-lr start
 
     def forward(self, x):
@@ -104,8 +124,14 @@ def resnet18(channels: int, height: int, width: int, classes: int) -> nn.Module:
 class MLP(nn.Module):
     def __init__(self, channels: int, height: int, width: int, classes: int, hidden: int = 512):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(channels * height * width, hidden), nn.ReLU(inplace=True),
-                                 nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(channels * height * width, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, classes),
+        )
 
     def forward(self, x):
         return self.net(x)

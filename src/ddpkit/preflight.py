@@ -30,8 +30,9 @@ from .run.loggers import check_installed
 from .train.task import Classification, Task
 
 
-def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable,
-              optimizer: Any = None):
+def preflight(
+    config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable, optimizer: Any = None
+):
     """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task)."""
     cfg = config.resolved()
     spec = LaunchSpec.from_config(cfg)
@@ -41,31 +42,42 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
     if cfg.batch_size % world:
         lo, hi = (cfg.batch_size // world) * world, (cfg.batch_size // world + 1) * world
         near = " or ".join(str(v) for v in (lo, hi) if v > 0)
-        raise ConfigError(f"--batch-size {cfg.batch_size} (global) is not divisible by the world size {world}; "
-                          f"use {near}")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} (global) is not divisible by the world size {world}; use {near}"
+        )
     per_rank_batch = cfg.batch_size // world
     if per_rank_batch % cfg.grad_accum:
-        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the per-rank batch {per_rank_batch} "
-                          f"(--batch-size {cfg.batch_size} over {world} ranks)")
+        raise ConfigError(
+            f"--grad-accum {cfg.grad_accum} does not divide the per-rank batch {per_rank_batch} "
+            f"(--batch-size {cfg.batch_size} over {world} ranks)"
+        )
     check_installed(parse_loggers(cfg.log))  # before the data loads: a missing package is a quick error
     if isinstance(optimizer, torch.optim.Optimizer) and model is None:
-        raise ConfigError("an optimizer object needs the model it was built on: pass model=... too, or a factory "
-                          "optimizer=lambda model: ...")
+        raise ConfigError(
+            "an optimizer object needs the model it was built on: pass model=... too, or a factory "
+            "optimizer=lambda model: ..."
+        )
     if splits is None:
         splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")
     if splits.meta is None and model is None:
         raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
     if splits.test is None or len(splits.test) == 0:
-        raise DataError(f"the test set of {cfg.dataset} is empty: there is nothing to evaluate on. Give at least "
-                        f"one test sample (check --limit-test, or pass test_data)")
+        raise DataError(
+            f"the test set of {cfg.dataset} is empty: there is nothing to evaluate on. Give at least "
+            f"one test sample (check --limit-test, or pass test_data)"
+        )
     if len(splits.train) // world < per_rank_batch:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
-                          f"allow at world size {world}")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is larger than the {len(splits.train)} training samples "
+            f"allow at world size {world}"
+        )
     # Held in memory where it fits (once per node: the workers receive it through shared memory).
     splits = materialize(splits, cfg, available_memory_bytes())
     if cfg.data_path in ("device", "host") and not isinstance(splits.train, (ImageData, TensorData)):
-        raise ConfigError(f"--data-path {cfg.data_path} needs a dataset held in memory, and {cfg.dataset} is not "
-                          f"({splits.note}); use --data-path loader or auto")
+        raise ConfigError(
+            f"--data-path {cfg.data_path} needs a dataset held in memory, and {cfg.dataset} is not "
+            f"({splits.note}); use --data-path loader or auto"
+        )
     task = task_for(cfg)
     if model is None:
         model = model_for(cfg, splits.meta)
@@ -73,8 +85,9 @@ def preflight(config: TrainConfig, splits: DataSplits | None, model: nn.Module |
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
-        raise RunDirError(f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or "
-                          f"--resume auto to continue it")
+        raise RunDirError(
+            f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
+        )
     check_processes(spec, splits, model)
     return cfg, spec, splits, task
 
@@ -87,15 +100,20 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> N
         return
     cores = cpu_cores()
     if spec.nproc > cores:
-        print(f"ddpkit: warning: --nproc {spec.nproc} runs {spec.nproc} processes on {cores} core(s); each gets one "
-              f"thread and they take turns, which is slower than --nproc {cores}", file=sys.stderr)
+        print(
+            f"ddpkit: warning: --nproc {spec.nproc} runs {spec.nproc} processes on {cores} core(s); each gets one "
+            f"thread and they take turns, which is slower than --nproc {cores}",
+            file=sys.stderr,
+        )
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     per_rank = rss_bytes() + 4 * weights
     available = available_memory_bytes()
     if available is not None and spec.nproc * per_rank > available:
-        raise ConfigError(f"--nproc {spec.nproc} needs about {spec.nproc * per_rank / 2**30:.1f} GiB ({spec.nproc} x "
-                          f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model), but "
-                          f"{available / 2**30:.1f} GiB are available; lower --nproc")
+        raise ConfigError(
+            f"--nproc {spec.nproc} needs about {spec.nproc * per_rank / 2**30:.1f} GiB ({spec.nproc} x "
+            f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model), but "
+            f"{available / 2**30:.1f} GiB are available; lower --nproc"
+        )
 
 
 def sample_batch(splits: DataSplits, n: int = 2) -> Any:
@@ -134,8 +152,9 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         shape = list(x.shape) if x is not None else "?"
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         step = "model" if isinstance(task, Classification) else f"{task.identity} step with model"
-        raise ConfigError(f"{step} {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): "
-                          f"{type(exc).__name__}: {first}") from None
+        raise ConfigError(
+            f"{step} {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): {type(exc).__name__}: {first}"
+        ) from None
     finally:
         model.train(was_training)
 
@@ -160,7 +179,9 @@ def infer_meta(data: Dataset | None) -> Meta | None:
     x = data.images[:10000].float() / 255
     dims = (0, 2, 3)
     _, c, h, w = data.images.shape
-    return Meta(c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist()))
+    return Meta(
+        c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist())
+    )
 
 
 def move_to_cpu(model: nn.Module | None) -> torch.device | None:

@@ -23,8 +23,21 @@ if TYPE_CHECKING:  # config.py imports this module: the type only, for readers a
     from .config import TrainConfig
 
 # Fallbacks for anything no recipe sets.
-BASE = dict(model="convnet", optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4,
-            schedule="onecycle", warmup_frac=0.2, label_smoothing=0.0, ema=0.0, tta=False, batch_size=256, amp="none")
+BASE = dict(
+    model="convnet",
+    optimizer="sgd",
+    lr=0.05,
+    momentum=0.9,
+    nesterov=True,
+    weight_decay=5e-4,
+    schedule="onecycle",
+    warmup_frac=0.2,
+    label_smoothing=0.0,
+    ema=0.0,
+    tta=False,
+    batch_size=256,
+    amp="none",
+)
 
 # Seed ConvNet on MNIST: Nesterov SGD with a short linear warm-up then linear decay to 0.
 MNIST = dict(model="convnet", batch_size=128, lr=0.1, weight_decay=5e-4, schedule="onecycle", warmup_frac=0.15)
@@ -36,15 +49,28 @@ RECIPES: dict[str, dict] = {
     "mnist-cpu-bf16": {**MNIST, "amp": "bf16"},
     # Page-style ResNet-9 (DAWNBench): lr 0.4 per mean-loss batch of 512, linear up for the
     # first quarter then linear down, label smoothing 0.2, flip TTA at eval.
-    "cifar10-resnet9": dict(model="resnet9", batch_size=512, lr=0.4, weight_decay=5e-4, schedule="onecycle",
-                            warmup_frac=0.25, label_smoothing=0.2, tta=True),
+    "cifar10-resnet9": dict(
+        model="resnet9",
+        batch_size=512,
+        lr=0.4,
+        weight_decay=5e-4,
+        schedule="onecycle",
+        warmup_frac=0.25,
+        label_smoothing=0.2,
+        tta=True,
+    ),
     "imagefolder": dict(model="resnet18", batch_size=128, lr=0.1, schedule="cosine", warmup_frac=0.05),
     "synthetic": dict(model="resnet9", batch_size=512, lr=0.4, schedule="onecycle"),
     "none": {},
 }
 
-AUTO = {"mnist": "mnist", "fashion-mnist": "mnist", "cifar10": "cifar10-resnet9", "cifar100": "cifar10-resnet9",
-        "synthetic": "synthetic"}
+AUTO = {
+    "mnist": "mnist",
+    "fashion-mnist": "mnist",
+    "cifar10": "cifar10-resnet9",
+    "cifar100": "cifar10-resnet9",
+    "synthetic": "synthetic",
+}
 
 
 def pick(cfg: TrainConfig, flags: frozenset[str] | None = None) -> str:
@@ -76,8 +102,9 @@ def native_cpu_bf16(device: str, flags: frozenset[str] | None = None) -> bool:
 
 # oneDNN ISAs without AVX512-BF16 or AMX: with oneDNN capped at one of these (ONEDNN_MAX_CPU_ISA, see
 # oneDNN's "CPU Dispatcher Control"), its bf16 kernels are emulated whatever the CPU has.
-ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
-                                      "AVX512_CORE_VNNI"})
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
 
 
 def cpu_flags() -> frozenset[str]:

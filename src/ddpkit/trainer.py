@@ -80,10 +80,20 @@ class Trainer:
     ``collate_fn`` is given to the DataLoader for ``train_data`` and ``test_data``.
     """
 
-    def __init__(self, config: TrainConfig | None = None, model: nn.Module | None = None,
-                 train_data: Dataset | None = None, test_data: Dataset | None = None, meta: Meta | None = None, *,
-                 loss_fn: Callable | None = None, metrics: Mapping[str, Callable] | None = None,
-                 optimizer: Any = None, scheduler: Any = None, collate_fn: Callable | None = None):
+    def __init__(
+        self,
+        config: TrainConfig | None = None,
+        model: nn.Module | None = None,
+        train_data: Dataset | None = None,
+        test_data: Dataset | None = None,
+        meta: Meta | None = None,
+        *,
+        loss_fn: Callable | None = None,
+        metrics: Mapping[str, Callable] | None = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        collate_fn: Callable | None = None,
+    ):
         cfg = config or TrainConfig()
         self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -94,14 +104,18 @@ class Trainer:
             cfg = dataclasses.replace(cfg, dataset=f"custom:{data_fingerprint(train_data, test_data)}")
         if model is not None:
             cfg = dataclasses.replace(cfg, model=f"custom:{model_fingerprint(model)}")
-        for given, what, unused in ((optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
-                                    (scheduler, "schedule", ("schedule", "warmup_frac"))):
+        for given, what, unused in (
+            (optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
+            (scheduler, "schedule", ("schedule", "warmup_frac")),
+        ):
             if given is None:
                 continue
             clash = [k for k in unused if getattr(cfg, k) is not None]
             if clash:
-                raise ConfigError(f"you pass your own {what}, so the config's {', '.join(clash)} would be ignored; "
-                                  f"leave {'it' if len(clash) == 1 else 'them'} unset")
+                raise ConfigError(
+                    f"you pass your own {what}, so the config's {', '.join(clash)} would be ignored; "
+                    f"leave {'it' if len(clash) == 1 else 'them'} unset"
+                )
             cfg = dataclasses.replace(cfg, **{what: f"custom:{code_name(given)}"})
         self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
 
@@ -125,9 +139,11 @@ class Trainer:
         cfg, spec, splits, task = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
         finished = check_run_dir(cfg)
         if finished is not None:
-            print(f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
-                  f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
-                  + (f". --log {cfg.log} applies to runs that train" if cfg.log else ""))
+            print(
+                f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
+                f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
+                + (f". --log {cfg.log} applies to runs that train" if cfg.log else "")
+            )
             print(format_record({"event": "summary", **summary_fields(finished)}))
             summary = finished
         else:
@@ -156,8 +172,9 @@ class Trainer:
         if self.model is None:
             raise ConfigError("evaluate() needs model=...; to re-evaluate a CLI run, use `ddpkit eval RUN_DIR`")
         cfg = self.config.resolved()
-        splits = materialize(self.splits if self.splits is not None else load_dataset(cfg), cfg,
-                             available_memory_bytes())
+        splits = materialize(
+            self.splits if self.splits is not None else load_dataset(cfg), cfg, available_memory_bytes()
+        )
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
 
@@ -175,5 +192,3 @@ def run_evaluation(cfg: TrainConfig, task: Task, splits: DataSplits, model: nn.M
     finally:
         if home is not None:
             model.to(home)
-
-

@@ -21,13 +21,16 @@ def assert_one_line_error(proc, *fragments):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("args,fragments", [
-    (["--dataset", "imagenet"], ["unknown dataset 'imagenet'"]),
-    (["--model", "vgg"], ["unknown model 'vgg'", "convnet"]),
-    (["--batch-size", "255", "--nproc", "2"], ["not divisible by the world size 2", "254 or 256"]),
-    (["--epochs", "0"], ["--epochs must be positive"]),
-    (["--lr", "-0.1"], ["--lr must be positive"]),
-])
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--dataset", "imagenet"], ["unknown dataset 'imagenet'"]),
+        (["--model", "vgg"], ["unknown model 'vgg'", "convnet"]),
+        (["--batch-size", "255", "--nproc", "2"], ["not divisible by the world size 2", "254 or 256"]),
+        (["--epochs", "0"], ["--epochs must be positive"]),
+        (["--lr", "-0.1"], ["--lr must be positive"]),
+    ],
+)
 def test_bad_flags(tmp_path, args, fragments):
     proc = run_cli("train", "--run-dir", str(tmp_path / "run"), *args)
     assert_one_line_error(proc, *fragments)
@@ -41,12 +44,15 @@ def test_missing_dataset_offline_names_directory(tmp_path):
     assert not (tmp_path / "d").exists()  # the failed download left no empty folders behind (it did)
 
 
-@pytest.mark.parametrize("args,line", [
-    (["train", "--epochz", "1"], "ddpkit train: unrecognized arguments: --epochz 1 (did you mean --epochs?)"),
-    (["train", "--epochs", "x"], "ddpkit train: argument --epochs: invalid int value: 'x'"),
-    (["train", "--limit", "3"], "ddpkit train: ambiguous option: --limit could match --limit-train, --limit-test"),
-    (["doctor", "--jsn"], "ddpkit doctor: unrecognized arguments: --jsn (did you mean --json?)"),
-])
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["train", "--epochz", "1"], "ddpkit train: unrecognized arguments: --epochz 1 (did you mean --epochs?)"),
+        (["train", "--epochs", "x"], "ddpkit train: argument --epochs: invalid int value: 'x'"),
+        (["train", "--limit", "3"], "ddpkit train: ambiguous option: --limit could match --limit-train, --limit-test"),
+        (["doctor", "--jsn"], "ddpkit doctor: unrecognized arguments: --jsn (did you mean --json?)"),
+    ],
+)
 def test_a_bad_flag_is_one_line_with_the_nearest_flag(args, line, capsys):
     """argparse printed its whole usage block (35 lines for train) before the error, and no suggestion."""
     from ddpkit.cli import main
@@ -85,14 +91,21 @@ def test_help_lists_the_subcommands():
     assert sys.executable and cli_env()["PYTHONPATH"]
 
 
-@pytest.mark.parametrize("env,error,printed", [
-    ({}, "ConfigError", "ddpkit: error: bad\n"),  # no launcher: RANK means nothing
-    ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "ConfigError", "ddpkit: error: rank 1: bad\n"),
-    ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "NonFiniteLoss", ""),  # every rank met it: rank 0 says it
-    ({"GROUP_RANK": "1", "LOCAL_RANK": "1", "RANK": "3"}, "ConfigError", ""),  # another node: its local rank 0 says it
-    ({"GROUP_RANK": "1", "LOCAL_RANK": "0", "RANK": "2"}, "ConfigError", "ddpkit: error: rank 2: bad\n"),
-    ({"GROUP_RANK": "0", "LOCAL_RANK": "0", "RANK": "0"}, "ConfigError", "ddpkit: error: bad\n"),
-])
+@pytest.mark.parametrize(
+    "env,error,printed",
+    [
+        ({}, "ConfigError", "ddpkit: error: bad\n"),  # no launcher: RANK means nothing
+        ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "ConfigError", "ddpkit: error: rank 1: bad\n"),
+        ({"GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "1"}, "NonFiniteLoss", ""),  # every rank met it: rank 0 says it
+        (
+            {"GROUP_RANK": "1", "LOCAL_RANK": "1", "RANK": "3"},
+            "ConfigError",
+            "",
+        ),  # another node: its local rank 0 says it
+        ({"GROUP_RANK": "1", "LOCAL_RANK": "0", "RANK": "2"}, "ConfigError", "ddpkit: error: rank 2: bad\n"),
+        ({"GROUP_RANK": "0", "LOCAL_RANK": "0", "RANK": "0"}, "ConfigError", "ddpkit: error: bad\n"),
+    ],
+)
 def test_which_rank_prints_an_error_under_torchrun(monkeypatch, capsys, env, error, printed):
     from ddpkit import cli, errors
     from ddpkit.dist import failures
@@ -145,16 +158,19 @@ def cli_surface() -> dict:
             default = "unset" if action.default is argparse.SUPPRESS else repr(action.default)
             out["/".join(action.option_strings) or action.dest] = (
                 f"{type(action).__name__.strip('_')} default={default} nargs={action.nargs}"
-                + (f" choices={list(action.choices)}" if action.choices else ""))
+                + (f" choices={list(action.choices)}" if action.choices else "")
+            )
         return out
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    fields = {f.name: f"[{f.metadata['section']}] default={f.default!r}" + ("" if f.metadata["cli"] else " (no flag)")
-              + (f" choices={list(f.metadata['choices'])}" if f.metadata["choices"] else "")
-              for f in dataclasses.fields(TrainConfig)}
-    return {"ddpkit": describe(parser), **{name: describe(p) for name, p in sub.choices.items()},
-            "TrainConfig": fields}
+    fields = {
+        f.name: f"[{f.metadata['section']}] default={f.default!r}"
+        + ("" if f.metadata["cli"] else " (no flag)")
+        + (f" choices={list(f.metadata['choices'])}" if f.metadata["choices"] else "")
+        for f in dataclasses.fields(TrainConfig)
+    }
+    return {"ddpkit": describe(parser), **{name: describe(p) for name, p in sub.choices.items()}, "TrainConfig": fields}
 
 
 def test_the_cli_surface_changes_only_on_purpose():

@@ -23,17 +23,20 @@ def test_recipe_fills_unset_fields_and_flags_win():
     assert TrainConfig(dataset="cifar10").resolved().model == "resnet9"
 
 
-@pytest.mark.parametrize("flags,kwargs,expected", [
-    (AVX2_ONLY, {}, "mnist"),
-    (AVX2_ONLY | {"avx512f", "avx512_bf16"}, {}, "mnist-cpu-bf16"),  # AVX512 with native bf16
-    (AVX2_ONLY | {"amx_bf16", "amx_tile"}, {}, "mnist-cpu-bf16"),  # AMX (Sapphire Rapids and later)
-    (AVX2_ONLY | {"avx512f"}, {}, "mnist"),  # AVX512 without bf16: emulated, so fp32
-    (frozenset(), {}, "mnist"),  # no /proc/cpuinfo (macOS) or no flags line
-    (AVX2_ONLY | {"avx512_bf16"}, {"dtype": "float64"}, "mnist"),  # float64 asks for exactness, not speed
-    (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "fashion-mnist"}, "mnist-cpu-bf16"),
-    (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "cifar10"}, "cifar10-resnet9"),
-    (AVX2_ONLY | {"avx512_bf16"}, {"recipe": "mnist"}, "mnist"),  # an explicit recipe is never second-guessed
-])
+@pytest.mark.parametrize(
+    "flags,kwargs,expected",
+    [
+        (AVX2_ONLY, {}, "mnist"),
+        (AVX2_ONLY | {"avx512f", "avx512_bf16"}, {}, "mnist-cpu-bf16"),  # AVX512 with native bf16
+        (AVX2_ONLY | {"amx_bf16", "amx_tile"}, {}, "mnist-cpu-bf16"),  # AMX (Sapphire Rapids and later)
+        (AVX2_ONLY | {"avx512f"}, {}, "mnist"),  # AVX512 without bf16: emulated, so fp32
+        (frozenset(), {}, "mnist"),  # no /proc/cpuinfo (macOS) or no flags line
+        (AVX2_ONLY | {"avx512_bf16"}, {"dtype": "float64"}, "mnist"),  # float64 asks for exactness, not speed
+        (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "fashion-mnist"}, "mnist-cpu-bf16"),
+        (AVX2_ONLY | {"avx512_bf16"}, {"dataset": "cifar10"}, "cifar10-resnet9"),
+        (AVX2_ONLY | {"avx512_bf16"}, {"recipe": "mnist"}, "mnist"),  # an explicit recipe is never second-guessed
+    ],
+)
 def test_recipe_auto_is_a_function_of_the_cpu_flags(flags, kwargs, expected):
     from ddpkit import recipes
 
@@ -90,23 +93,26 @@ def test_frozen():
         TrainConfig().epochs = 3
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(dataset="nope"), "unknown dataset 'nope'"),
-    (dict(model="nope"), "unknown model 'nope'"),
-    (dict(epochs=0), "--epochs must be positive"),
-    (dict(lr=-0.1), "--lr must be positive"),
-    (dict(amp="fp8"), "--amp 'fp8' is not one of"),
-    (dict(nproc="two"), "--nproc must be a positive integer or 'auto'"),
-    (dict(recipe="fast"), "unknown recipe 'fast'"),
-    (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-    (dict(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint must be HOST:PORT, got 'node0'"),
-    (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
-    (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
-    (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
-    # CUDA-graph modes break with BatchNorm under DDP (pytorch/pytorch#139207, #161302)
-    (dict(compile_mode="reduce-overhead"), "--compile-mode 'reduce-overhead' is not one of"),
-    (dict(compile_mode="max-autotune"), "--compile-mode 'max-autotune' is not one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(dataset="nope"), "unknown dataset 'nope'"),
+        (dict(model="nope"), "unknown model 'nope'"),
+        (dict(epochs=0), "--epochs must be positive"),
+        (dict(lr=-0.1), "--lr must be positive"),
+        (dict(amp="fp8"), "--amp 'fp8' is not one of"),
+        (dict(nproc="two"), "--nproc must be a positive integer or 'auto'"),
+        (dict(recipe="fast"), "unknown recipe 'fast'"),
+        (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (dict(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint must be HOST:PORT, got 'node0'"),
+        (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
+        (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
+        (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
+        # CUDA-graph modes break with BatchNorm under DDP (pytorch/pytorch#139207, #161302)
+        (dict(compile_mode="reduce-overhead"), "--compile-mode 'reduce-overhead' is not one of"),
+        (dict(compile_mode="max-autotune"), "--compile-mode 'max-autotune' is not one of"),
+    ],
+)
 def test_invalid_values_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs).resolved()
@@ -135,11 +141,14 @@ def test_unknown_toml_key(tmp_path):
         TrainConfig.from_toml(tmp_path / "c.toml")
 
 
-@pytest.mark.parametrize("text,message", [
-    ("[trian]\nepochs = 1\n", r"unknown section \[trian\]; the sections are \[data\], \[model\]"),
-    ("[data]\nepochs = 1\n", r"epochs belongs in \[train\], not \[data\]"),
-    ("[train]\nbatch_size = 64\nbatch-size = 32\n", r"batch_size is given twice"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[trian]\nepochs = 1\n", r"unknown section \[trian\]; the sections are \[data\], \[model\]"),
+        ("[data]\nepochs = 1\n", r"epochs belongs in \[train\], not \[data\]"),
+        ("[train]\nbatch_size = 64\nbatch-size = 32\n", r"batch_size is given twice"),
+    ],
+)
 def test_toml_sections_are_checked(tmp_path, text, message):
     """Sections were ignored: [trian], a key in the wrong section and a key given twice all passed silently."""
     (tmp_path / "c.toml").write_text(text)
@@ -155,8 +164,9 @@ def test_toml_keys_take_the_flags_spelling_and_flat_files_still_load(tmp_path):
 
 def test_flags_are_the_dataclass_fields_and_override_toml(tmp_path):
     (tmp_path / "c.toml").write_text("[train]\nepochs = 5\nseed = 4\n")
-    args = build_parser().parse_args(["train", "--config", str(tmp_path / "c.toml"), "--epochs", "2",
-                                      "--no-progress", "--sync-bn", "--lr", "0.2"])
+    args = build_parser().parse_args(
+        ["train", "--config", str(tmp_path / "c.toml"), "--epochs", "2", "--no-progress", "--sync-bn", "--lr", "0.2"]
+    )
     cfg = config_from_args(args)
     assert (cfg.epochs, cfg.seed, cfg.progress, cfg.sync_bn, cfg.lr) == (2, 4, False, True, 0.2)
     assert cfg.momentum is None  # untyped flags stay unset for the recipe
@@ -175,8 +185,17 @@ def test_cli_surface_is_frozen():
 def test_fault_tolerance_and_launch_flags_do_not_change_the_run_identity():
     """A run may be resumed with other snapshot/restart/rendezvous settings: same hash, same run."""
     base = TrainConfig(dataset="mnist").resolved()
-    other = TrainConfig(dataset="mnist", save_every_steps=10, keep_snapshots=5, max_restarts=3, on_nan="warn",
-                        nnodes=2, rdzv_endpoint="h:1", rdzv_id="x", local_addr="10.0.0.2").resolved()
+    other = TrainConfig(
+        dataset="mnist",
+        save_every_steps=10,
+        keep_snapshots=5,
+        max_restarts=3,
+        on_nan="warn",
+        nnodes=2,
+        rdzv_endpoint="h:1",
+        rdzv_id="x",
+        local_addr="10.0.0.2",
+    ).resolved()
     assert base.hash() == other.hash()
 
 
@@ -189,12 +208,18 @@ from hypothesis import strategies as st  # noqa: E402
 from ddpkit.config import FIELD_TYPES, tomllib  # noqa: E402
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
-TYPED = {int: st.integers(-2**63, 2**63 - 1), float: st.floats(allow_nan=False, allow_infinity=False),
-         bool: st.booleans(), str: st.text()}  # st.text(): the full Unicode range but lone surrogates
-WRONG = {int: st.one_of(st.text(), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2)),
-         float: st.one_of(st.text(), st.booleans(), st.lists(st.floats(), max_size=2)),
-         bool: st.one_of(st.text(), st.integers(), st.floats()),
-         str: st.one_of(st.floats(), st.booleans(), st.lists(st.text(), max_size=2))}
+TYPED = {
+    int: st.integers(-(2**63), 2**63 - 1),
+    float: st.floats(allow_nan=False, allow_infinity=False),
+    bool: st.booleans(),
+    str: st.text(),
+}  # st.text(): the full Unicode range but lone surrogates
+WRONG = {
+    int: st.one_of(st.text(), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2)),
+    float: st.one_of(st.text(), st.booleans(), st.lists(st.floats(), max_size=2)),
+    bool: st.one_of(st.text(), st.integers(), st.floats()),
+    str: st.one_of(st.floats(), st.booleans(), st.lists(st.text(), max_size=2)),
+}
 
 
 def typed(name):
@@ -224,8 +249,11 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(case):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.fixed_dictionaries({name: typed(name) for name in FIELDS
-                              if name not in ("dataset", "model", "recipe", "task", "rdzv_endpoint")}))
+@given(
+    st.fixed_dictionaries(
+        {name: typed(name) for name in FIELDS if name not in ("dataset", "model", "recipe", "task", "rdzv_endpoint")}
+    )
+)
 def test_validation_refuses_out_of_bounds_values_only_with_config_errors(values):
     """Numbers at and beyond their bounds, any string: validation says yes, or one ConfigError; it never
     crashes with a TypeError or ValueError of its own."""

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from clirun import cli_env
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -54,8 +53,12 @@ def imports(path: Path) -> list[tuple[str, bool | None]]:
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     top = {id(node) for node in tree.body}
-    typing_only = {id(n) for block in tree.body if isinstance(block, ast.If) and ast.unparse(block.test) in
-                   ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(block)}
+    typing_only = {
+        id(n)
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -64,7 +67,7 @@ def imports(path: Path) -> list[tuple[str, bool | None]]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             # `from pkg import mod` imports pkg.mod; `from mod import name` imports mod
             names = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
         else:
@@ -150,11 +153,14 @@ def problems(graph: dict) -> list[str]:
             if target == module or target in _parents(module):
                 continue  # a package's own name: importing its submodule runs its __init__, not a cycle edge
             if layer_of(target) > layer_of(module):
-                found.append(f"upward import: {module} (layer {layer_of(module)}) imports {target} "
-                             f"(layer {layer_of(target)})")
+                found.append(
+                    f"upward import: {module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+                )
             if at_top is False and module not in helps:
-                found.append(f"import inside a function: {module} imports {target}; move it to the top "
-                             f"(only modules `ddpkit --help` imports may defer one)")
+                found.append(
+                    f"import inside a function: {module} imports {target}; move it to the top "
+                    f"(only modules `ddpkit --help` imports may defer one)"
+                )
     found += [f"import circle among: {', '.join(c)}" for c in cycles(graph)]
     return found
 
@@ -185,8 +191,10 @@ def test_a_circle_an_upward_import_and_a_deferred_import_are_caught():
     typing_only = {**graph, "ddpkit.config": graph["ddpkit.config"] + [("ddpkit.run.rundir", None)]}
     assert problems(typing_only) == ["upward import: ddpkit.config (layer 1) imports ddpkit.run.rundir (layer 4)"]
     deferred = {**graph, "ddpkit.train.engine": graph["ddpkit.train.engine"] + [("ddpkit.run.plots", False)]}
-    assert problems(deferred) == ["import inside a function: ddpkit.train.engine imports ddpkit.run.plots; move it "
-                                  "to the top (only modules `ddpkit --help` imports may defer one)"]
+    assert problems(deferred) == [
+        "import inside a function: ddpkit.train.engine imports ddpkit.run.plots; move it "
+        "to the top (only modules `ddpkit --help` imports may defer one)"
+    ]
 
 
 def test_the_help_modules_import_no_torch_at_their_top():
@@ -195,16 +203,22 @@ def test_the_help_modules_import_no_torch_at_their_top():
         path = SRC.joinpath(*module.split("."))
         path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
         tree = ast.parse(path.read_text())
-        heavy = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names] + \
-                [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and not n.level]
+        heavy = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names] + [
+            n.module for n in tree.body if isinstance(n, ast.ImportFrom) and not n.level
+        ]
         assert not [m for m in heavy if m and m.split(".")[0] in ("torch", "numpy", "matplotlib")], module
 
 
 @pytest.mark.multiprocess
 def test_help_loads_no_torch():
     """``python -X importtime -m ddpkit --help`` lists every module it imports: torch is not among them."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ddpkit", "--help"], env=cli_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ddpkit", "--help"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     loaded = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert "ddpkit.cli" in loaded and "ddpkit.commands.train" in loaded

@@ -23,13 +23,17 @@ def test_on_cuda_only_convolutions_on_one_channel_are_kept_contiguous():
 
     from ddpkit.models import resnet18
 
-    model = to_channels_last(nn.Sequential(nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, groups=4), resnet18(1, 32, 32, 10)),
-                             "cuda")
+    model = to_channels_last(
+        nn.Sequential(nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, groups=4), resnet18(1, 32, 32, 10)), "cuda"
+    )
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             w = m.weight
-            assert w.stride() == (torch.empty(w.shape).stride() if m.in_channels == 1 else
-                                  torch.empty(w.shape, memory_format=torch.channels_last).stride())
+            assert w.stride() == (
+                torch.empty(w.shape).stride()
+                if m.in_channels == 1
+                else torch.empty(w.shape, memory_format=torch.channels_last).stride()
+            )
 
 
 def test_on_cpu_every_weight_goes_nhwc_and_gradients_match():

@@ -38,8 +38,18 @@ def test_each_rank_trains_its_own_copy_of_a_passed_model(tmp_path):
     """Regression: spawned workers got the model's tensors in shared memory, so both ranks
     stepped the same storage (BN counted ~1.5 forwards per step, and runs were not repeatable)."""
     torch.manual_seed(0)
-    cfg = TrainConfig(dataset="mnist", limit_train=800, limit_test=200, batch_size=100, lr=0.05, epochs=1,
-                      progress=False, device="cpu", nproc="2", run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig(
+        dataset="mnist",
+        limit_train=800,
+        limit_test=200,
+        batch_size=100,
+        lr=0.05,
+        epochs=1,
+        progress=False,
+        device="cpu",
+        nproc="2",
+        run_dir=str(tmp_path / "run"),
+    )
     model = ConvNet()
     result = Trainer(cfg, model=model).fit()
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
@@ -54,16 +64,24 @@ def test_each_rank_trains_its_own_copy_of_a_passed_model(tmp_path):
 def test_float_targets_under_the_default_task_are_one_line_before_launch(tmp_path, flat):
     """Regression: [N, 1] float targets trained nothing and reported loss=0 with exit 0; [N]
     raised a raw dtype error on every rank. Now: one line, before any worker starts."""
-    trainer = Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=RegressionMLP(),
-                      train_data=regression_data(64, 0, flat_targets=flat), test_data=regression_data(32, 1))
+    trainer = Trainer(
+        TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL),
+        model=RegressionMLP(),
+        train_data=regression_data(64, 0, flat_targets=flat),
+        test_data=regression_data(32, 1),
+    )
     with pytest.raises(TaskError, match="targets are float32.*integer class labels.*pass loss_fn"):
         trainer.fit()
     assert not (tmp_path / "r").exists()
 
 
 def test_sequence_logits_under_the_default_task_are_one_line_before_launch(tmp_path):
-    trainer = Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=CharModel(),
-                      train_data=TensorDatasetOfTokens(), test_data=TensorDatasetOfTokens())
+    trainer = Trainer(
+        TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL),
+        model=CharModel(),
+        train_data=TensorDatasetOfTokens(),
+        test_data=TensorDatasetOfTokens(),
+    )
     with pytest.raises(TaskError, match=r"output has shape \[2, 8, 11\]; the default classification task needs"):
         trainer.fit()
 
@@ -78,9 +96,14 @@ def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(t
     torch.manual_seed(0)
     model = RegressionMLP()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=model,
-                     train_data=regression_data(256, 0), test_data=regression_data(100, 1),
-                     loss_fn=mse, metrics={"mae": mae}).fit()
+    result = Trainer(
+        TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL),
+        model=model,
+        train_data=regression_data(256, 0),
+        test_data=regression_data(100, 1),
+        loss_fn=mse,
+        metrics={"mae": mae},
+    ).fit()
     s = result.summary
     assert re.fullmatch(r"custom:mse#\w{8}\+mae#\w{8}", s["task"]) and s["world_size"] == 2 and s["test_samples"] == 100
     assert s["test_loss"] < 1.0 and 0 < s["test_mae"] < 1.0  # y has variance ~14: it learned
@@ -114,9 +137,14 @@ def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
         assert abs(sum(rank_means).item() / world - expected) > 1e-4
     results = {}
     for nproc in ("1", "2", "3"):
-        trainer = Trainer(TrainConfig(nproc=nproc, run_dir=str(tmp_path / nproc), **SMALL), model=model,
-                          train_data=Sequences(64, 0), test_data=test, loss_fn=token_loss,
-                          metrics={"loss": per_token_loss, "share": first_token_share})
+        trainer = Trainer(
+            TrainConfig(nproc=nproc, run_dir=str(tmp_path / nproc), **SMALL),
+            model=model,
+            train_data=Sequences(64, 0),
+            test_data=test,
+            loss_fn=token_loss,
+            metrics={"loss": per_token_loss, "share": first_token_share},
+        )
         results[nproc] = trainer.evaluate()
     for nproc, r in results.items():
         assert r["world_size"] == int(nproc) and r["test_samples"] == 101
@@ -132,26 +160,43 @@ def test_grad_accumulation_and_two_ranks_match_one_rank_one_batch_in_float64(tmp
     common = dict(SMALL, batch_size=16, epochs=1, momentum=0.9)
     train, test = regression_data(128, 0, torch.float64), regression_data(20, 1, torch.float64)
     states = {}
-    for name, extra in {"w1": dict(nproc="1"), "w1-accum4": dict(nproc="1", grad_accum=4),
-                        "w2-accum2": dict(nproc="2", grad_accum=2)}.items():
+    for name, extra in {
+        "w1": dict(nproc="1"),
+        "w1-accum4": dict(nproc="1", grad_accum=4),
+        "w2-accum2": dict(nproc="2", grad_accum=2),
+    }.items():
         torch.manual_seed(0)
         model = RegressionMLP(dtype=torch.float64)
-        Trainer(TrainConfig(run_dir=str(tmp_path / name), **common, **extra), model=model, train_data=train,
-                test_data=test, loss_fn=mse).fit()
+        Trainer(
+            TrainConfig(run_dir=str(tmp_path / name), **common, **extra),
+            model=model,
+            train_data=train,
+            test_data=test,
+            loss_fn=mse,
+        ).fit()
         states[name] = model.state_dict()
     for other in ("w1-accum4", "w2-accum2"):
         worst = max((states[other][k] - v).abs().max().item() for k, v in states["w1"].items())
         assert worst < 1e-12, (other, worst)
-    assert max((states["w1"][k] - v).abs().max().item() for k, v in RegressionMLP(dtype=torch.float64)
-               .state_dict().items()) > 1e-3  # and it did train
+    assert (
+        max(
+            (states["w1"][k] - v).abs().max().item() for k, v in RegressionMLP(dtype=torch.float64).state_dict().items()
+        )
+        > 1e-3
+    )  # and it did train
 
 
 @pytest.mark.multiprocess
 def test_dict_batches_train_through_the_models_own_loss_on_two_processes(tmp_path):
     """Regression: dict batches (as Hugging Face datasets give) failed with "'str' object has no attribute 'to'"."""
     torch.manual_seed(0)
-    result = Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=OwnLossModel(),
-                     train_data=DictData(256, 0), test_data=DictData(64, 1), metrics={"mae": dict_mae}).fit()
+    result = Trainer(
+        TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL),
+        model=OwnLossModel(),
+        train_data=DictData(256, 0),
+        test_data=DictData(64, 1),
+        metrics={"mae": dict_mae},
+    ).fit()
     assert re.fullmatch(r"model-loss\+mae#\w{8}", result["task"]) and result["test_samples"] == 64
     assert result["test_loss"] < 1.0 and result["test_mae"] < 1.0
 
@@ -159,8 +204,9 @@ def test_dict_batches_train_through_the_models_own_loss_on_two_processes(tmp_pat
 def test_optimizer_scheduler_and_clipping_come_from_the_user(tmp_path):
     torch.manual_seed(0)
     model = RegressionMLP()
-    adam = torch.optim.AdamW([{"params": model.net[0].parameters(), "lr": 0.01},
-                              {"params": model.net[2].parameters(), "lr": 0.003}])  # parameter groups
+    adam = torch.optim.AdamW(
+        [{"params": model.net[0].parameters(), "lr": 0.01}, {"params": model.net[2].parameters(), "lr": 0.003}]
+    )  # parameter groups
     seen = {}
 
     def schedule(opt, total_steps):
@@ -171,8 +217,13 @@ def test_optimizer_scheduler_and_clipping_come_from_the_user(tmp_path):
     with pytest.raises(ConfigError, match="you pass your own optimizer, so the config's lr would be ignored"):
         Trainer(TrainConfig(**SMALL), model=model, optimizer=adam, **data)
     mine = {k: v for k, v in SMALL.items() if k != "lr"}
-    result = Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "r"), clip_grad_norm=0.5, **mine), model=model,
-                     optimizer=adam, scheduler=schedule, **data).fit()
+    result = Trainer(
+        TrainConfig(nproc="1", run_dir=str(tmp_path / "r"), clip_grad_norm=0.5, **mine),
+        model=model,
+        optimizer=adam,
+        scheduler=schedule,
+        **data,
+    ).fit()
     assert seen["total_steps"] == result["steps"] == 8
     snap = torch.load(sorted((result.run_dir / "checkpoints").glob("*.pt"))[-1], weights_only=True)
     groups = snap["trainer"]["optimizer"]["param_groups"]
@@ -191,8 +242,13 @@ def test_an_edited_model_is_a_new_run_never_a_stale_result(tmp_path):
     b = Trainer(cfg, model=RegressionMLP(hidden=32), **data).config.resolved()
     assert a.model != b.model and a.run_dir != b.run_dir
     assert Trainer(cfg, model=RegressionMLP(hidden=16), **data).config.resolved().run_dir == a.run_dir  # stable
-    c = Trainer(cfg, model=RegressionMLP(hidden=16), train_data=regression_data(65, 0),
-                test_data=regression_data(32, 1), loss_fn=mse).config.resolved()
+    c = Trainer(
+        cfg,
+        model=RegressionMLP(hidden=16),
+        train_data=regression_data(65, 0),
+        test_data=regression_data(32, 1),
+        loss_fn=mse,
+    ).config.resolved()
     assert c.dataset != a.dataset  # a dataset of another size is another run too
     run = str(tmp_path / "r")
     Trainer(TrainConfig(nproc="1", run_dir=run, **SMALL), model=RegressionMLP(hidden=16), **data).fit()
@@ -204,22 +260,36 @@ def test_init_from_and_resume_never(tmp_path):
     data = dict(train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
     first = Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "a"), **SMALL), model=RegressionMLP(), **data).fit()
     with pytest.raises(RunDirError, match="--resume never: .* already holds a run"):
-        Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "a"), resume="never", **SMALL), model=RegressionMLP(),
-                **data).fit()
-    tuned = Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "b"), init_from=str(first.run_dir / "model.pt"),
-                                **dict(SMALL, epochs=1)), model=RegressionMLP(), **data).fit()
+        Trainer(
+            TrainConfig(nproc="1", run_dir=str(tmp_path / "a"), resume="never", **SMALL), model=RegressionMLP(), **data
+        ).fit()
+    tuned = Trainer(
+        TrainConfig(
+            nproc="1", run_dir=str(tmp_path / "b"), init_from=str(first.run_dir / "model.pt"), **dict(SMALL, epochs=1)
+        ),
+        model=RegressionMLP(),
+        **data,
+    ).fit()
     assert tuned["test_loss"] < first["test_loss"]  # started from the trained weights
     with pytest.raises(ConfigError, match="--init-from .* does not fit the model: .*other shapes"):
-        Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "c"), init_from=str(first.run_dir / "model.pt"),
-                            **SMALL), model=RegressionMLP(hidden=8), **data).fit()
+        Trainer(
+            TrainConfig(nproc="1", run_dir=str(tmp_path / "c"), init_from=str(first.run_dir / "model.pt"), **SMALL),
+            model=RegressionMLP(hidden=8),
+            **data,
+        ).fit()
 
 
 @pytest.mark.multiprocess
 def test_ddpkit_eval_on_a_python_run_says_how_to_evaluate_it(tmp_path):
     """Regression: `ddpkit eval` on a custom run died with KeyError: 'custom:ImageData'."""
     run = tmp_path / "r"
-    Trainer(TrainConfig(nproc="1", run_dir=str(run), **SMALL), model=RegressionMLP(), train_data=regression_data(64, 0),
-            test_data=regression_data(32, 1), loss_fn=mse).fit()
+    Trainer(
+        TrainConfig(nproc="1", run_dir=str(run), **SMALL),
+        model=RegressionMLP(),
+        train_data=regression_data(64, 0),
+        test_data=regression_data(32, 1),
+        loss_fn=mse,
+    ).fit()
     proc = run_cli("eval", str(run))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
@@ -255,8 +325,13 @@ print("LAUNCH", launch(lambda ctx, k: (ctx.rank, ctx.world_size, k), 7, nproc=2)
 def test_a_model_and_loss_defined_in_python_c_run_on_two_processes(tmp_path):
     """Regression: "Can't get attribute 'MLP' on <module '__main__'>". Workers are forked on CPU
     when spawn cannot import the code, as Lightning's ddp_notebook and Accelerate do."""
-    proc = subprocess.run([sys.executable, "-c", INLINE.format(run=str(tmp_path / "r"))], env=cli_env(),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", INLINE.format(run=str(tmp_path / "r"))],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     world, loss = proc.stdout.split("WORLD ")[1].split()[0], float(proc.stdout.split("LOSS ")[1].split()[0])
     assert world == "2" and loss < 1.0
@@ -329,20 +404,33 @@ def test_a_finished_run_says_how_to_train_again(tmp_path, capsys):
     assert "--resume never" not in out  # which refuses, rather than training again
 
 
-@pytest.mark.parametrize("model,data,metrics,message", [
-    (RegressionMLP(), "reg", {"mae": lambda out, b: ((out - b[1]).abs(), len(b[1]))},
-     "metric 'mae' returned a sum of shape \\[2, 1\\].*add .sum\\(\\)"),
-    (RegressionMLP(), "cls2", {}, "outputs 1 value per sample; classification needs one logit per class"),
-    (torch.nn.Linear(4, 2), "cls3", {}, "outputs 2 classes but the labels go up to 2"),
-])
+@pytest.mark.parametrize(
+    "model,data,metrics,message",
+    [
+        (
+            RegressionMLP(),
+            "reg",
+            {"mae": lambda out, b: ((out - b[1]).abs(), len(b[1]))},
+            "metric 'mae' returned a sum of shape \\[2, 1\\].*add .sum\\(\\)",
+        ),
+        (RegressionMLP(), "cls2", {}, "outputs 1 value per sample; classification needs one logit per class"),
+        (torch.nn.Linear(4, 2), "cls3", {}, "outputs 2 classes but the labels go up to 2"),
+    ],
+)
 def test_mistakes_in_the_workload_are_one_line_before_launch(tmp_path, model, data, metrics, message):
     x = torch.randn(64, 4)
     labels = {"cls2": torch.arange(64) % 2, "cls3": torch.arange(64) % 3}.get(data)
     train = regression_data(64, 0) if data == "reg" else torch.utils.data.TensorDataset(x, labels)
     loss = mse if data == "reg" else None
     with pytest.raises(TaskError, match=message):
-        Trainer(TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL), model=model, train_data=train,
-                test_data=train, loss_fn=loss, metrics=metrics).fit()
+        Trainer(
+            TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL),
+            model=model,
+            train_data=train,
+            test_data=train,
+            loss_fn=loss,
+            metrics=metrics,
+        ).fit()
 
 
 def test_a_metric_reading_outputs_that_loss_fn_did_not_return_says_so(tmp_path):
@@ -350,9 +438,14 @@ def test_a_metric_reading_outputs_that_loss_fn_did_not_return_says_so(tmp_path):
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
     with pytest.raises(TaskError, match="metric 'mae' raised TypeError.*outputs=None: loss_fn returned only the loss"):
-        Trainer(TrainConfig(nproc="1", run_dir=str(tmp_path / "r"), **SMALL), model=RegressionMLP(),
-                train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=bare,
-                metrics={"mae": mae}).fit()
+        Trainer(
+            TrainConfig(nproc="1", run_dir=str(tmp_path / "r"), **SMALL),
+            model=RegressionMLP(),
+            train_data=regression_data(64, 0),
+            test_data=regression_data(32, 1),
+            loss_fn=bare,
+            metrics={"mae": mae},
+        ).fit()
 
 
 def test_an_attempt_that_saved_nothing_does_not_lock_its_run_dir(tmp_path, capsys):
@@ -389,36 +482,47 @@ def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback
     # not multiprocessing's bootstrap traceback from every rank
     assert "bootstrapping phase" not in proc.stderr, proc.stderr[-3000:]
     lines = {line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")}
-    assert lines == {"ddpkit: error: this script starts training when it is imported, and worker processes import it: "
-                     "put the code that calls Trainer(...).fit() or ddpkit.launch(...) under "
-                     "`if __name__ == \"__main__\":`"}
+    assert lines == {
+        "ddpkit: error: this script starts training when it is imported, and worker processes import it: "
+        "put the code that calls Trainer(...).fit() or ddpkit.launch(...) under "
+        '`if __name__ == "__main__":`'
+    }
 
 
 @pytest.mark.multiprocess
 def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
     """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's)."""
-    code = ("import sys; from ddpkit import launch; from ddpkit.cli import run_reporting_errors\n"
-            "def buggy(ctx):\n"
-            "    import torch\n"
-            "    if ctx.rank == 1: raise ValueError('my bug on rank 1')\n"
-            "    ctx.all_reduce(torch.ones(1))\n"
-            "if __name__ == '__main__': sys.exit(run_reporting_errors(lambda: launch(buggy, nproc=2)))\n")
+    code = (
+        "import sys; from ddpkit import launch; from ddpkit.cli import run_reporting_errors\n"
+        "def buggy(ctx):\n"
+        "    import torch\n"
+        "    if ctx.rank == 1: raise ValueError('my bug on rank 1')\n"
+        "    ctx.all_reduce(torch.ones(1))\n"
+        "if __name__ == '__main__': sys.exit(run_reporting_errors(lambda: launch(buggy, nproc=2)))\n"
+    )
     script = tmp_path / "loop.py"
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "ValueError: my bug on rank 1" in proc.stderr  # the traceback, kept: it is a bug
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
-    assert errors == ["ddpkit: error: rank 1 raised ValueError: my bug on rank 1 (its traceback is above)"], \
+    assert errors == ["ddpkit: error: rank 1 raised ValueError: my bug on rank 1 (its traceback is above)"], (
         proc.stderr[-2000:]
+    )
 
 
 def test_max_steps_stops_mid_epoch_and_float64_reaches_the_model_and_its_batches(tmp_path, capsys):
     torch.manual_seed(0)
     model = RegressionMLP()  # float32: --dtype float64 converts it, and the float32 data too
-    result = Trainer(TrainConfig(nproc="1", max_steps=3, dtype="float64", quiet=True, run_dir=str(tmp_path / "r"),
-                                 **dict(SMALL, epochs=5)), model=model, train_data=regression_data(256, 0),
-                     test_data=regression_data(64, 1), loss_fn=mse).fit()
+    result = Trainer(
+        TrainConfig(
+            nproc="1", max_steps=3, dtype="float64", quiet=True, run_dir=str(tmp_path / "r"), **dict(SMALL, epochs=5)
+        ),
+        model=model,
+        train_data=regression_data(256, 0),
+        test_data=regression_data(64, 1),
+        loss_fn=mse,
+    ).fit()
     assert result["steps"] == 3 and result["epochs"] == 5  # 8 steps per epoch: stopped 3 steps in
     state = torch.load(result.run_dir / "model.pt", weights_only=True)
     assert all(v.dtype == torch.float64 for v in state.values())

@@ -80,7 +80,9 @@ def test_fashion_mnist_loads_from_data_dir(tmp_path, rng):
 def test_missing_files_name_the_directory(tmp_path):
     with pytest.raises(DataError, match=rf"dataset files missing in {tmp_path}/FashionMNIST/raw: train-images"):
         load_dataset(cfg(dataset="fashion-mnist", data_dir=str(tmp_path)), download=False)
-    with pytest.raises(DataError, match=rf"missing in {tmp_path}/cifar-10-batches-py: data_batch_1.*cifar-10-python.tar.gz"):
+    with pytest.raises(
+        DataError, match=rf"missing in {tmp_path}/cifar-10-batches-py: data_batch_1.*cifar-10-python.tar.gz"
+    ):
         load_dataset(cfg(dataset="cifar10", data_dir=str(tmp_path)), download=False)
 
 
@@ -99,8 +101,12 @@ def test_cifar100_uses_fine_labels(tmp_path, rng):
     folder = tmp_path / "cifar-100-python"
     folder.mkdir()
     for name in ("train", "test"):
-        write_cifar_batch(folder / name, rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8),
-                          np.array([0, 50, 99, 7]), label_key=b"fine_labels")
+        write_cifar_batch(
+            folder / name,
+            rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8),
+            np.array([0, 50, 99, 7]),
+            label_key=b"fine_labels",
+        )
     splits = load_dataset(cfg(dataset="cifar100", data_dir=str(tmp_path)), download=False)
     assert splits.meta.classes == 100 and splits.train.labels.tolist() == [0, 50, 99, 7]
 

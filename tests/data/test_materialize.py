@@ -23,8 +23,16 @@ CTX = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
 
 
 def cfg(**kw):
-    base = dict(data_path="auto", dataset="custom:x", image_size=8, seed=0, channels_last=False, num_workers=0,
-                limit_train=0, limit_test=0)
+    base = dict(
+        data_path="auto",
+        dataset="custom:x",
+        image_size=8,
+        seed=0,
+        channels_last=False,
+        num_workers=0,
+        limit_train=0,
+        limit_test=0,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -36,11 +44,14 @@ def test_a_tensor_dataset_is_indexed_in_place():
     assert "TensorDataset, indexed in place" in splits.note
 
 
-@pytest.mark.parametrize("data,collate,kept,why", [
-    (PlainData(40, 0), None, TensorData, "in memory (read once"),
-    (NoisyData(40), None, NoisyData, "differ between reads"),
-    (PlainData(40, 0), lambda batch: batch, PlainData, "a collate_fn is given"),
-])
+@pytest.mark.parametrize(
+    "data,collate,kept,why",
+    [
+        (PlainData(40, 0), None, TensorData, "in memory (read once"),
+        (NoisyData(40), None, NoisyData, "differ between reads"),
+        (PlainData(40, 0), lambda batch: batch, PlainData, "a collate_fn is given"),
+    ],
+)
 def test_which_user_datasets_are_held_in_memory_and_why(data, collate, kept, why):
     splits = materialize(DataSplits(data, data, None, collate), cfg())
     assert isinstance(splits.train, kept) and why in splits.note

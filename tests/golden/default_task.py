@@ -33,8 +33,20 @@ from ddpkit import TrainConfig, Trainer  # noqa: E402
 
 GOLDEN = Path(__file__).with_suffix(".json")
 # The settings both runs share; "recipe" is pinned because --recipe auto picks bf16 on CPUs with native bf16.
-BASE = dict(dataset="mnist", recipe="mnist", limit_train=800, limit_test=500, batch_size=100, lr=0.05, epochs=1,
-            nproc="1", device="cpu", progress=False, plots=False, log_every=3)
+BASE = dict(
+    dataset="mnist",
+    recipe="mnist",
+    limit_train=800,
+    limit_test=500,
+    batch_size=100,
+    lr=0.05,
+    epochs=1,
+    nproc="1",
+    device="cpu",
+    progress=False,
+    plots=False,
+    log_every=3,
+)
 RUNS = {"recipe": {}, "smoothing-ema-tta": dict(label_smoothing=0.1, ema=0.9, tta=True, epochs=2)}
 SUMMARY_KEYS = ("test_accuracy", "test_loss", "final_train_loss", "steps")
 
@@ -46,7 +58,9 @@ def digests(root: Path) -> dict:
         run_dir = root / name
         summary = Trainer(TrainConfig(**{**BASE, **overrides, "run_dir": str(run_dir)})).fit().summary
         state = torch.load(run_dir / "model.pt", weights_only=True)
-        tensors = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()[:16] for k, v in sorted(state.items())}
+        tensors = {
+            k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()[:16] for k, v in sorted(state.items())
+        }
         runs[name] = {"config": overrides, "tensors": tensors, "summary": {k: summary[k] for k in SUMMARY_KEYS}}
     return {"torch": str(torch.__version__), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "runs": runs}
 

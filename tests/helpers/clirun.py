@@ -1,7 +1,7 @@
 """The CLI as a user runs it, in a subprocess, and what its runs leave: the helpers most system tests share.
 
-    proc = run_cli("train", "--dataset", "mnist", ...)    # python -m ddpkit ..., returns the finished process
-    records = read_jsonl(run_dir / "metrics.jsonl")
+proc = run_cli("train", "--dataset", "mnist", ...)    # python -m ddpkit ..., returns the finished process
+records = read_jsonl(run_dir / "metrics.jsonl")
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + str(ROOT / "tests" / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (
+        str(ROOT / "src") + os.pathsep + str(ROOT / "tests" / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    )
     env.update(extra)
     return env
 
 
 def run_cli(*args: str, cwd=None, timeout: float = 300, module: str = "ddpkit") -> subprocess.CompletedProcess:
     """``python -m ddpkit ARGS`` as a user would run it; returns the finished process."""
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def free_port() -> int:

@@ -19,8 +19,9 @@ from ddpkit.cli import run_reporting_errors
 def main() -> int:
     spec = json.loads(sys.argv[1])
     torch.manual_seed(spec.get("seed", 0))  # identical initial weights in every run of a test
-    model = FaultyConvNet(spec.get("fault", "none"), spec.get("at_step", 0), spec.get("rank", -1),
-                          spec.get("seconds", 0.0))
+    model = FaultyConvNet(
+        spec.get("fault", "none"), spec.get("at_step", 0), spec.get("rank", -1), spec.get("seconds", 0.0)
+    )
     cfg = TrainConfig(**spec["config"])
     return run_reporting_errors(lambda: Trainer(cfg, model=model).fit() and 0)
 

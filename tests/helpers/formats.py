@@ -23,6 +23,7 @@ def write_cifar10(root, rng, per_batch=6):
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        write_cifar_batch(folder / name, rng.integers(0, 256, (per_batch, 3, 32, 32), dtype=np.uint8),
-                          rng.integers(0, 10, per_batch))
+        write_cifar_batch(
+            folder / name, rng.integers(0, 256, (per_batch, 3, 32, 32), dtype=np.uint8), rng.integers(0, 10, per_batch)
+        )
     return folder

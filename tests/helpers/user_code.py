@@ -21,7 +21,9 @@ class RegressionMLP(nn.Module):
 def regression_data(n: int, seed: int, dtype=torch.float32, flat_targets: bool = False) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=gen, dtype=dtype)
-    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=dtype)) + 0.1 * torch.randn(n, 1, generator=gen, dtype=dtype)
+    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=dtype)) + 0.1 * torch.randn(
+        n, 1, generator=gen, dtype=dtype
+    )
     return TensorDataset(x, y[:, 0] if flat_targets else y)
 
 

@@ -63,8 +63,11 @@ def syncbn_vs_bn(seed: int) -> dict:
         }
         flags = torch.tensor([float(all(v for v in checks.values() if v is not None))])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        return {"all_ranks_ok": bool(flags.item()), "rank0": {k: bool(v) for k, v in checks.items() if v is not None},
-                "type": type(sync[0]).__name__}
+        return {
+            "all_ranks_ok": bool(flags.item()),
+            "rank0": {k: bool(v) for k, v in checks.items() if v is not None},
+            "type": type(sync[0]).__name__,
+        }
 
 
 # ---------------------------------------------------------------- fault-injection models
@@ -119,21 +122,44 @@ def precision_matrix(run_dir: str) -> dict:
     results = {}
     with distributed("cpu") as ctx:
         for amp, sync_bn, channels_last in itertools.product(("none", "bf16", "fp16"), (False, True), (False, True)):
-            cfg = TrainConfig(dataset="synthetic", synthetic_shape="1,12,12", synthetic_size=64, batch_size=16,
-                              model="convnet", amp=amp, sync_bn=sync_bn, channels_last=channels_last, epochs=1,
-                              progress=False, run_dir=run_dir).resolved()
+            cfg = TrainConfig(
+                dataset="synthetic",
+                synthetic_shape="1,12,12",
+                synthetic_size=64,
+                batch_size=16,
+                model="convnet",
+                amp=amp,
+                sync_bn=sync_bn,
+                channels_last=channels_last,
+                epochs=1,
+                progress=False,
+                run_dir=run_dir,
+            ).resolved()
             splits = load_dataset(cfg)
             torch.manual_seed(0)
-            engine = Engine(cfg, ctx, build_model("convnet", 1, 12, 12, 10), splits, Classification(),
-                            static_graph=True)
+            engine = Engine(
+                cfg, ctx, build_model("convnet", 1, 12, 12, 10), splits, Classification(), static_graph=True
+            )
             batches = engine.train_src.batches(0)
             for _ in range(2):
                 engine._step((next(batches),))
             bn = [m for m in engine.raw.modules() if "BatchNorm" in type(m).__name__]
-            finite = torch.tensor([float(torch.isfinite(engine.acc.sums).all()
-                                         and all(torch.isfinite(m.running_mean).all() and m.num_batches_tracked == 2
-                                                 and m.running_mean.dtype == torch.float32 for m in bn))])
+            finite = torch.tensor(
+                [
+                    float(
+                        torch.isfinite(engine.acc.sums).all()
+                        and all(
+                            torch.isfinite(m.running_mean).all()
+                            and m.num_batches_tracked == 2
+                            and m.running_mean.dtype == torch.float32
+                            for m in bn
+                        )
+                    )
+                ]
+            )
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             results[f"{amp}/{'sync' if sync_bn else 'local'}/{'nhwc' if channels_last else 'nchw'}"] = {
-                "ok": bool(finite.item()), "bn": sorted({type(m).__name__ for m in bn})}
+                "ok": bool(finite.item()),
+                "bn": sorted({type(m).__name__ for m in bn}),
+            }
     return results

@@ -36,14 +36,50 @@ def png_size(path: Path) -> tuple[int, int]:
 def logged_run(tmp_path_factory):
     """One 2-process CLI run with every logger, wandb offline."""
     tmp = tmp_path_factory.mktemp("logged")
-    env = cli_env(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp / "wbconfig"),
-                  WANDB_CACHE_DIR=str(tmp / "wbcache"), WANDB_DATA_DIR=str(tmp / "wbdata"))
+    env = cli_env(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONFIG_DIR=str(tmp / "wbconfig"),
+        WANDB_CACHE_DIR=str(tmp / "wbcache"),
+        WANDB_DATA_DIR=str(tmp / "wbdata"),
+    )
     run_dir = tmp / "run"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--model", "mlp",
-                           "--nproc", "2", "--device", "cpu", "--epochs", "2", "--limit-train", "1024",
-                           "--limit-test", "256", "--batch-size", "64", "--log-every", "4",
-                           "--log", "tensorboard,wandb,csv", "--run-dir", str(run_dir)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "mnist",
+            "--recipe",
+            "mnist",
+            "--model",
+            "mlp",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--epochs",
+            "2",
+            "--limit-train",
+            "1024",
+            "--limit-test",
+            "256",
+            "--batch-size",
+            "64",
+            "--log-every",
+            "4",
+            "--log",
+            "tensorboard,wandb,csv",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -144,15 +180,23 @@ def test_after_a_resume_csv_and_tensorboard_hold_each_step_once(tmp_path):
     config = {"model": "mlp", "lr": 0.1}
 
     def attempt(start: int, stop: int) -> None:
-        log = MetricLogger(ctx, tmp_path, 40, progress=False, quiet=True, loggers=("csv", "tensorboard"),
-                           config=config, metric_names=("loss",))
+        log = MetricLogger(
+            ctx,
+            tmp_path,
+            40,
+            progress=False,
+            quiet=True,
+            loggers=("csv", "tensorboard"),
+            config=config,
+            metric_names=("loss",),
+        )
         log.begin(global_step=start, epoch=0)
         for step in range(start + 1, stop + 1):
             log.log("step", epoch=0, step=step, loss=1.0 / step + (0.5 if start else 0.0))
         log.close(ok=stop == 40)
 
-    attempt(0, 5)    # killed before its first snapshot: the next attempt starts over
-    attempt(0, 30)   # killed after step 30; the snapshot was at step 20
+    attempt(0, 5)  # killed before its first snapshot: the next attempt starts over
+    attempt(0, 30)  # killed after step 30; the snapshot was at step 20
     attempt(20, 40)
     records = read_records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -222,11 +266,14 @@ def test_unknown_and_missing_loggers_are_one_line_errors(monkeypatch):
 
 @pytest.mark.multiprocess
 def test_the_cli_names_the_extra_when_tensorboard_is_missing(tmp_path):
-    code = ("import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
-            f"sys.exit(main(['train', '--log', 'tensorboard', '--run-dir', {str(tmp_path / 'r')!r}]))")
+    code = (
+        "import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
+        f"sys.exit(main(['train', '--log', 'tensorboard', '--run-dir', {str(tmp_path / 'r')!r}]))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "ddpkit: error: --log tensorboard needs the tensorboard package, which is not installed: "
-        "pip install 'ddpkit[tensorboard]' (or pip install tensorboard)"]
+        "pip install 'ddpkit[tensorboard]' (or pip install tensorboard)"
+    ]
     assert not (tmp_path / "r").exists()

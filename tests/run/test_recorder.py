@@ -55,10 +55,40 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
 
     # convnet: its 40 steps take seconds, so rich's 10 Hz redraws land between log intervals
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--model", "convnet",
-                             "--limit-train", "4000", "--limit-test", "100", "--batch-size", "100", "--epochs", "1",
-                             "--nproc", "1", "--device", "cpu", "--log-every", "1000", "--run-dir", str(tmp_path / "r")],
-                            stdin=secondary, stdout=secondary, stderr=secondary, env=cli_env(COLUMNS="120"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "mnist",
+            "--recipe",
+            "mnist",
+            "--model",
+            "convnet",
+            "--limit-train",
+            "4000",
+            "--limit-test",
+            "100",
+            "--batch-size",
+            "100",
+            "--epochs",
+            "1",
+            "--nproc",
+            "1",
+            "--device",
+            "cpu",
+            "--log-every",
+            "1000",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=cli_env(COLUMNS="120"),
+    )
     os.close(secondary)
     chunks = []
     while True:
@@ -75,15 +105,24 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
     counts = {int(k) for k in re.findall(r"\b(\d+)/40\b", out)}
     assert counts - {0, 40}, f"the bar only showed {sorted(counts)}"  # one log interval: 0 and 40 before
     assert re.search(r"40/40 epoch 0 loss \d\.\d{4} [\d,]+ samples/s ETA", out), out[-3000:]
-    table = out[out.index("ddpkit: run finished"):]  # the summary table replaces the bar at the end
+    table = out[out.index("ddpkit: run finished") :]  # the summary table replaces the bar at the end
     assert re.search(r"test accuracy\W+\d+\.\d\d%", table) and "optimizer steps" in table and "run dir" in table
 
 
 def test_plain_lines_keep_one_key_value_per_field():
     from ddpkit.run.display import format_record
 
-    line = format_record({"event": "start", "time": 1.0, "data": "train in memory; test in memory",
-                          "resumed_at_step": None, "samples_per_s": 51790.3, "lr": 1e-5, "task": {"nested": 1}})
+    line = format_record(
+        {
+            "event": "start",
+            "time": 1.0,
+            "data": "train in memory; test in memory",
+            "resumed_at_step": None,
+            "samples_per_s": 51790.3,
+            "lr": 1e-5,
+            "task": {"nested": 1},
+        }
+    )
     assert line == '[start] data="train in memory; test in memory" samples_per_s=51790 lr=1e-05'
 
 

@@ -28,17 +28,41 @@ import ddpkit.preflight
 from ddpkit.cli import main
 from ddpkit.run.rundir import run_lock
 
-TINY = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", "400", "--limit-test", "200", "--batch-size", "50",
-        "--lr", "0.05", "--epochs", "1", "--nproc", "1", "--device", "cpu", "--no-progress", "--log-every", "4",
-        "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
+TINY = [
+    "--dataset",
+    "mnist",
+    "--recipe",
+    "mnist",
+    "--limit-train",
+    "400",
+    "--limit-test",
+    "200",
+    "--batch-size",
+    "50",
+    "--lr",
+    "0.05",
+    "--epochs",
+    "1",
+    "--nproc",
+    "1",
+    "--device",
+    "cpu",
+    "--no-progress",
+    "--log-every",
+    "4",
+    "--no-plots",
+]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
 
 
 def files(run_dir: Path) -> dict[str, str]:
     """Every file under ``run_dir`` and a digest of its bytes (the lock file is bookkeeping)."""
     if not run_dir.exists():
         return {}
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def check_one_line(code: int, out: str, err: str, fragments: list[str], exit_code: int = 2) -> str:
@@ -86,19 +110,21 @@ VALUE_CASES = {
     "adam beta1": (["--optimizer", "adam", "--momentum", "1.5"], ["--momentum is Adam's beta1", "[0, 1)"]),
     "custom dataset": (["--dataset", "custom:x"], ["--dataset custom:x: custom: names are recorded by the Python"]),
     "custom model": (["--model", "custom:x"], ["--model custom:x: custom: names"]),
-    "input too small": (["--dataset", "synthetic", "--synthetic-shape", "3,1,1", "--synthetic-size", "100",
-                         "--model", "resnet9"], ["model resnet9 fails on a batch of synthetic (input [2, 3, 1, 1])"]),
+    "input too small": (
+        ["--dataset", "synthetic", "--synthetic-shape", "3,1,1", "--synthetic-size", "100", "--model", "resnet9"],
+        ["model resnet9 fails on a batch of synthetic (input [2, 3, 1, 1])"],
+    ),
     "negative clip": (["--clip-grad-norm", "-1"], ["--clip-grad-norm must be >= 0"]),
     "accum not dividing": (["--grad-accum", "3"], ["--grad-accum 3 does not divide the per-rank batch 50"]),
 }
 
 TOML_CASES = {
-    "epochs string": ("[train]\nepochs = \"two\"\n", ["epochs = 'two' (str): expected an integer"]),
+    "epochs string": ('[train]\nepochs = "two"\n', ["epochs = 'two' (str): expected an integer"]),
     "device int": ("[run]\ndevice = 1\n", ["device = 1 (int): expected a string in quotes"]),
-    "lr string": ("[optim]\nlr = \"0.1\"\n", ["lr = '0.1' (str): expected a number"]),
+    "lr string": ('[optim]\nlr = "0.1"\n', ["lr = '0.1' (str): expected a number"]),
     "a list": ("[train]\nseed = [1, 2]\n", ["seed = [1, 2] (list): expected an integer"]),
     "fractional epochs": ("[train]\nepochs = 1.5\n", ["epochs = 1.5 (float): expected an integer"]),
-    "progress no": ("[run]\nprogress = \"no\"\n", ["progress = 'no' (str): expected true or false"]),
+    "progress no": ('[run]\nprogress = "no"\n', ["progress = 'no' (str): expected true or false"]),
     "unknown key": ("[train]\nepoch = 3\n", ["unknown config key(s): epoch (did you mean epochs?)"]),
     "not toml": ("epochs = = 3\n", ["is not valid TOML"]),
     "not utf-8": (b"[train]\nseed = 1 # \xff\xfe\n", ["is not UTF-8 text"]),
@@ -195,10 +221,14 @@ def test_a_second_run_on_a_locked_run_dir_names_the_holder(tmp_path, capsys, fin
 
 
 EVAL_CASES = {
-    "model.pt truncated": (lambda run: (run / "model.pt").write_bytes((run / "model.pt").read_bytes()[:300]),
-                           ["model.pt", "not a loadable weights file, truncated or damaged"]),
-    "model.pt of another model": (lambda run: torch.save(torch.nn.Linear(3, 2).state_dict(), run / "model.pt"),
-                                  ["model.pt", "does not fit the model: missing"]),
+    "model.pt truncated": (
+        lambda run: (run / "model.pt").write_bytes((run / "model.pt").read_bytes()[:300]),
+        ["model.pt", "not a loadable weights file, truncated or damaged"],
+    ),
+    "model.pt of another model": (
+        lambda run: torch.save(torch.nn.Linear(3, 2).state_dict(), run / "model.pt"),
+        ["model.pt", "does not fit the model: missing"],
+    ),
     "model.pt missing": (lambda run: (run / "model.pt").unlink(), ["model.pt not found"]),
 }
 
@@ -261,8 +291,9 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
         else:
             snap["trainer"]["model"] = torch.nn.Linear(3, 2).state_dict()
         torch.save(snap, bad)
-    code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", "--keep-snapshots", "1",
-                              "--run-dir", str(run))
+    code, out, err = run_main(
+        capsys, "train", *TINY, "--save-every-steps", "4", "--keep-snapshots", "1", "--run-dir", str(run)
+    )
     assert code == 0, err
     warnings = [line for line in out.splitlines() + err.splitlines() if "snapshot" in line and "warning" in line]
     assert len(warnings) == 1 and "snapshot-999999999.pt" in warnings[0] and "moved to" in warnings[0]
@@ -276,8 +307,9 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
 # ---------------------------------------------------------------------- storage faults, on real filesystems
 def in_namespace(script: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run a bash script in a private mount namespace (its tmpfs mounts are invisible outside)."""
-    proc = subprocess.run(["unshare", "-m", "bash", "-c", script], env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        ["unshare", "-m", "bash", "-c", script], env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
     if "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
         pytest.skip("mount namespaces are not permitted here")
     return proc
@@ -345,9 +377,26 @@ def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image
     folder that fits in memory is decoded before launch, so the bad file is found there."""
     bad = image_tree / "train" / "b" / "3.png"
     bad.write_bytes(b"\x89PNG but not really")
-    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
-                              "--model", "mlp", "--batch-size", "4", "--nproc", "2", "--device", "cpu",
-                              "--max-restarts", "2", "--run-dir", str(tmp_path / "run"))
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--dataset",
+        f"imagefolder:{image_tree}",
+        "--image-size",
+        "8",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "4",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--max-restarts",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     check_one_line(code, out, err, [f"{bad}: not a readable image"])
     assert not (tmp_path / "run").exists()
 
@@ -358,11 +407,41 @@ def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_i
     bad = image_tree / "train" / "b" / "3.png"
     bad.write_bytes(b"\x89PNG but not really")
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--dataset", f"imagefolder:{image_tree}",
-                           "--image-size", "8", "--model", "mlp", "--batch-size", "4", "--epochs", "1", "--nproc", "2",
-                           "--device", "cpu", "--no-progress", "--num-workers", "0", "--max-restarts", "2",
-                           "--data-path", "loader", "--run-dir", str(run)], env=cli_env(), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            f"imagefolder:{image_tree}",
+            "--image-size",
+            "8",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--num-workers",
+            "0",
+            "--max-restarts",
+            "2",
+            "--data-path",
+            "loader",
+            "--run-dir",
+            str(run),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     line = check_one_line(proc.returncode, proc.stdout, proc.stderr, [f"{bad}: not a readable image"])
     assert "rank" in line
     starts = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "start"]
@@ -372,10 +451,33 @@ def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_i
 def test_imagefolder_honours_the_limits(tmp_path, capsys, image_tree):
     """Regression: --limit-train/--limit-test were recorded in config.toml but not applied."""
     run = tmp_path / "run"
-    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
-                              "--model", "mlp", "--batch-size", "2", "--epochs", "1", "--nproc", "1", "--device",
-                              "cpu", "--no-progress", "--num-workers", "0", "--limit-train", "4", "--limit-test", "2",
-                              "--run-dir", str(run))
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--dataset",
+        f"imagefolder:{image_tree}",
+        "--image-size",
+        "8",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--limit-train",
+        "4",
+        "--limit-test",
+        "2",
+        "--run-dir",
+        str(run),
+    )
     assert code == 0, err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["test_samples"] == 2
@@ -388,8 +490,13 @@ def test_a_streamed_dataset_on_the_device_path_is_refused_once_before_launch(tmp
     from ddpkit import TrainConfig, Trainer
     from ddpkit.errors import ConfigError
 
-    trainer = Trainer(TrainConfig(nproc="2", device="cpu", batch_size=8, data_path="device", run_dir=str(tmp_path / "r")),
-                      model=RegressionMLP(), train_data=NoisyData(32), test_data=NoisyData(8), loss_fn=mse)
+    trainer = Trainer(
+        TrainConfig(nproc="2", device="cpu", batch_size=8, data_path="device", run_dir=str(tmp_path / "r")),
+        model=RegressionMLP(),
+        train_data=NoisyData(32),
+        test_data=NoisyData(8),
+        loss_fn=mse,
+    )
     with pytest.raises(ConfigError, match="--data-path device needs a dataset held in memory.*differ between reads"):
         trainer.fit()
     assert not (tmp_path / "r").exists()
@@ -398,36 +505,100 @@ def test_a_streamed_dataset_on_the_device_path_is_refused_once_before_launch(tmp
 def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image_tree):
     for png in (image_tree / "val").rglob("*.png"):
         png.unlink()
-    code, out, err = run_main(capsys, "train", "--dataset", f"imagefolder:{image_tree}", "--image-size", "8",
-                              "--nproc", "1", "--device", "cpu", "--run-dir", str(tmp_path / "r"))
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--dataset",
+        f"imagefolder:{image_tree}",
+        "--image-size",
+        "8",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
     check_one_line(code, out, err, [f"imagefolder:{image_tree}"])
 
 
 @pytest.mark.multiprocess
 def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", *TINY, "--nnodes", "2", "--rdzv-endpoint",
-                           endpoint, "--rdzv-id", "lonely", "--timeout-s", "3", "--run-dir",
-                           str(tmp_path / "r")], env=cli_env(), capture_output=True, text=True, timeout=120)
-    check_one_line(proc.returncode, proc.stdout, proc.stderr,
-                   [f"did not join within --timeout-s 3 s at --rdzv-endpoint {endpoint} (--rdzv-id lonely)"],
-                   exit_code=4)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            *TINY,
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "lonely",
+            "--timeout-s",
+            "3",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    check_one_line(
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
+        [f"did not join within --timeout-s 3 s at --rdzv-endpoint {endpoint} (--rdzv-id lonely)"],
+        exit_code=4,
+    )
 
 
 @pytest.mark.multiprocess
 def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     """Regression: Ctrl-C took no snapshot, printed a KeyboardInterrupt traceback, and promised a snapshot."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
-            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
-            "--log-every", "2", "--run-dir", str(run)]
-    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "--dataset",
+        "mnist",
+        "--recipe",
+        "mnist",
+        "--limit-train",
+        "4000",
+        "--batch-size",
+        "100",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "3",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--log-every",
+        "2",
+        "--run-dir",
+        str(run),
+    ]
+    proc = subprocess.Popen(
+        args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            steps = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "step"] \
-                if (run / "metrics.jsonl").exists() else []
+            steps = (
+                [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "step"]
+                if (run / "metrics.jsonl").exists()
+                else []
+            )
             if steps and steps[-1]["step"] >= 4:
                 break
             time.sleep(0.05)
@@ -448,9 +619,35 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
 def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_path, capsys):
     """Regression: workers outlived a SIGKILLed launcher by 1-3 s and once wrote one more snapshot."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000",
-            "--batch-size", "100", "--lr", "0.05", "--epochs", "3", "--nproc", "2", "--device", "cpu", "--no-progress",
-            "--log-every", "1", "--save-every-steps", "2", "--run-dir", str(run)]
+    args = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "--dataset",
+        "mnist",
+        "--recipe",
+        "mnist",
+        "--limit-train",
+        "4000",
+        "--batch-size",
+        "100",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "3",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--log-every",
+        "1",
+        "--save-every-steps",
+        "2",
+        "--run-dir",
+        str(run),
+    ]
     proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not list((run / "checkpoints").glob("snapshot-*.pt")) and time.monotonic() < deadline:
@@ -460,8 +657,12 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_p
     proc.kill()
     proc.wait()
     time.sleep(0.5)
-    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
-             and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    alive = [
+        pid
+        for pid in workers
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    ]
     assert not alive, f"workers outlived their launcher: {alive}"
     snapshots = sorted(p.name for p in (run / "checkpoints").glob("snapshot-*.pt"))
     time.sleep(1.0)

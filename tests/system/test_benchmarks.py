@@ -12,13 +12,32 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 def test_pipelines_harness_runs(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipelines.py"), "--limit-train", "800",
-                           "--batch-size", "100", "--json", str(out)], env=cli_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "pipelines.py"),
+            "--limit-train",
+            "800",
+            "--batch-size",
+            "100",
+            "--json",
+            str(out),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
-    for key in ("seed_samples_per_s", "ddpkit_samples_per_s", "speedup", "world1_ddp_samples_per_s",
-                "world1_no_ddp_samples_per_s", "ddp_wrapper_overhead"):
+    for key in (
+        "seed_samples_per_s",
+        "ddpkit_samples_per_s",
+        "speedup",
+        "world1_ddp_samples_per_s",
+        "world1_no_ddp_samples_per_s",
+        "ddp_wrapper_overhead",
+    ):
         assert figures[key] == figures[key] and key in figures  # present and not NaN
     assert figures["seed_samples_per_s"] > 0 and figures["ddpkit_samples_per_s"] > 0
     assert "(a) seed-style pipeline" in proc.stdout and "ratio" in proc.stdout
@@ -27,8 +46,13 @@ def test_pipelines_harness_runs(tmp_path):
 def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     """benchmarks/gpu_acceptance.py --tiny: every procedure runs on CPU, CUDA-only checks are skipped,
     and the CPU kill-and-resume under --deterministic is bitwise exact."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--tiny", "--out",
-                           str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--tiny", "--out", str(tmp_path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "acceptance.json").read_text())
     verdicts = {c["name"].split(",")[0]: c["verdict"] for c in report["checks"]}
@@ -41,12 +65,22 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
 def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
     """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here)."""
     out = tmp_path / "walltime.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "walltime.py"), "--tiny", "--json", str(out)],
-                          env=cli_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "walltime.py"), "--tiny", "--json", str(out)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     side = json.loads(out.read_text())["sides"]["ddpkit"]
-    for key in ("mnist_epoch_overhead_s", "one_step_wall_s", "toy_api_wall_s", "imagefolder_wall_over_train",
-                "imagefolder_second_load_s"):
+    for key in (
+        "mnist_epoch_overhead_s",
+        "one_step_wall_s",
+        "toy_api_wall_s",
+        "imagefolder_wall_over_train",
+        "imagefolder_second_load_s",
+    ):
         assert side[key] is not None and side[key] > 0, key
     assert side["runs"]["one_step"]["startup_s"] > 0 and side["runs"]["one_step"]["teardown_s"] >= 0
     assert "| 1-step run: wall |" in proc.stdout

@@ -16,8 +16,22 @@ from clirun import cli_env, read_jsonl, run_cli
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 # Tiny runs (40 steps an epoch) want a gentler peak lr than the full-MNIST recipe.
-SMALL = ["--dataset", "mnist", "--recipe", "mnist", "--limit-train", "4000", "--batch-size", "100", "--lr", "0.05",
-         "--log-every", "10", "--no-progress", "--no-plots"]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
+SMALL = [
+    "--dataset",
+    "mnist",
+    "--recipe",
+    "mnist",
+    "--limit-train",
+    "4000",
+    "--batch-size",
+    "100",
+    "--lr",
+    "0.05",
+    "--log-every",
+    "10",
+    "--no-progress",
+    "--no-plots",
+]  # plots are tested in test_loggers.py; here they would add 1.5 s a run
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +49,16 @@ def test_two_process_gloo_train_writes_a_complete_run_dir(trained):
     assert summary["test_samples"] == 10000 and summary["global_batch_size"] == 100
     assert summary["steps"] == 2 * (4000 // 2 // 50)
     assert summary["test_accuracy"] > 0.9
-    for key in ("epochs", "train_time_s", "samples_per_s", "final_train_loss", "test_loss", "peak_memory_mb",
-                "dataset", "model"):
+    for key in (
+        "epochs",
+        "train_time_s",
+        "samples_per_s",
+        "final_train_loss",
+        "test_loss",
+        "peak_memory_mb",
+        "dataset",
+        "model",
+    ):
         assert key in summary
     # launch to first step, and rank 0's last write to the launcher regaining control (written by the launcher)
     assert 0 < summary["startup_s"] < 60 and 0 <= summary["teardown_s"] < 10
@@ -83,8 +105,20 @@ def test_a_different_config_is_refused_and_nothing_changes(trained):
 
 def test_under_real_torchrun_with_sync_bn(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("--nproc-per-node", "2", "-m", "ddpkit", "train", *SMALL, "--epochs", "1", "--sync-bn",
-                   "--run-dir", str(run_dir), module="torch.distributed.run")
+    proc = run_cli(
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ddpkit",
+        "train",
+        *SMALL,
+        "--epochs",
+        "1",
+        "--sync-bn",
+        "--run-dir",
+        str(run_dir),
+        module="torch.distributed.run",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["test_samples"] == 10000 and summary["test_accuracy"] > 0.5
@@ -94,8 +128,9 @@ def test_under_real_torchrun_with_sync_bn(tmp_path):
 def test_a_stopped_run_continues_at_the_next_epoch(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "ddpkit", "train", *SMALL, "--nproc", "2", "--epochs", "3", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 120
     while not list((run_dir / "checkpoints").glob("snapshot-*.pt")) and time.time() < deadline:
         time.sleep(0.05)

@@ -22,24 +22,46 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 SCRIPT = str(ROOT / "tests" / "helpers" / "custom_train.py")
 # 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
-BASE = dict(dataset="mnist", recipe="mnist", limit_train=2000, limit_test=500, batch_size=100, lr=0.05, epochs=2,
-            progress=False, device="cpu", nproc="2", plots=False)  # plots are tested in test_loggers.py
+BASE = dict(
+    dataset="mnist",
+    recipe="mnist",
+    limit_train=2000,
+    limit_test=500,
+    batch_size=100,
+    lr=0.05,
+    epochs=2,
+    progress=False,
+    device="cpu",
+    nproc="2",
+    plots=False,
+)  # plots are tested in test_loggers.py
 
 
 def spec(run_dir: Path, fault: str = "none", **kw) -> dict:
     fault_keys = {"at_step", "rank", "seconds"}
-    return {"fault": fault, **{k: kw.pop(k) for k in list(kw) if k in fault_keys},
-            "config": {**BASE, "run_dir": str(run_dir), **kw}}
+    return {
+        "fault": fault,
+        **{k: kw.pop(k) for k in list(kw) if k in fault_keys},
+        "config": {**BASE, "run_dir": str(run_dir), **kw},
+    }
 
 
 def start(s: dict, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, json.dumps(s)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
 
 
 def run(s: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, pred, timeout: float = 120) -> dict:
@@ -113,17 +135,20 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     assert run(spec(ref_dir, **one)).returncode == 0
 
     run_dir = tmp_path / "run"
-    killer = ("import os, signal, sys; sys.path[:0] = {paths!r}; import ddpkit.run.checkpoint as c; w = c.atomic_write\n"
-              "def half(path, data):\n"
-              "    if path.name == 'snapshot-000000016.pt':\n"
-              "        with open(str(path) + '.tmp', 'wb') as fh: fh.write(data[: len(data) // 2]); fh.flush()\n"
-              "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    w(path, data)\n"
-              "c.atomic_write = half\n"
-              "sys.argv = [{script!r}, {spec!r}]\n"
-              "exec(open({script!r}).read())\n")
-    code = killer.format(paths=[str(ROOT / "src"), str(ROOT / "tests" / "helpers")], script=SCRIPT,
-                         spec=json.dumps(spec(run_dir, **one)))
+    killer = (
+        "import os, signal, sys; sys.path[:0] = {paths!r}; import ddpkit.run.checkpoint as c; w = c.atomic_write\n"
+        "def half(path, data):\n"
+        "    if path.name == 'snapshot-000000016.pt':\n"
+        "        with open(str(path) + '.tmp', 'wb') as fh: fh.write(data[: len(data) // 2]); fh.flush()\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    w(path, data)\n"
+        "c.atomic_write = half\n"
+        "sys.argv = [{script!r}, {spec!r}]\n"
+        "exec(open({script!r}).read())\n"
+    )
+    code = killer.format(
+        paths=[str(ROOT / "src"), str(ROOT / "tests" / "helpers")], script=SCRIPT, spec=json.dumps(spec(run_dir, **one))
+    )
     killed = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=240)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     ckpts = run_dir / "checkpoints"

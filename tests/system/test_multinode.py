@@ -17,14 +17,40 @@ from clirun import cli_env, free_port, read_jsonl
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
-TRAIN = ["train", "--dataset", "mnist", "--recipe", "mnist", "--limit-train", "1000", "--limit-test", "500", "--batch-size", "100",
-         "--lr", "0.05", "--epochs", "1", "--device", "cpu", "--nproc", "1", "--nnodes", "2", "--no-progress",
-         "--timeout-s", "60", "--no-plots"]  # plots are tested in test_loggers.py
+TRAIN = [
+    "train",
+    "--dataset",
+    "mnist",
+    "--recipe",
+    "mnist",
+    "--limit-train",
+    "1000",
+    "--limit-test",
+    "500",
+    "--batch-size",
+    "100",
+    "--lr",
+    "0.05",
+    "--epochs",
+    "1",
+    "--device",
+    "cpu",
+    "--nproc",
+    "1",
+    "--nnodes",
+    "2",
+    "--no-progress",
+    "--timeout-s",
+    "60",
+    "--no-plots",
+]  # plots are tested in test_loggers.py
 
 
 def run_nodes(commands: list[list[str]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in commands]
+    procs = [
+        subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in commands
+    ]
     results = []
     try:
         for cmd, p in zip(commands, procs):
@@ -55,8 +81,13 @@ def test_two_launches_on_loopback_form_one_world(tmp_path):
 
 
 def test_nnodes_without_an_endpoint_is_refused_before_launch(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", *TRAIN, "--run-dir", str(tmp_path / "r")], env=cli_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", *TRAIN, "--run-dir", str(tmp_path / "r")],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("--nnodes 2 needs --rdzv-endpoint HOST:PORT") == 1
     assert not (tmp_path / "r").exists()
@@ -74,11 +105,19 @@ def netns_pair():
     def ip(*args):
         return subprocess.run(["ip", *args], capture_output=True, text=True)
 
-    setup = [("netns", "add", a), ("netns", "add", b), ("link", "add", va, "type", "veth", "peer", "name", vb),
-             ("link", "set", va, "netns", a), ("link", "set", vb, "netns", b),
-             ("-n", a, "addr", "add", "10.231.0.1/24", "dev", va), ("-n", b, "addr", "add", "10.231.0.2/24", "dev", vb),
-             ("-n", a, "link", "set", va, "up"), ("-n", b, "link", "set", vb, "up"),
-             ("-n", a, "link", "set", "lo", "up"), ("-n", b, "link", "set", "lo", "up")]
+    setup = [
+        ("netns", "add", a),
+        ("netns", "add", b),
+        ("link", "add", va, "type", "veth", "peer", "name", vb),
+        ("link", "set", va, "netns", a),
+        ("link", "set", vb, "netns", b),
+        ("-n", a, "addr", "add", "10.231.0.1/24", "dev", va),
+        ("-n", b, "addr", "add", "10.231.0.2/24", "dev", vb),
+        ("-n", a, "link", "set", va, "up"),
+        ("-n", b, "link", "set", vb, "up"),
+        ("-n", a, "link", "set", "lo", "up"),
+        ("-n", b, "link", "set", "lo", "up"),
+    ]
     try:
         for step in setup:
             r = ip(*step)

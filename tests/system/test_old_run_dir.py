@@ -21,9 +21,32 @@ from clirun import cli_env, read_jsonl
 from ddpkit.dist.context import cpu_cores
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run_v0.2_step6"
-FLAGS = ("--dataset", "synthetic", "--synthetic-shape", "1,8,8", "--synthetic-size", "160", "--synthetic-classes", "4",
-         "--model", "convnet", "--epochs", "2", "--batch-size", "32", "--save-every-steps", "3",
-         "--keep-snapshots", "3", "--recipe", "mnist", "--nproc", "1", "--no-plots", "--no-progress")
+FLAGS = (
+    "--dataset",
+    "synthetic",
+    "--synthetic-shape",
+    "1,8,8",
+    "--synthetic-size",
+    "160",
+    "--synthetic-classes",
+    "4",
+    "--model",
+    "convnet",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "32",
+    "--save-every-steps",
+    "3",
+    "--keep-snapshots",
+    "3",
+    "--recipe",
+    "mnist",
+    "--nproc",
+    "1",
+    "--no-plots",
+    "--no-progress",
+)
 
 
 def weights_sha256(path: Path) -> str:
@@ -41,8 +64,13 @@ def test_a_run_dir_from_before_the_move_resumes_and_finishes_bitwise(tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURE, run_dir)
     env = cli_env(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")  # as the fixture was made
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", *FLAGS, "--run-dir", str(run_dir)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--run-dir", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     records = read_jsonl(run_dir / "metrics.jsonl")
     starts = [r for r in records if r["event"] == "start"]
@@ -52,7 +80,9 @@ def test_a_run_dir_from_before_the_move_resumes_and_finishes_bitwise(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == expected["steps"]
     if cpu_cores() != expected["cpu_threads"]:
-        pytest.skip(f"bitwise comparison needs {expected['cpu_threads']} cores (ddpkit uses one thread per core); "
-                    f"the run resumed and finished")
+        pytest.skip(
+            f"bitwise comparison needs {expected['cpu_threads']} cores (ddpkit uses one thread per core); "
+            f"the run resumed and finished"
+        )
     assert summary["test_accuracy"] == expected["test_accuracy"]
     assert weights_sha256(run_dir / "model.pt") == expected["model_sha256"]

@@ -16,9 +16,31 @@ from ddpkit.tools.check import FLOOR
 @pytest.mark.multiprocess
 def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "bench"
-    proc = run_cli("bench", "--nproc", "1,2", "--model", "mlp", "--dataset", "synthetic", "--synthetic-shape",
-                   "1,16,16", "--synthetic-size", "4000", "--batch-size", "32", "--steps", "40", "--window", "5",
-                   "--device", "cpu", "--gpu-step-ms", "6.7", "--out", str(out))
+    proc = run_cli(
+        "bench",
+        "--nproc",
+        "1,2",
+        "--model",
+        "mlp",
+        "--dataset",
+        "synthetic",
+        "--synthetic-shape",
+        "1,16,16",
+        "--synthetic-size",
+        "4000",
+        "--batch-size",
+        "32",
+        "--steps",
+        "40",
+        "--window",
+        "5",
+        "--device",
+        "cpu",
+        "--gpu-step-ms",
+        "6.7",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads((out / "bench.json").read_text())
     rows = {r["world_size"]: r for r in rep["rows"]}
@@ -35,17 +57,22 @@ def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
-COMMON = dict(device="cpu", batch_size=32, epochs=1, lr=0.05, progress=False, num_workers=0, dtype="float64",
-              momentum=0.9)
+COMMON = dict(
+    device="cpu", batch_size=32, epochs=1, lr=0.05, progress=False, num_workers=0, dtype="float64", momentum=0.9
+)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("hook", ["bf16", "fp16", "powersgd"])
 def test_each_comm_hook_trains(tmp_path, hook):
     torch.manual_seed(0)
-    result = Trainer(TrainConfig(nproc="2", comm_hook=hook, run_dir=str(tmp_path / hook), **COMMON),
-                     model=RegressionMLP(hidden=64), train_data=regression_data(512, 0),
-                     test_data=regression_data(64, 1), loss_fn=mse).fit()
+    result = Trainer(
+        TrainConfig(nproc="2", comm_hook=hook, run_dir=str(tmp_path / hook), **COMMON),
+        model=RegressionMLP(hidden=64),
+        train_data=regression_data(512, 0),
+        test_data=regression_data(64, 1),
+        loss_fn=mse,
+    ).fit()
     assert result["test_loss"] < 3.0  # the targets' variance is ~14: it learned through compressed gradients
 
 
@@ -54,10 +81,13 @@ def test_zero_matches_the_plain_optimizer_within_the_checks_tolerance(tmp_path):
     states = {}
     for zero in (False, True):
         torch.manual_seed(0)
-        result = Trainer(TrainConfig(nproc="2", zero=zero, save_every_steps=3, run_dir=str(tmp_path / str(zero)),
-                                     **COMMON), model=RegressionMLP(dtype=torch.float64),
-                         train_data=regression_data(256, 0, torch.float64), test_data=regression_data(64, 1, torch.float64),
-                         loss_fn=mse).fit()
+        result = Trainer(
+            TrainConfig(nproc="2", zero=zero, save_every_steps=3, run_dir=str(tmp_path / str(zero)), **COMMON),
+            model=RegressionMLP(dtype=torch.float64),
+            train_data=regression_data(256, 0, torch.float64),
+            test_data=regression_data(64, 1, torch.float64),
+            loss_fn=mse,
+        ).fit()
         states[zero] = torch.load(result.run_dir / "model.pt", weights_only=True)
     for name, ref in states[False].items():
         diff = (ref - states[True][name]).abs().max().item() / ref.abs().max().item()

@@ -24,9 +24,27 @@ TINY = dict(device="cpu", limit_train=96, limit_test=40, batch_size=16, num_work
 
 @pytest.mark.multiprocess
 def test_the_cli_check_passes_on_the_convnet_in_float64(tmp_path):
-    proc = run_cli("check", "--model", "convnet", "--dataset", "mnist", "--nproc", "2", "--steps", "3",
-                   "--limit-train", "96", "--limit-test", "40", "--batch-size", "16", "--device", "cpu",
-                   "--json", str(tmp_path / "check.json"))
+    proc = run_cli(
+        "check",
+        "--model",
+        "convnet",
+        "--dataset",
+        "mnist",
+        "--nproc",
+        "2",
+        "--steps",
+        "3",
+        "--limit-train",
+        "96",
+        "--limit-test",
+        "40",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "check.json"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["passed"] and report["dtype"] == "float64" and report["world_size"] == 2
@@ -44,8 +62,11 @@ def test_check_passes_on_registry_models(model, dataset, steps):
     """synthetic (3 channels) is augmented with crops and flips: regression for draws made per rank,
     which made every augmented dataset fail the check."""
     small = dict(TINY, limit_train=32, limit_test=8) if model == "resnet9" else TINY
-    report = check(config=TrainConfig(model=model, dataset=dataset, synthetic_shape="3,8,8", synthetic_size=240,
-                                      **small), nproc=2, steps=steps)
+    report = check(
+        config=TrainConfig(model=model, dataset=dataset, synthetic_shape="3,8,8", synthetic_size=240, **small),
+        nproc=2,
+        steps=steps,
+    )
     assert report.passed, report.text()
     assert report.dtype == "float64" and report.worst.diff < 1e-12
 
@@ -53,13 +74,22 @@ def test_check_passes_on_registry_models(model, dataset, steps):
 @pytest.mark.multiprocess
 def test_check_passes_on_a_user_model_through_the_python_api(tmp_path):
     torch.manual_seed(0)
-    report = check(RegressionMLP, regression_data(128, 0), regression_data(30, 1), config=TrainConfig(**TINY, log="csv"),
-                   nproc=2, steps=4, loss_fn=mse, work_dir=tmp_path)
+    report = check(
+        RegressionMLP,
+        regression_data(128, 0),
+        regression_data(30, 1),
+        config=TrainConfig(**TINY, log="csv"),
+        nproc=2,
+        steps=4,
+        loss_fn=mse,
+        work_dir=tmp_path,
+    )
     assert report.passed, report.text()
     # its own short runs draw no plots and open no loggers (each drew three PNGs, 1.5 s, once plots came)
     assert not list(tmp_path.rglob("plots")) and not list(tmp_path.rglob("metrics.csv"))
-    assert report.coverage["ok"] and any("30 test samples is evaluated exactly once" in line
-                                         for line in report.coverage["lines"])
+    assert report.coverage["ok"] and any(
+        "30 test samples is evaluated exactly once" in line for line in report.coverage["lines"]
+    )
 
 
 @pytest.mark.multiprocess
@@ -87,8 +117,14 @@ def test_a_batch_that_does_not_divide_is_a_config_error_before_any_run(tmp_path)
     from ddpkit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--batch-size 15 .* must divide by --nproc 2.*use 14 or 16"):
-        check(RegressionMLP(), regression_data(64, 0), config=TrainConfig(**dict(TINY, batch_size=15)), nproc=2,
-              loss_fn=mse, work_dir=tmp_path / "w")
+        check(
+            RegressionMLP(),
+            regression_data(64, 0),
+            config=TrainConfig(**dict(TINY, batch_size=15)),
+            nproc=2,
+            loss_fn=mse,
+            work_dir=tmp_path / "w",
+        )
     assert not (tmp_path / "w").exists()
 
 

@@ -88,8 +88,15 @@ def test_a_wrong_all_reduce_result_fails(monkeypatch, capsys):
     from ddpkit.commands import doctor as command
     from ddpkit.tools import doctor
 
-    right = {"world": 2.0, "sum": 3.0, "big_min": 3.0, "big_max": 3.0, "first_s": 1.0, "latency_us": 50.0,
-             "bandwidth_gbs": 1.0}
+    right = {
+        "world": 2.0,
+        "sum": 3.0,
+        "big_min": 3.0,
+        "big_max": 3.0,
+        "first_s": 1.0,
+        "latency_us": 50.0,
+        "bandwidth_gbs": 1.0,
+    }
     assert doctor.smoke_verdict(right, 2)[0] == "ok"
     for wrong in ({"sum": 4.0}, {"big_min": 2.0}, {"world": 1.0}):
         status, why = doctor.smoke_verdict({**right, **wrong}, 2)

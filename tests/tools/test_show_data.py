@@ -30,9 +30,29 @@ FOLDER_CLASSES = ["cat", "dog", "sea_urchin_with_a_very_long_name"]
 def trained_run(tmp_path_factory):
     """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process."""
     run_dir = tmp_path_factory.mktemp("run") / "mnist-mlp"
-    proc = run_cli("train", "--dataset", "mnist", "--recipe", "mnist", "--model", "mlp", "--epochs", "1", "--limit-train", "512",
-                   "--limit-test", "256", "--nproc", "1", "--device", "cpu", "--run-dir", str(run_dir),
-                   "--quiet", "--no-progress")
+    proc = run_cli(
+        "train",
+        "--dataset",
+        "mnist",
+        "--recipe",
+        "mnist",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--limit-train",
+        "512",
+        "--limit-test",
+        "256",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     return run_dir
 
@@ -47,7 +67,7 @@ def image_folder(tmp_path):
             for j in range(2):
                 pixels = np.zeros((20, 30, 3), np.uint8)
                 pixels[..., k] = 200
-                pixels[5:15, 5 + 5 * j:15 + 5 * j] = 255
+                pixels[5:15, 5 + 5 * j : 15 + 5 * j] = 255
                 Image.fromarray(pixels).save(root / split / name / f"img{j}.{'png' if j else 'jpg'}")
     return root
 
@@ -134,8 +154,23 @@ def test_predictions_count_right_as_the_model_does(trained_run, tmp_path):
     assert 0 < result["right"] < 64  # a one-epoch MLP: some right, some wrong, so both marks are drawn
 
     # The command prints the same count; the explicit dataset matches the run's.
-    assert main(["show-data", "mnist", "--predictions", str(trained_run), "--n", "64", "--seed", "1",
-                 "--out", str(tmp_path / "cli.png")]) == 0
+    assert (
+        main(
+            [
+                "show-data",
+                "mnist",
+                "--predictions",
+                str(trained_run),
+                "--n",
+                "64",
+                "--seed",
+                "1",
+                "--out",
+                str(tmp_path / "cli.png"),
+            ]
+        )
+        == 0
+    )
     read_png(tmp_path / "cli.png")
 
 
@@ -168,11 +203,20 @@ def test_custom_run_is_refused(trained_run, tmp_path):
 def test_cli_errors_are_one_line(trained_run, tmp_path):
     """A dataset that is not the run's, and a run dir that does not exist: one line each, non-zero exit."""
     a, b = str(tmp_path / "a.png"), str(tmp_path / "b.png")
-    cases = {"cifar10 is not the one": ["cifar10", "--predictions", str(trained_run), "--out", a],
-             "no such run directory": ["--predictions", str(tmp_path / "no-such-run"), "--out", b]}
-    procs = {words: subprocess.Popen([sys.executable, "-m", "ddpkit", "show-data", *args], env=cli_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for words, args in cases.items()}  # side by side: each is mostly torch's import
+    cases = {
+        "cifar10 is not the one": ["cifar10", "--predictions", str(trained_run), "--out", a],
+        "no such run directory": ["--predictions", str(tmp_path / "no-such-run"), "--out", b],
+    }
+    procs = {
+        words: subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "show-data", *args],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for words, args in cases.items()
+    }  # side by side: each is mostly torch's import
     for words, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode != 0

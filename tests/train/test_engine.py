@@ -14,12 +14,28 @@ from ddpkit.train.task import Classification
 
 
 def make_engine(tmp_path, **kw):
-    cfg = TrainConfig(dataset="synthetic", synthetic_size=256, synthetic_shape="3,16,16", batch_size=32,
-                      model="resnet9", epochs=1, ema=0.9, label_smoothing=0.1, run_dir=str(tmp_path),
-                      progress=False, **kw).resolved()
+    cfg = TrainConfig(
+        dataset="synthetic",
+        synthetic_size=256,
+        synthetic_shape="3,16,16",
+        batch_size=32,
+        model="resnet9",
+        epochs=1,
+        ema=0.9,
+        label_smoothing=0.1,
+        run_dir=str(tmp_path),
+        progress=False,
+        **kw,
+    ).resolved()
     splits = load_dataset(cfg)
-    return Engine(cfg, ctx_holder[0], build_model(cfg.model, 3, 16, 16, 10), splits, Classification(0.1, False, 10),
-                  static_graph=True)
+    return Engine(
+        cfg,
+        ctx_holder[0],
+        build_model(cfg.model, 3, 16, 16, 10),
+        splits,
+        Classification(0.1, False, 10),
+        static_graph=True,
+    )
 
 
 ctx_holder: list = []
@@ -121,8 +137,18 @@ def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bit
         torch.manual_seed(0)
         model = model_cls()
         run = tmp_path / name
-        cfg = TrainConfig(dataset="mnist", limit_train=512, limit_test=256, batch_size=64, epochs=2, nproc="2",
-                          device="cpu", progress=False, log_every=3, run_dir=str(run))
+        cfg = TrainConfig(
+            dataset="mnist",
+            limit_train=512,
+            limit_test=256,
+            batch_size=64,
+            epochs=2,
+            nproc="2",
+            device="cpu",
+            progress=False,
+            log_every=3,
+            run_dir=str(run),
+        )
         results[name] = Trainer(cfg, model=model).fit()
         state = torch.load(run / "model.pt", weights_only=True)
         weights[name] = {k.removeprefix("net."): v for k, v in state.items() if k != "tag"}
@@ -149,16 +175,29 @@ def test_uneven_inputs_under_join_finish_without_a_hang_and_every_sample_is_used
     from ddpkit.tools.check import data_coverage
 
     world, nproc = 2, "2"
-    cfg = TrainConfig(nproc=nproc, join=True, batch_size=16 * world, epochs=2, lr=0.05, momentum=0.9, device="cpu",
-                      num_workers=0, progress=False, timeout_s=60, run_dir=str(tmp_path / "r"))
+    cfg = TrainConfig(
+        nproc=nproc,
+        join=True,
+        batch_size=16 * world,
+        epochs=2,
+        lr=0.05,
+        momentum=0.9,
+        device="cpu",
+        num_workers=0,
+        progress=False,
+        timeout_s=60,
+        run_dir=str(tmp_path / "r"),
+    )
     torch.manual_seed(0)
-    result = Trainer(cfg, model=RegressionMLP(), train_data=PlainData(97, 0), test_data=PlainData(20, 1),
-                     loss_fn=mse).fit()
+    result = Trainer(
+        cfg, model=RegressionMLP(), train_data=PlainData(97, 0), test_data=PlainData(20, 1), loss_fn=mse
+    ).fit()
     steps = 4
     assert result["steps"] == 2 * steps  # rank 0's count: the others caught up after each Join
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "step"] == [steps, 2 * steps]  # one log per epoch
     # the data invariant, counted from the engine's own sampler: all 97 samples, each once
-    coverage = data_coverage(Trainer(cfg, model=RegressionMLP(), train_data=PlainData(97, 0),
-                                     test_data=PlainData(20, 1), loss_fn=mse), world)
+    coverage = data_coverage(
+        Trainer(cfg, model=RegressionMLP(), train_data=PlainData(97, 0), test_data=PlainData(20, 1), loss_fn=mse), world
+    )
     assert coverage["ok"] and "exactly once" in " ".join(coverage["lines"]), coverage

@@ -14,8 +14,13 @@ from ddpkit.train.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 def test_two_rank_syncbn_equals_full_batch_bn():
     result = run_workers(syncbn_vs_bn, (0,), 2)
     assert result["type"] == "AllReduceBatchNorm"
-    assert result["rank0"] == {"out": True, "input_grad": True, "weight_grad": True, "running_var": True,
-                               "running_mean": True}
+    assert result["rank0"] == {
+        "out": True,
+        "input_grad": True,
+        "weight_grad": True,
+        "running_var": True,
+        "running_mean": True,
+    }
     assert result["all_ranks_ok"]
 
 

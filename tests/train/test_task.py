@@ -33,9 +33,11 @@ def test_the_default_task_reproduces_the_pre_refactor_engine_bitwise():
     here = json.loads(proc.stdout.splitlines()[-1])
     if (here["torch"], here["cpu_capability"]) != (golden["torch"], golden["cpu_capability"]):
         # A CPU without AVX2 (arm64), or another torch whose kernels may differ: no golden exists for it.
-        pytest.skip(f"no golden for torch {here['torch']} on {here['cpu_capability']} (it holds torch "
-                    f"{golden['torch']} on {golden['cpu_capability']}): from an engine known to be right, run "
-                    f"`python tests/golden/default_task.py --write`")
+        pytest.skip(
+            f"no golden for torch {here['torch']} on {here['cpu_capability']} (it holds torch "
+            f"{golden['torch']} on {golden['cpu_capability']}): from an engine known to be right, run "
+            f"`python tests/golden/default_task.py --write`"
+        )
     for name, run in golden["runs"].items():
         assert here["runs"][name]["tensors"] == run["tensors"], name
         assert here["runs"][name]["summary"] == run["summary"], name
@@ -45,12 +47,15 @@ def logits_and_labels(b=4, c=3):
     return torch.randn(b, c), torch.randint(0, c, (b,))
 
 
-@pytest.mark.parametrize("logits,targets,message", [
-    (torch.randn(4, 1), torch.randn(4, 1), "targets are float32 \\[4, 1\\].*integer class labels.*loss_fn"),
-    (torch.randn(4, 3), torch.randn(4), "targets are float32 \\[4\\]"),
-    (torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7)), "output has shape \\[4, 7, 11\\].*\\[batch, classes\\]"),
-    (torch.randn(4, 5), torch.randint(0, 3, (4,)), "outputs 5 classes but the dataset has 3"),
-])
+@pytest.mark.parametrize(
+    "logits,targets,message",
+    [
+        (torch.randn(4, 1), torch.randn(4, 1), "targets are float32 \\[4, 1\\].*integer class labels.*loss_fn"),
+        (torch.randn(4, 3), torch.randn(4), "targets are float32 \\[4\\]"),
+        (torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7)), "output has shape \\[4, 7, 11\\].*\\[batch, classes\\]"),
+        (torch.randn(4, 5), torch.randint(0, 3, (4,)), "outputs 5 classes but the dataset has 3"),
+    ],
+)
 def test_classification_refuses_what_it_cannot_do_in_one_line(logits, targets, message):
     task = Classification(classes=3)
     with pytest.raises(TaskError, match=message):
@@ -81,8 +86,10 @@ def test_user_loss_may_return_outputs_for_the_metrics_and_may_define_its_own_los
 
     task = UserLoss(loss_fn, {"loss": lambda out, b: (out.sum(), out.numel()), "peak": lambda out, b: (out.max(), 1)})
     assert task.names == ("loss", "peak") and task.identity.startswith("custom:test_user_loss")
-    assert UserLoss(loss_fn, {"peak": lambda out, b: (out.min(), 1)}).identity != \
-        UserLoss(loss_fn, {"peak": lambda out, b: (out.max(), 1)}).identity  # an edited metric is a new run
+    assert (
+        UserLoss(loss_fn, {"peak": lambda out, b: (out.min(), 1)}).identity
+        != UserLoss(loss_fn, {"peak": lambda out, b: (out.max(), 1)}).identity
+    )  # an edited metric is a new run
     values = task.evaluate(lambda b: b * 2, torch.arange(6.0).view(3, 2))
     assert [(float(s), float(c)) for s, c in values] == [(30.0, 6.0), (10.0, 1.0)]  # the per-element loss wins
     with pytest.raises(TaskError, match="loss_fn returned a tensor of shape \\[3, 2\\]"):

@@ -3,5 +3,12 @@
 from . import bench, check, doctor, plot, show_data, train
 from . import eval as eval_cmd
 
-COMMANDS = {"train": train, "eval": eval_cmd, "check": check, "bench": bench, "plot": plot,
-            "show-data": show_data, "doctor": doctor}
+COMMANDS = {
+    "train": train,
+    "eval": eval_cmd,
+    "check": check,
+    "bench": bench,
+    "plot": plot,
+    "show-data": show_data,
+    "doctor": doctor,
+}

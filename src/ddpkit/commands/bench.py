@@ -20,25 +20,67 @@ def _worlds(text: str) -> list[int]:
 
 
 def register(parser) -> None:
-    parser.add_argument("--nproc", dest="worlds", type=_worlds, default=[1, 2], metavar="N,N,...",
-                        help="world sizes to run (default: 1,2); 1 is always included")
+    parser.add_argument(
+        "--nproc",
+        dest="worlds",
+        type=_worlds,
+        default=[1, 2],
+        metavar="N,N,...",
+        help="world sizes to run (default: 1,2); 1 is always included",
+    )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default: 200)")
     parser.add_argument("--window", type=int, default=0, help="steps per timing window (default: steps/10)")
-    parser.add_argument("--strong", action="store_true", help="keep the global batch (default: weak scaling, "
-                        "--batch-size per rank)")
-    parser.add_argument("--out", default="bench", help="directory for bench.json, bench.md, scaling.png (default: bench)")
-    parser.add_argument("--predict", type=_worlds, default=[2, 4, 8], metavar="N,N,...",
-                        help="world sizes to predict (default: 2,4,8)")
-    parser.add_argument("--gpu-step-ms", type=float, default=None,
-                        help="a measured world-1 step time on the GPU to predict for, when benching on CPU")
-    parser.add_argument("--predict-only", action="store_true", help="run nothing: predict --predict GPUs from "
-                        "--gpu-step-ms (the world-1 step measured on such a GPU at this --batch-size)")
-    parser.add_argument("--busbw-gbs", type=float, default=None, help="GPU fabric bus bandwidth, GB/s "
-                        "(default: 370, H100 NVLink)")
-    parser.add_argument("--latency-us", type=float, default=None, help="GPU fabric latency per ring step, us (default: 5)")
-    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir", "log", "plots",
-                                             "max_restarts", "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
-                                             "grad_sync", "epochs", "save_every_steps", "log_every"}))
+    parser.add_argument(
+        "--strong", action="store_true", help="keep the global batch (default: weak scaling, --batch-size per rank)"
+    )
+    parser.add_argument(
+        "--out", default="bench", help="directory for bench.json, bench.md, scaling.png (default: bench)"
+    )
+    parser.add_argument(
+        "--predict", type=_worlds, default=[2, 4, 8], metavar="N,N,...", help="world sizes to predict (default: 2,4,8)"
+    )
+    parser.add_argument(
+        "--gpu-step-ms",
+        type=float,
+        default=None,
+        help="a measured world-1 step time on the GPU to predict for, when benching on CPU",
+    )
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="run nothing: predict --predict GPUs from "
+        "--gpu-step-ms (the world-1 step measured on such a GPU at this --batch-size)",
+    )
+    parser.add_argument(
+        "--busbw-gbs", type=float, default=None, help="GPU fabric bus bandwidth, GB/s (default: 370, H100 NVLink)"
+    )
+    parser.add_argument(
+        "--latency-us", type=float, default=None, help="GPU fabric latency per ring step, us (default: 5)"
+    )
+    add_config_flags(
+        parser,
+        skip=frozenset(
+            {
+                "nproc",
+                "max_steps",
+                "resume",
+                "progress",
+                "quiet",
+                "run_dir",
+                "log",
+                "plots",
+                "max_restarts",
+                "nnodes",
+                "rdzv_endpoint",
+                "rdzv_id",
+                "local_addr",
+                "grad_sync",
+                "epochs",
+                "save_every_steps",
+                "log_every",
+            }
+        ),
+    )
     for action in parser._actions:
         if action.dest == "batch_size":
             action.help = "samples PER RANK (weak scaling), or the global batch with --strong (default: the recipe's)"
@@ -56,17 +98,30 @@ def run(args) -> int:
     cfg = config_from_args(args)
     link = LINKS["h100-nvlink"]
     if args.busbw_gbs or args.latency_us:
-        link = dataclasses.replace(link, name="custom GPU fabric", busbw=(args.busbw_gbs or link.busbw / 1e9) * 1e9,
-                                   latency_s=(args.latency_us or link.latency_s * 1e6) * 1e-6)
+        link = dataclasses.replace(
+            link,
+            name="custom GPU fabric",
+            busbw=(args.busbw_gbs or link.busbw / 1e9) * 1e9,
+            latency_s=(args.latency_us or link.latency_s * 1e6) * 1e-6,
+        )
     gpu_step_s = args.gpu_step_ms / 1e3 if args.gpu_step_ms else None
     if args.predict_only:
         if gpu_step_s is None:
             raise ConfigError("--predict-only needs --gpu-step-ms: the world-1 step time measured on the GPU")
         rep = predict_only(cfg, gpu_step_s, link, tuple(args.predict), args.strong)
     else:
-        rep = bench(cfg, args.worlds, steps=args.steps, strong=args.strong, window=args.window,
-                    comm_hook=cfg.comm_hook, zero=cfg.zero, predict_worlds=tuple(args.predict),
-                    gpu_step_s=gpu_step_s, gpu_link=link)
+        rep = bench(
+            cfg,
+            args.worlds,
+            steps=args.steps,
+            strong=args.strong,
+            window=args.window,
+            comm_hook=cfg.comm_hook,
+            zero=cfg.zero,
+            predict_worlds=tuple(args.predict),
+            gpu_step_s=gpu_step_s,
+            gpu_link=link,
+        )
     for path in write_outputs(rep, args.out):
         print(f"wrote {path}")
     print(open(f"{args.out}/bench.md").read())

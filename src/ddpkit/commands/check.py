@@ -10,21 +10,50 @@ HELP = "check that N processes train exactly as 1 process does, and that the dat
 
 
 def register(parser) -> None:
-    parser.add_argument("--nproc", dest="check_nproc", type=int, default=2, metavar="N",
-                        help="processes to compare with 1 (default: 2)")
+    parser.add_argument(
+        "--nproc", dest="check_nproc", type=int, default=2, metavar="N", help="processes to compare with 1 (default: 2)"
+    )
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default: 5)")
     parser.add_argument("--json", dest="json_out", metavar="PATH", help="also write the report as JSON")
     # what the check sets itself (its runs are short, quiet and in a temporary directory)
-    add_config_flags(parser, skip=frozenset({"nproc", "max_steps", "resume", "progress", "quiet", "run_dir", "log", "plots", "epochs",
-                                             "log_every", "save_every_steps", "keep_snapshots", "amp", "ema",
-                                             "nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts",
-                                             "grad_sync", "join"}))
+    add_config_flags(
+        parser,
+        skip=frozenset(
+            {
+                "nproc",
+                "max_steps",
+                "resume",
+                "progress",
+                "quiet",
+                "run_dir",
+                "log",
+                "plots",
+                "epochs",
+                "log_every",
+                "save_every_steps",
+                "keep_snapshots",
+                "amp",
+                "ema",
+                "nnodes",
+                "rdzv_endpoint",
+                "rdzv_id",
+                "local_addr",
+                "max_restarts",
+                "grad_sync",
+                "join",
+            }
+        ),
+    )
     for action in parser._actions:
         if action.dest == "dtype":
-            action.help = "dtype of the runs compared (default: float64 on CPU where the model runs in it, else float32)"
+            action.help = (
+                "dtype of the runs compared (default: float64 on CPU where the model runs in it, else float32)"
+            )
         if action.dest == "sync_bn":
-            action.help = ("SyncBatchNorm in every run (default: on for models with BatchNorm; --no-sync-bn shows "
-                           "how far N processes then differ from 1)")
+            action.help = (
+                "SyncBatchNorm in every run (default: on for models with BatchNorm; --no-sync-bn shows "
+                "how far N processes then differ from 1)"
+            )
     parser.set_defaults(run=run)
 
 

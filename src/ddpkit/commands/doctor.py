@@ -1,4 +1,5 @@
-"""``ddpkit doctor``: an environment report for distributed training, and a real all-reduce (:mod:`ddpkit.tools.doctor`)."""
+"""``ddpkit doctor``: an environment report for distributed training, and a real all-reduce
+(:mod:`ddpkit.tools.doctor`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,27 @@ HELP = "report torch/CUDA/NCCL/gloo, GPUs, ports, env vars and CPU load, and run
 
 
 def register(parser) -> None:
-    parser.add_argument("--nproc", type=int, default=2, metavar="N",
-                        help="processes for the gloo smoke test and the CPU oversubscription check (default: 2)")
-    parser.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
-                        help="also check this rendezvous endpoint: free here, or reachable elsewhere")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes for the gloo smoke test and the CPU oversubscription check (default: 2)",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        metavar="HOST:PORT",
+        help="also check this rendezvous endpoint: free here, or reachable elsewhere",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
-    parser.add_argument("--timeout-s", type=float, default=60.0, metavar="S",
-                        help="collective timeout for the smoke test, seconds (default: 60)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="collective timeout for the smoke test, seconds (default: 60)",
+    )
     parser.set_defaults(run=run)
 
 

@@ -26,11 +26,23 @@ def run(args) -> int:
     from ..trainer import run_evaluation
 
     run_dir = Path(args.run_dir)
-    cfg = finished_cli_run(run_dir, f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), "
-                                    f"then Trainer(config, model=model, test_data=..., loss_fn=...).evaluate()")
+    cfg = finished_cli_run(
+        run_dir,
+        f"evaluate it there: model.load_state_dict(torch.load('{run_dir / 'model.pt'}')), "
+        f"then Trainer(config, model=model, test_data=..., loss_fn=...).evaluate()",
+    )
     # Evaluation runs on this node alone, whatever launched the training.
-    cfg = dataclasses.replace(cfg, nproc=args.nproc, run_dir=str(run_dir), device=args.device or cfg.device,
-                              nnodes=1, rdzv_endpoint="", rdzv_id="", local_addr="", max_restarts=0)
+    cfg = dataclasses.replace(
+        cfg,
+        nproc=args.nproc,
+        run_dir=str(run_dir),
+        device=args.device or cfg.device,
+        nnodes=1,
+        rdzv_endpoint="",
+        rdzv_id="",
+        local_addr="",
+        max_restarts=0,
+    )
     cfg.validate()
     # Everything that can fail, checked here once, not on every rank: the data, and the weights.
     splits = load_dataset(cfg)

@@ -34,10 +34,16 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozense
         shown = "recipe" if f.default is None else f.default
         text = f.metadata["help"] if "default:" in f.metadata["help"] else f"{f.metadata['help']} (default: {shown})"
         if typ is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+            )
         else:
-            group.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
-    parser.add_argument("--config", dest="config_file", metavar="TOML", help="read config values from a TOML file; flags override it")
+            group.add_argument(
+                flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text
+            )
+    parser.add_argument(
+        "--config", dest="config_file", metavar="TOML", help="read config values from a TOML file; flags override it"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -49,8 +55,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values.update({k: v for k, v in vars(args).items() if k in names})
     for key in ("dataset", "model"):
         if str(values.get(key, "")).startswith("custom:"):
-            raise ConfigError(f"--{key} {values[key]}: custom: names are recorded by the Python API for your own "
-                              f"{key}s (Trainer(model=..., train_data=...)); the command line takes the built-in ones")
+            raise ConfigError(
+                f"--{key} {values[key]}: custom: names are recorded by the Python API for your own "
+                f"{key}s (Trainer(model=..., train_data=...)); the command line takes the built-in ones"
+            )
     return TrainConfig.from_dict(values)
 
 

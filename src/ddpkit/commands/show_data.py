@@ -20,26 +20,48 @@ def _count(text: str) -> int:
 
 
 def register(parser) -> None:
-    parser.add_argument("dataset", nargs="?", default=None, metavar="DATASET",
-                        help="mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH "
-                             "(optional with --predictions: the run's own)")
-    parser.add_argument("--out", default="grid.png", help="the PNG to write (default: grid.png); an existing "
-                        "file that is not a PNG is never overwritten")
+    parser.add_argument(
+        "dataset",
+        nargs="?",
+        default=None,
+        metavar="DATASET",
+        help="mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH "
+        "(optional with --predictions: the run's own)",
+    )
+    parser.add_argument(
+        "--out",
+        default="grid.png",
+        help="the PNG to write (default: grid.png); an existing file that is not a PNG is never overwritten",
+    )
     parser.add_argument("--split", choices=("train", "test"), default="test", help="which split (default: test)")
     parser.add_argument("--n", type=_count, default=32, metavar="N", help="images to show, 1 to 256 (default: 32)")
     parser.add_argument("--seed", type=int, default=0, help="which images: a seeded random choice (default: 0)")
-    parser.add_argument("--data-dir", default=None, help="where torchvision datasets are read from / downloaded to "
-                        "(default: data; with --predictions, the run's)")
-    parser.add_argument("--predictions", metavar="RUN_DIR", default=None,
-                        help="a ddpkit run directory: mark each image right or wrong by its model.pt")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="where torchvision datasets are read from / downloaded to (default: data; with --predictions, the run's)",
+    )
+    parser.add_argument(
+        "--predictions",
+        metavar="RUN_DIR",
+        default=None,
+        help="a ddpkit run directory: mark each image right or wrong by its model.pt",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
     from ..tools.showdata import show_data
 
-    result = show_data(args.dataset, args.out, split=args.split, n=args.n, seed=args.seed,
-                       data_dir=args.data_dir, predictions=args.predictions)
+    result = show_data(
+        args.dataset,
+        args.out,
+        split=args.split,
+        n=args.n,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        predictions=args.predictions,
+    )
     line = f"wrote {result['path']}: {result['count']} {result['dataset']} {result['split']} images"
     if "right" in result:
         line += f", {result['right']} of {result['count']} predicted right ({100 * result['accuracy']:.1f}%)"

@@ -11,9 +11,12 @@ HELP = "train a model with DistributedDataParallel"
 
 def register(parser) -> None:
     add_config_flags(parser)
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as TOML (the recipe filled in, as config.toml will hold it) "
-                             "and exit without training; save it and pass it back with --config")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as TOML (the recipe filled in, as config.toml will hold it) "
+        "and exit without training; save it and pass it back with --config",
+    )
     parser.set_defaults(run=run)
 
 

@@ -25,7 +25,11 @@ def epoch_params(n: int, seed: int, epoch: int, augment: str) -> tuple[torch.Ten
     gen = torch.Generator().manual_seed(mixed)
     pad = CROP_PAD if augment == "crop-flip" else 0
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=gen)
-    flips = torch.randint(0, 2, (n,), generator=gen).bool() if augment in ("flip", "crop-flip") else torch.zeros(n, dtype=torch.bool)
+    flips = (
+        torch.randint(0, 2, (n,), generator=gen).bool()
+        if augment in ("flip", "crop-flip")
+        else torch.zeros(n, dtype=torch.bool)
+    )
     return offsets, flips
 
 
@@ -42,8 +46,12 @@ def crop_flip(x: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, pad: 
     rows = offsets[:, 0, None] + torch.arange(h, device=dev)  # [B, H]
     cols = offsets[:, 1, None] + torch.arange(w, device=dev)  # [B, W]
     cols = torch.where(flips[:, None], cols.flip(1), cols)
-    return x[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
-             rows[:, None, :, None], cols[:, None, None, :]]
+    return x[
+        torch.arange(b, device=dev)[:, None, None, None],
+        torch.arange(c, device=dev)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
 
 
 class Normalize:

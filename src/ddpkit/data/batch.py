@@ -1,9 +1,9 @@
 """Batches of any structure: tensors, tuples, lists, dicts and nests of them.
 
-    batch = to_device(batch, device)     # every tensor moved (non-blocking), structure kept
-    tree_map(fn, batch), tensor_leaves(batch)
-    leading_size(batch)                  # samples in it: the first tensor's first dimension
-    structure(sample)                    # types, shapes and dtypes, for a dataset's fingerprint
+batch = to_device(batch, device)     # every tensor moved (non-blocking), structure kept
+tree_map(fn, batch), tensor_leaves(batch)
+leading_size(batch)                  # samples in it: the first tensor's first dimension
+structure(sample)                    # types, shapes and dtypes, for a dataset's fingerprint
 """
 
 from __future__ import annotations
@@ -62,4 +62,3 @@ def structure(sample: Any) -> Any:
     if hasattr(sample, "shape") and hasattr(sample, "dtype"):  # numpy arrays
         return {"shape": list(sample.shape), "dtype": str(sample.dtype)}
     return type(sample).__name__
-

@@ -50,7 +50,10 @@ def read_cifar_split(root: Path, files: list[str], label_key: bytes, num_classes
 
 def write_cifar_batch(path: Path, images: np.ndarray, labels: np.ndarray, label_key: bytes = b"labels") -> None:
     """Write a batch in the real on-disk format; used by tests and tools."""
-    entry = {b"batch_label": b"generated", b"data": images.reshape(len(images), -1).astype(np.uint8),
-             label_key: [int(v) for v in labels]}
+    entry = {
+        b"batch_label": b"generated",
+        b"data": images.reshape(len(images), -1).astype(np.uint8),
+        label_key: [int(v) for v in labels],
+    }
     with open(path, "wb") as fh:
         pickle.dump(entry, fh, protocol=2)

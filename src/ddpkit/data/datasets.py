@@ -26,8 +26,10 @@ from .idx import read_idx_pair
 from .types import DataSplits, ImageData, Meta
 
 MNIST_DIR = Path(__file__).parent / "mnist"
-IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-             "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
 
 
 # ---------------------------------------------------------------------- loaders
@@ -35,12 +37,16 @@ def _idx_splits(folder: Path, meta: Meta, how_to_get: str) -> DataSplits:
     missing = [name for pair in IDX_FILES.values() for name in pair if not (folder / name).exists()]
     if missing:
         raise DataError(f"dataset files missing in {folder}: {', '.join(missing)}. {how_to_get}")
-    splits = {s: ImageData.from_numpy(*read_idx_pair(folder / i, folder / l, meta.classes))
-              for s, (i, l) in IDX_FILES.items()}
+    splits = {
+        s: ImageData.from_numpy(*read_idx_pair(folder / images, folder / labels, meta.classes))
+        for s, (images, labels) in IDX_FILES.items()
+    }
     for name, split in splits.items():
         if split.images.shape[1:] != (meta.channels, meta.height, meta.width):
-            raise DataError(f"{folder / IDX_FILES[name][0]}: images are {tuple(split.images.shape[1:])}, "
-                            f"expected {(meta.channels, meta.height, meta.width)}")
+            raise DataError(
+                f"{folder / IDX_FILES[name][0]}: images are {tuple(split.images.shape[1:])}, "
+                f"expected {(meta.channels, meta.height, meta.width)}"
+            )
     return DataSplits(splits["train"], splits["test"], meta)
 
 
@@ -64,9 +70,11 @@ def _load_cifar(name: str, cfg: TrainConfig, download: bool, meta: Meta) -> Data
         _torchvision_download(name.upper(), cfg.data_dir)
     missing = [f for f in train_files + test_files if not (folder / f).exists()]
     if missing:
-        raise DataError(f"dataset files missing in {folder}: {', '.join(missing)}. Extract the python-version "
-                        f"archive ({folder_name.split('-batches')[0]}-python.tar.gz) into {cfg.data_dir}, "
-                        f"or run once with internet")
+        raise DataError(
+            f"dataset files missing in {folder}: {', '.join(missing)}. Extract the python-version "
+            f"archive ({folder_name.split('-batches')[0]}-python.tar.gz) into {cfg.data_dir}, "
+            f"or run once with internet"
+        )
     train = ImageData.from_numpy(*read_cifar_split(folder, train_files, key, classes))
     test = ImageData.from_numpy(*read_cifar_split(folder, test_files, key, classes))
     return DataSplits(train, test, meta)
@@ -88,8 +96,10 @@ def load_synthetic(cfg: TrainConfig, download: bool) -> DataSplits:
     gen = torch.Generator().manual_seed(1234)
 
     def split(n: int) -> ImageData:
-        return ImageData(torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=gen),
-                         torch.randint(0, cfg.synthetic_classes, (n,), generator=gen))
+        return ImageData(
+            torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=gen),
+            torch.randint(0, cfg.synthetic_classes, (n,), generator=gen),
+        )
 
     meta = Meta(c, h, w, cfg.synthetic_classes, (0.5,) * c, (0.25,) * c, "crop-flip" if c == 3 else "none")
     return DataSplits(split(cfg.synthetic_size), split(max(1, cfg.synthetic_size // 5)), meta)

@@ -61,8 +61,9 @@ def list_images(directory: Path) -> tuple[list[str], list[tuple[str, int]]]:
         if len(samples) == before:
             empty.append(cls)
     if empty:
-        raise DataError(f"{directory}: no images in class folder(s) {', '.join(empty)} (extensions: "
-                        f"{', '.join(IMG_EXTENSIONS)})")
+        raise DataError(
+            f"{directory}: no images in class folder(s) {', '.join(empty)} (extensions: {', '.join(IMG_EXTENSIONS)})"
+        )
     return classes, samples
 
 
@@ -105,14 +106,18 @@ def load_imagefolder(path: str, image_size: int, limit_train: int = 0, limit_tes
     root = Path(path)
     test_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
     if not (root / "train").is_dir() or test_dir is None:
-        raise DataError(f"imagefolder:{path} needs {root}/train/<class>/<images> and {root}/val/<class>/<images> "
-                        f"(or test/ instead of val/)")
+        raise DataError(
+            f"imagefolder:{path} needs {root}/train/<class>/<images> and {root}/val/<class>/<images> "
+            f"(or test/ instead of val/)"
+        )
     try:
         train, test = ImageFiles(root / "train", image_size), ImageFiles(test_dir, image_size)
     except DataError as exc:
         raise DataError(f"imagefolder:{path}: {exc}") from None
     if train.classes != test.classes:
-        raise DataError(f"imagefolder:{path}: train/ has classes {train.classes} but {test_dir.name}/ has {test.classes}")
+        raise DataError(
+            f"imagefolder:{path}: train/ has classes {train.classes} but {test_dir.name}/ has {test.classes}"
+        )
     meta = Meta(3, image_size, image_size, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, "flip")
     return DataSplits(spread(train, limit_train), spread(test, limit_test), meta)
 
@@ -161,7 +166,6 @@ def decode_all(files: list[tuple[str, int]], image_size: int, processes: int):
     import numpy as np
     import torch
 
-
     paths = [p for p, _ in files]
     work = partial(_decode, image_size=image_size)
     if processes > 1 and len(paths) >= 512:
@@ -182,7 +186,6 @@ def cached_decode(data, root: Path, split: str, image_size: int, processes: int)
 
     import torch
 
-
     files = image_files(data)
     key = cache_key(files, image_size)
     path = root / CACHE_DIR / f"{split}-{image_size}px-{key}.pt"
@@ -191,8 +194,12 @@ def cached_decode(data, root: Path, split: str, image_size: int, processes: int)
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
             images, labels = saved["images"], saved["labels"]
-            if saved["key"] != key or images.dtype != torch.uint8 or tuple(images.shape) != \
-                    (len(files), 3, image_size, image_size) or len(labels) != len(files):
+            if (
+                saved["key"] != key
+                or images.dtype != torch.uint8
+                or tuple(images.shape) != (len(files), 3, image_size, image_size)
+                or len(labels) != len(files)
+            ):
                 raise ValueError("contents do not match the file list")
             return ImageData(images, labels), f"{split}: {len(files)} images from the cache {path}"
         except Exception as exc:  # truncated, damaged or foreign: rebuild it, never trust it

@@ -32,8 +32,10 @@ def read_idx(path: str | Path, ndim: int) -> np.ndarray:
     zero, dtype, dims = struct.unpack(">HBB", raw[:4])
     expected_magic = (_UBYTE << 8) | ndim
     if zero != 0 or dtype != _UBYTE or dims != ndim:
-        raise DataError(f"{path}: wrong IDX magic 0x{int.from_bytes(raw[:4], 'big'):08x}, "
-                        f"expected 0x{expected_magic:08x} (uint8, {ndim}-d); is this the right file?")
+        raise DataError(
+            f"{path}: wrong IDX magic 0x{int.from_bytes(raw[:4], 'big'):08x}, "
+            f"expected 0x{expected_magic:08x} (uint8, {ndim}-d); is this the right file?"
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DataError(f"{path}: truncated IDX header")
@@ -53,7 +55,9 @@ def read_idx_pair(images_path: Path, labels_path: Path, num_classes: int) -> tup
     if len(images) != len(labels):
         raise DataError(f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels")
     if len(labels) and int(labels.max()) >= num_classes:
-        raise DataError(f"{labels_path}: label {int(labels.max())} is outside the {num_classes} classes (0..{num_classes - 1})")
+        raise DataError(
+            f"{labels_path}: label {int(labels.max())} is outside the {num_classes} classes (0..{num_classes - 1})"
+        )
     return images, labels
 
 

@@ -61,8 +61,9 @@ class Preprocess:
     tensors of any other batch (:meth:`cast`); float32 leaves the user's tensors as they are.
     """
 
-    def __init__(self, meta: Meta | None, device: torch.device, channels_last: bool,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, meta: Meta | None, device: torch.device, channels_last: bool, dtype: torch.dtype = torch.float32
+    ):
         self.meta, self.dtype = meta, dtype
         self.norm = Normalize(meta.mean, meta.std, device, channels_last) if meta else None
         self.pad = CROP_PAD if meta and meta.augment == "crop-flip" else 0
@@ -94,7 +95,9 @@ class _Source:
 
     path = "?"
 
-    def __init__(self, n: int, meta: Meta | None, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
+    def __init__(
+        self, n: int, meta: Meta | None, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1
+    ):
         self.n, self.meta, self.cfg, self.ctx, self.batch = n, meta, cfg, ctx, per_rank_batch
         self.per_rank = n // ctx.world_size
         self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
@@ -103,7 +106,7 @@ class _Source:
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order its batches take them (what
         ``ddpkit check`` counts): every index the epoch's steps use, and no other."""
-        return epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)[:self.used]
+        return epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)[: self.used]
 
     @property
     def used(self) -> int:
@@ -130,8 +133,13 @@ class HostStager:
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch: int, device: torch.device):
         self.images, self.labels, self.device = images, labels, device
         cuda = device.type == "cuda"
-        self.buffers = [(torch.empty((batch, *images.shape[1:]), dtype=images.dtype, pin_memory=cuda),
-                         torch.empty((batch,), dtype=labels.dtype, pin_memory=cuda)) for _ in range(2)]
+        self.buffers = [
+            (
+                torch.empty((batch, *images.shape[1:]), dtype=images.dtype, pin_memory=cuda),
+                torch.empty((batch,), dtype=labels.dtype, pin_memory=cuda),
+            )
+            for _ in range(2)
+        ]
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.copied: list = [None, None]  # per buffer: the CUDA event of its last copy
         self.slot = 0
@@ -166,7 +174,16 @@ class HostStager:
 
 
 class ResidentSource(_Source):
-    def __init__(self, data: ImageData, meta: Meta, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, on_device: bool, group: int = 1):
+    def __init__(
+        self,
+        data: ImageData,
+        meta: Meta,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        per_rank_batch: int,
+        on_device: bool,
+        group: int = 1,
+    ):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.on_device = on_device
         self.path = "device-resident" if on_device else "host-staged"
@@ -183,16 +200,20 @@ class ResidentSource(_Source):
         if self.on_device:
             order = order.to(self.ctx.device)  # one small copy per epoch; every batch after is on-device indexing
             for step in range(start_step, steps):
-                idx = order[step * b:(step + 1) * b]
-                yield self.pre.train(self.images[idx], offsets[step * b:(step + 1) * b],
-                                     flips[step * b:(step + 1) * b]), self.labels[idx]
+                idx = order[step * b : (step + 1) * b]
+                yield (
+                    self.pre.train(
+                        self.images[idx], offsets[step * b : (step + 1) * b], flips[step * b : (step + 1) * b]
+                    ),
+                    self.labels[idx],
+                )
             return
-        pending = self.stager.copy(order[start_step * b:(start_step + 1) * b]) if start_step < steps else None
+        pending = self.stager.copy(order[start_step * b : (start_step + 1) * b]) if start_step < steps else None
         for step in range(start_step, steps):
             x, y = self.stager.ready(pending)
             if step + 1 < steps:
-                pending = self.stager.copy(order[(step + 1) * b:(step + 2) * b])  # overlaps this step's compute
-            yield self.pre.train(x, offsets[step * b:(step + 1) * b], flips[step * b:(step + 1) * b]), y
+                pending = self.stager.copy(order[(step + 1) * b : (step + 2) * b])  # overlaps this step's compute
+            yield self.pre.train(x, offsets[step * b : (step + 1) * b], flips[step * b : (step + 1) * b]), y
 
 
 class _From(Sampler):
@@ -224,7 +245,7 @@ class TensorSource(_Source):
         order = self.epoch_indices(epoch).to(self.ctx.device)
         b = self.batch
         for step in range(start_step, self.steps_per_epoch):
-            yield self.pre.cast(self.data.take(order[step * b:(step + 1) * b]))
+            yield self.pre.cast(self.data.take(order[step * b : (step + 1) * b]))
 
 
 class UnevenSampler(Sampler):
@@ -248,8 +269,16 @@ class UnevenSampler(Sampler):
 class LoaderSource(_Source):
     path = "dataloader"
 
-    def __init__(self, data: Dataset, meta: Meta | None, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1,
-                 collate_fn=None):
+    def __init__(
+        self,
+        data: Dataset,
+        meta: Meta | None,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        per_rank_batch: int,
+        group: int = 1,
+        collate_fn=None,
+    ):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.data, self.collate_fn = data, collate_fn
         self.uneven = bool(getattr(cfg, "join", False))
@@ -259,13 +288,15 @@ class LoaderSource(_Source):
             self.steps_per_epoch = -(-own // per_rank_batch)  # this rank's, the last batch partial
             self.max_steps_per_epoch = -(-len(range(0, self.n, ctx.world_size)) // per_rank_batch)  # rank 0's
         else:
-            self.sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                              seed=cfg.seed, drop_last=True)
+            self.sampler = DistributedSampler(
+                data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True
+            )
             self.max_steps_per_epoch = self.steps_per_epoch
         self.positioned = _From(self.sampler)
         # Built once: with workers, they start once per run, not once per epoch.
-        self.loader = _dataloader(data, self.positioned, self.batch, cfg, ctx, drop_last=not self.uneven,
-                                  collate_fn=collate_fn)
+        self.loader = _dataloader(
+            data, self.positioned, self.batch, cfg, ctx, drop_last=not self.uneven, collate_fn=collate_fn
+        )
 
     @property
     def used(self) -> int:
@@ -314,12 +345,21 @@ def loader_workers(cfg: TrainConfig, ctx: DistContext) -> int:
     return max(0, min(8, cpu_threads(ctx.local_world_size) - 1))
 
 
-def _dataloader(data, sampler, batch: int, cfg: TrainConfig, ctx: DistContext, drop_last: bool = True, collate_fn=None) -> DataLoader:
+def _dataloader(
+    data, sampler, batch: int, cfg: TrainConfig, ctx: DistContext, drop_last: bool = True, collate_fn=None
+) -> DataLoader:
     workers = loader_workers(cfg, ctx)
-    return DataLoader(data, batch_size=batch, sampler=sampler, drop_last=drop_last, num_workers=workers,
-                      pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
-                      prefetch_factor=4 if workers else None,  # batches in flight per worker
-                      collate_fn=collate_fn)
+    return DataLoader(
+        data,
+        batch_size=batch,
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=workers,
+        pin_memory=ctx.device.type == "cuda",
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,  # batches in flight per worker
+        collate_fn=collate_fn,
+    )
 
 
 def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
@@ -328,7 +368,9 @@ def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
         return "loader"  # its sampler is the one that neither pads nor drops
     if not isinstance(data, (ImageData, TensorData)):
         if cfg.data_path in ("device", "host"):
-            raise ConfigError(f"--data-path {cfg.data_path} needs an in-memory dataset; {cfg.dataset} streams from disk")
+            raise ConfigError(
+                f"--data-path {cfg.data_path} needs an in-memory dataset; {cfg.dataset} streams from disk"
+            )
         return "loader"
     if cfg.data_path == "host" and isinstance(data, TensorData):
         return "device"  # a TensorData is indexed where it is; on CPU that is host memory
@@ -373,7 +415,7 @@ class EvalSource:
                 yield (self.pre.eval(b[0]), b[1]) if self.pre.meta is not None else self.pre.cast(b)
             return
         for start in range(0, len(self.indices), self.batch):
-            idx = torch.tensor(self.indices[start:start + self.batch])
+            idx = torch.tensor(self.indices[start : start + self.batch])
             if isinstance(data, TensorData):
                 yield self.pre.cast(to_device(data.take(idx.to(_device_of(data))), ctx.device))
             else:

@@ -70,7 +70,7 @@ def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig
         return TensorData(list(data.tensors)), f"{split} in memory (a TensorDataset, indexed in place)"
     folder = data.dataset if isinstance(data, Subset) else data
     if cfg.dataset.startswith("imagefolder:") and hasattr(folder, "samples"):
-        need = len(data) * 3 * cfg.image_size ** 2
+        need = len(data) * 3 * cfg.image_size**2
         if need > budget:
             return data, f"{split} streamed ({need / 2**30:.1f} GiB decoded is over the memory budget)"
         root = Path(cfg.dataset.split(":", 1)[1])

@@ -1,9 +1,9 @@
 """The data types every layer above shares: what a dataset is once loaded.
 
-    DataSplits(train, test, meta)      # train/test: ImageData, TensorData, or any map-style Dataset
-    ImageData(images, labels)          # uint8 [N, C, H, W] and int64 [N], a whole split in memory
-    TensorData(tree)                   # any nest of tensors [N, ...], batched by indexing
-    Meta(channels, height, width, classes, mean, std, augment)
+DataSplits(train, test, meta)      # train/test: ImageData, TensorData, or any map-style Dataset
+ImageData(images, labels)          # uint8 [N, C, H, W] and int64 [N], a whole split in memory
+TensorData(tree)                   # any nest of tensors [N, ...], batched by indexing
+Meta(channels, height, width, classes, mean, std, augment)
 """
 
 from __future__ import annotations

@@ -46,9 +46,13 @@ def rng_state(device: torch.device) -> dict:
     """This process's RNGs as tensors and ints (loadable with weights_only=True)."""
     np_state = np.random.get_state()
     py_version, py_internal, py_gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-             "numpy_pos": int(np_state[2]), "numpy_gauss": [int(np_state[3]), float(np_state[4])],
-             "python": [py_version, list(py_internal), py_gauss]}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_gauss": [int(np_state[3]), float(np_state[4])],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -56,8 +60,15 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"].cpu())
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_gauss"][0], state["numpy_gauss"][1]))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_gauss"][0],
+            state["numpy_gauss"][1],
+        )
+    )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
@@ -81,8 +92,11 @@ def weights_mismatch(mine: dict, theirs: dict) -> str:
     """How ``theirs`` (a state dict) fails to fit ``mine``, name for name and shape for shape; "" if it fits."""
     missing, unexpected = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     shapes = sorted(k for k in set(mine) & set(theirs) if tuple(mine[k].shape) != tuple(theirs[k].shape))
-    parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
-             f"other shapes {shapes[:5]}" if shapes else ""]
+    parts = [
+        f"missing {missing[:5]}" if missing else "",
+        f"unexpected {unexpected[:5]}" if unexpected else "",
+        f"other shapes {shapes[:5]}" if shapes else "",
+    ]
     return "; ".join(p for p in parts if p)
 
 
@@ -97,8 +111,10 @@ def read_weights(path: str | Path, what: str = "weights file") -> dict:
     except FileNotFoundError:
         raise RunDirError(f"{what} {path}: no such file") from None
     except Exception as exc:  # truncated zip, not a torch file, pickled code
-        raise RunDirError(f"{what} {path}: not a loadable weights file, truncated or damaged "
-                          f"({type(exc).__name__}: {_first_line(exc)})") from None
+        raise RunDirError(
+            f"{what} {path}: not a loadable weights file, truncated or damaged "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
     if isinstance(obj, dict) and isinstance(obj.get("trainer"), dict) and "model" in obj["trainer"]:
         obj = obj["trainer"]["model"]  # a snapshot
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -145,10 +161,16 @@ class Checkpointer:
         def write():
             for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
                 stale.unlink(missing_ok=True)
-            snapshot = {"format": FORMAT, "config": self.cfg.to_dict(), "config_hash": self.cfg.hash(),
-                        "world_size": self.ctx.world_size,
-                        "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
-                        "global_step": global_step, "trainer": trainer_state, "ranks": gathered}
+            snapshot = {
+                "format": FORMAT,
+                "config": self.cfg.to_dict(),
+                "config_hash": self.cfg.hash(),
+                "world_size": self.ctx.world_size,
+                "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+                "global_step": global_step,
+                "trainer": trainer_state,
+                "ranks": gathered,
+            }
             atomic_write(path, torch_bytes(snapshot))
             self.valid.add(path)
             self._prune()
@@ -208,21 +230,29 @@ class Checkpointer:
         lo = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MIN).item()
         hi = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MAX).item()
         if lo != hi:
-            raise RunDirError(f"ranks disagree on the newest readable snapshot in {self.dir} (steps {lo:.0f} and "
-                              f"{hi:.0f}): some rank cannot read a file the others can; check that every node sees "
-                              f"the same run directory")
+            raise RunDirError(
+                f"ranks disagree on the newest readable snapshot in {self.dir} (steps {lo:.0f} and "
+                f"{hi:.0f}): some rank cannot read a file the others can; check that every node sees "
+                f"the same run directory"
+            )
 
     def _check_compatible(self, snap: dict, path: Path) -> None:
         if snap["format"] != FORMAT:
-            raise RunDirError(f"snapshot {path} was written by another ddpkit version (snapshot format "
-                              f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir")
+            raise RunDirError(
+                f"snapshot {path} was written by another ddpkit version (snapshot format "
+                f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir"
+            )
         if snap["config_hash"] != self.cfg.hash():
             keys = self.cfg.differing_keys(snap["config"])
-            raise RunDirError(f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
-                              f"pass a new --run-dir to start a new run")
+            raise RunDirError(
+                f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
+                f"pass a new --run-dir to start a new run"
+            )
         if snap["world_size"] != self.ctx.world_size:
-            raise RunDirError(f"snapshot {path} was made with world size {snap['world_size']}, this run has "
-                              f"{self.ctx.world_size}; resume with the same number of processes for an exact continuation")
+            raise RunDirError(
+                f"snapshot {path} was made with world size {snap['world_size']}, this run has "
+                f"{self.ctx.world_size}; resume with the same number of processes for an exact continuation"
+            )
 
 
 def _step(path: Path) -> int:
@@ -240,8 +270,14 @@ def _check_layout(snap) -> None:
         raise ValueError(f"not a snapshot (a {type(snap).__name__})")
     if not isinstance(snap.get("format"), int):
         raise ValueError("no snapshot format")
-    for key, kind in (("config", dict), ("config_hash", str), ("world_size", int), ("global_step", int),
-                      ("trainer", dict), ("ranks", list)):
+    for key, kind in (
+        ("config", dict),
+        ("config_hash", str),
+        ("world_size", int),
+        ("global_step", int),
+        ("trainer", dict),
+        ("ranks", list),
+    ):
         if not isinstance(snap.get(key), kind):
             raise ValueError(f"missing or malformed {key!r}")
 

@@ -18,16 +18,23 @@ import json
 import sys
 
 # summary.json keys shown in the end-of-run table, in order, with their labels (units in the label)
-SUMMARY_ROWS = (("world_size", "processes", "{}"), ("steps", "optimizer steps", "{:,}"),
-                ("train_time_s", "train time (s)", "{:,.2f}"), ("samples_per_s", "samples/s", "{:,.0f}"),
-                ("peak_memory_mb", "peak memory, largest rank (MiB)", "{:,.0f}"),
-                ("startup_s", "launch to first step (s)", "{:,.2f}"))
+SUMMARY_ROWS = (
+    ("world_size", "processes", "{}"),
+    ("steps", "optimizer steps", "{:,}"),
+    ("train_time_s", "train time (s)", "{:,.2f}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("peak_memory_mb", "peak memory, largest rank (MiB)", "{:,.0f}"),
+    ("startup_s", "launch to first step (s)", "{:,.2f}"),
+)
 
 
 def summary_fields(summary: dict) -> dict:
     """What the console's summary line or table shows of summary.json: the test metrics, then SUMMARY_ROWS."""
-    return {**{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
-            **{key: summary.get(key) for key, _, _ in SUMMARY_ROWS}, "run_dir": summary.get("run_dir")}
+    return {
+        **{k: v for k, v in summary.items() if k.startswith("test_") and v is not None},
+        **{key: summary.get(key) for key, _, _ in SUMMARY_ROWS},
+        "run_dir": summary.get("run_dir"),
+    }
 
 
 class Display:
@@ -44,9 +51,15 @@ class Display:
             )
 
             # about 80 columns in all: an 80-column terminal keeps the ETA (rich shrinks the bar first)
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
-                                transient=True)
+            self.bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(bar_width=16),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
             self.task = self.bar.add_task("train", total=total_steps, info="")
             self.console = self.bar.console  # for the summary table, after the bar has stopped
             self.bar.start()

@@ -41,8 +41,11 @@ GROUPS = {"step": "train", "epoch": "epoch", "summary": "summary"}  # record eve
 
 def scalars(record: dict) -> dict[str, float]:
     """The numeric values of a record, by key (bools and bookkeeping left out)."""
-    return {k: float(v) for k, v in record.items()
-            if k not in BOOKKEEPING and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in BOOKKEEPING and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def hyperparameters(config: dict) -> dict:
@@ -103,9 +106,15 @@ class WandbLogger:
         # where the run went (and, offline, how to sync it) is still printed
         # init_timeout: the other ranks wait in a collective meanwhile, for at most --timeout-s
         timeout = max(1.0, min(90.0, float(config.get("timeout_s") or 600.0) / 2))
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpkit"), name=run_dir.name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=hyperparameters(config),
-                              settings=wandb.Settings(quiet=True, init_timeout=timeout))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "ddpkit"),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=hyperparameters(config),
+            settings=wandb.Settings(quiet=True, init_timeout=timeout),
+        )
 
     def write(self, record: dict) -> None:
         group = GROUPS.get(record["event"])
@@ -170,12 +179,15 @@ def check_installed(names: tuple[str, ...]) -> None:
         except ValueError:  # sys.modules[name] is None: its import is blocked
             found = False
         if not found:
-            raise ConfigError(f"--log {name} needs the {name} package, which is not installed: "
-                              f"pip install 'ddpkit[{name}]' (or pip install {name})") from None
+            raise ConfigError(
+                f"--log {name} needs the {name} package, which is not installed: "
+                f"pip install 'ddpkit[{name}]' (or pip install {name})"
+            ) from None
 
 
-def open_loggers(names: tuple[str, ...], run_dir: Path, config: dict, start_step: int,
-                 metric_names: tuple[str, ...], warn=print) -> list:
+def open_loggers(
+    names: tuple[str, ...], run_dir: Path, config: dict, start_step: int, metric_names: tuple[str, ...], warn=print
+) -> list:
     """The chosen loggers, opened. One that fails to open is left out with a warning: a dashboard
     is not worth a training run, and metrics.jsonl keeps every record regardless."""
     sinks = []
@@ -183,6 +195,8 @@ def open_loggers(names: tuple[str, ...], run_dir: Path, config: dict, start_step
         try:
             sinks.append(LOGGERS[name](Path(run_dir), config, start_step, metric_names))
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party logger
-            warn(f"ddpkit: warning: --log {name} could not start ({type(exc).__name__}: {str(exc)[:200]}); "
-                 f"training on without it (metrics.jsonl has every record)")
+            warn(
+                f"ddpkit: warning: --log {name} could not start ({type(exc).__name__}: {str(exc)[:200]}); "
+                f"training on without it (metrics.jsonl has every record)"
+            )
     return sinks

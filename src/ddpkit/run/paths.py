@@ -1,16 +1,16 @@
 """The files of a run directory, named once.
 
-    files = RunFiles(run_dir)
-    files.config, files.metrics, files.summary, files.model, files.checkpoints
+files = RunFiles(run_dir)
+files.config, files.metrics, files.summary, files.model, files.checkpoints
 
-    RUN_DIR/config.toml      the resolved config (identical keys on resume, or the run is refused)
-    RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
-    RUN_DIR/summary.json     final figures
-    RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
-    RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable ones go to checkpoints/corrupt/
-    RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
-    RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
-    RUN_DIR/.fatal.json      an error a restart would only meet again, for restarted workers to report
+RUN_DIR/config.toml      the resolved config (identical keys on resume, or the run is refused)
+RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
+RUN_DIR/summary.json     final figures
+RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
+RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable ones go to checkpoints/corrupt/
+RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
+RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
+RUN_DIR/.fatal.json      an error a restart would only meet again, for restarted workers to report
 """
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIG, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = ("config.toml", "metrics.jsonl", "summary.json", "model.pt",
-                                                       "checkpoints", "plots")
+CONFIG, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = (
+    "config.toml",
+    "metrics.jsonl",
+    "summary.json",
+    "model.pt",
+    "checkpoints",
+    "plots",
+)
 # What ddpkit keeps in a run dir, each as a file or a directory; another kind of entry there is refused.
 EXPECTED = {CONFIG: "file", METRICS: "file", SUMMARY: "file", MODEL: "file", CHECKPOINTS: "directory"}
 

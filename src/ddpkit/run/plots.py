@@ -17,8 +17,14 @@ from .paths import RunFiles
 from .records import read_records
 
 # One style per run, told apart without colour: line style, marker, and a luminance spread
-RUN_STYLES = [("-", "o", "black"), ("--", "s", "tab:blue"), (":", "^", "tab:orange"), ("-.", "D", "tab:green"),
-              ((0, (5, 1, 1, 1)), "v", "tab:purple"), ((0, (1, 2)), "P", "tab:brown")]
+RUN_STYLES = [
+    ("-", "o", "black"),
+    ("--", "s", "tab:blue"),
+    (":", "^", "tab:orange"),
+    ("-.", "D", "tab:green"),
+    ((0, (5, 1, 1, 1)), "v", "tab:purple"),
+    ((0, (1, 2)), "P", "tab:brown"),
+]
 
 
 def read_run(run_dir: str | Path) -> dict:
@@ -45,21 +51,39 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunDirError(describe_io_error(exc, out)) from None
-    metrics = list(dict.fromkeys(k for run in runs for r in run["steps"] for k in r
-                                 if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
-                                 and isinstance(r[k], (int, float))))
+    metrics = list(
+        dict.fromkeys(
+            k
+            for run in runs
+            for r in run["steps"]
+            for k in r
+            if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
+            and isinstance(r[k], (int, float))
+        )
+    )
     written = []
     for metric in metrics:
         pct = metric == "accuracy"
-        written.append(_curve_figure(runs, metric, out / f"{metric}.png", pct,
-                                     ylabel=f"{metric} (%)" if pct else metric))
-    written.append(_curve_figure(runs, "samples_per_s", out / "throughput.png", False, ylabel="samples/s",
-                                 test=False, title="Training throughput per log interval"))
+        written.append(
+            _curve_figure(runs, metric, out / f"{metric}.png", pct, ylabel=f"{metric} (%)" if pct else metric)
+        )
+    written.append(
+        _curve_figure(
+            runs,
+            "samples_per_s",
+            out / "throughput.png",
+            False,
+            ylabel="samples/s",
+            test=False,
+            title="Training throughput per log interval",
+        )
+    )
     return written
 
 
-def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True,
-                  title: str = "") -> Path:
+def _curve_figure(
+    runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True, title: str = ""
+) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -71,15 +95,35 @@ def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, t
         pts = [(r["step"], r[metric]) for r in run["steps"] if r.get(metric) is not None]
         if pts:
             x, y = zip(*pts)
-            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=1.6,
-                    marker=marker if len(pts) <= 30 else None, ms=4,
-                    label=f"{who}train (per log interval)" if test else who[:-2] or None)
-        ends = [(r["step"], r[f"test_{metric}"]) for r in run["epochs"]
-                if test and r.get("step") is not None and r.get(f"test_{metric}") is not None]
+            ax.plot(
+                x,
+                [v * scale for v in y],
+                linestyle=line,
+                color=colour,
+                lw=1.6,
+                marker=marker if len(pts) <= 30 else None,
+                ms=4,
+                label=f"{who}train (per log interval)" if test else who[:-2] or None,
+            )
+        ends = [
+            (r["step"], r[f"test_{metric}"])
+            for r in run["epochs"]
+            if test and r.get("step") is not None and r.get(f"test_{metric}") is not None
+        ]
         if ends:
             x, y = zip(*ends)
-            ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=0.8, marker=marker, ms=8,
-                    markerfacecolor="white", markeredgewidth=1.8, label=f"{who}test (epoch end)")
+            ax.plot(
+                x,
+                [v * scale for v in y],
+                linestyle=line,
+                color=colour,
+                lw=0.8,
+                marker=marker,
+                ms=8,
+                markerfacecolor="white",
+                markeredgewidth=1.8,
+                label=f"{who}test (epoch end)",
+            )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 14, 14, 15, 15 ticks
@@ -96,8 +140,9 @@ def _curve_figure(runs: list, metric: str, path: Path, pct: bool, ylabel: str, t
     ax.set_title(f"{title or ylabel.split(' (')[0].capitalize()}: {names}", fontsize=11)
     fig.tight_layout()
     if path.exists() and path.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
-        raise RunDirError(f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: "
-                          f"choose another --out")
+        raise RunDirError(
+            f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: choose another --out"
+        )
     try:
         fig.savefig(path)
     except OSError as exc:
@@ -128,8 +173,13 @@ def scaling_plot(rep: dict, path: str | Path) -> Path:
     styles = [("s--", "tab:blue"), ("^:", "tab:orange"), ("D-.", "tab:green")]
     for (name, preds), (style, colour) in zip(rep["predictions"].items(), styles):
         w = [p["world"] for p in preds]
-        label = f"predicted: {name}" + (", cores shared" if name.startswith("measured") else
-                                        f" (world-1 step {rep['gpu_step_s'] * 1e3:.2g} ms)" if rep.get("gpu_step_s") else "")
+        label = f"predicted: {name}" + (
+            ", cores shared"
+            if name.startswith("measured")
+            else f" (world-1 step {rep['gpu_step_s'] * 1e3:.2g} ms)"
+            if rep.get("gpu_step_s")
+            else ""
+        )
         ax1.plot(w, [p["samples_per_s"] for p in preds], style, color=colour, label=label)
         ax2.plot(w, [100 * p["efficiency"] for p in preds], style, color=colour, label=label)
     all_worlds = sorted({*worlds, *(p["world"] for preds in rep["predictions"].values() for p in preds)})

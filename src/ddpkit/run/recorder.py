@@ -25,9 +25,18 @@ class MetricLogger:
     alone appends them to metrics.jsonl, shows them on the console (:mod:`ddpkit.run.display`) and
     hands them to the loggers chosen with ``--log`` (:mod:`ddpkit.run.loggers`)."""
 
-    def __init__(self, ctx: DistContext, run_dir: Path, total_steps: int, progress: bool = True,
-                 quiet: bool = False, *, loggers: tuple[str, ...] = (), config: dict | None = None,
-                 metric_names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        ctx: DistContext,
+        run_dir: Path,
+        total_steps: int,
+        progress: bool = True,
+        quiet: bool = False,
+        *,
+        loggers: tuple[str, ...] = (),
+        config: dict | None = None,
+        metric_names: tuple[str, ...] = (),
+    ):
         self.main = ctx.is_main
         self.run_dir, self.path = Path(run_dir), RunFiles(run_dir).metrics
         self.loggers, self.config, self.metric_names = tuple(loggers), config or {}, tuple(metric_names)
@@ -41,8 +50,9 @@ class MetricLogger:
         if not self.main:
             return
         self.rewind(global_step, epoch)
-        self.sinks = open_loggers(self.loggers, self.run_dir, self.config, global_step, self.metric_names,
-                                  warn=self.print)
+        self.sinks = open_loggers(
+            self.loggers, self.run_dir, self.config, global_step, self.metric_names, warn=self.print
+        )
 
     def log(self, event: str, **values) -> None:
         if not self.main:
@@ -69,9 +79,12 @@ class MetricLogger:
         """
         if not self.main or not self.path.exists():
             return
-        kept = [r for r in read_records(self.path)  # a line cut short by the kill is dropped too
-                if not (r.get("event") == "step" and r.get("step", 0) > global_step)
-                and not (r.get("event") == "epoch" and r.get("epoch", 0) >= epoch)]
+        kept = [
+            r
+            for r in read_records(self.path)  # a line cut short by the kill is dropped too
+            if not (r.get("event") == "step" and r.get("step", 0) > global_step)
+            and not (r.get("event") == "epoch" and r.get("epoch", 0) >= epoch)
+        ]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def progress(self, global_step: int) -> None:
@@ -105,8 +118,10 @@ class MetricLogger:
             sink.close(False)  # its writer thread or wandb run, released
         except Exception:  # noqa: BLE001 - it failed already; the warning below says so
             pass
-        self.print(f"ddpkit: warning: --log {_name(sink)} failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                   f"training on without it (metrics.jsonl has every record)")
+        self.print(
+            f"ddpkit: warning: --log {_name(sink)} failed ({type(exc).__name__}: {str(exc)[:200]}); "
+            f"training on without it (metrics.jsonl has every record)"
+        )
 
 
 def _name(sink) -> str:

@@ -42,11 +42,15 @@ def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
         if not path.exists():
             raise RunDirError(f"{path} not found; is {run_dir} a finished ddpkit run?")
     cfg = TrainConfig.from_toml(files.config)
-    custom = [f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task")
-              if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))]
+    custom = [
+        f"{k} {getattr(cfg, k)}"
+        for k in ("model", "dataset", "task")
+        if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))
+    ]
     if custom:
-        raise RunDirError(f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; "
-                          f"{from_python}")
+        raise RunDirError(
+            f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; {from_python}"
+        )
     return cfg
 
 
@@ -64,8 +68,10 @@ def check_run_dir(cfg: TrainConfig) -> dict | None:
     for name, kind in EXPECTED.items():
         entry = run_dir / name
         if entry.exists() and (entry.is_dir() != (kind == "directory")):
-            raise RunDirError(f"{entry} is a {'directory' if entry.is_dir() else 'file'}, where ddpkit keeps its "
-                              f"{name} {kind}; move it away, or pass another --run-dir")
+            raise RunDirError(
+                f"{entry} is a {'directory' if entry.is_dir() else 'file'}, where ddpkit keeps its "
+                f"{name} {kind}; move it away, or pass another --run-dir"
+            )
     check_writable(run_dir)
     if not files.config.exists():
         return None
@@ -77,11 +83,15 @@ def check_run_dir(cfg: TrainConfig) -> dict | None:
     trained = files.model.exists() or list(files.checkpoints.glob("snapshot-*.pt"))
     if differing and trained:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in differing)
-        raise RunDirError(f"run dir {run_dir} holds a run with a different config ({detail}); "
-                          f"pass a new --run-dir, or delete {run_dir} to start over")
+        raise RunDirError(
+            f"run dir {run_dir} holds a run with a different config ({detail}); "
+            f"pass a new --run-dir, or delete {run_dir} to start over"
+        )
     if differing:  # an attempt that failed before its first snapshot: nothing trained to lose
-        print(f"ddpkit: {run_dir} holds an earlier attempt that saved nothing (config differs in "
-              f"{', '.join(differing)}); starting over in it")
+        print(
+            f"ddpkit: {run_dir} holds an earlier attempt that saved nothing (config differs in "
+            f"{', '.join(differing)}); starting over in it"
+        )
         return None
     summary = files.summary
     if not (summary.exists() and files.model.exists()):
@@ -91,8 +101,10 @@ def check_run_dir(cfg: TrainConfig) -> dict | None:
     except (OSError, ValueError):
         if list(files.checkpoints.glob("snapshot-*.pt")):
             return None  # resume from the final snapshot: it rewrites summary.json and model.pt
-        raise RunDirError(f"{summary} is unreadable (truncated?) and {run_dir} holds no snapshot to rebuild it "
-                          f"from; model.pt is intact. Evaluate it with `ddpkit eval {run_dir}`") from None
+        raise RunDirError(
+            f"{summary} is unreadable (truncated?) and {run_dir} holds no snapshot to rebuild it "
+            f"from; model.pt is intact. Evaluate it with `ddpkit eval {run_dir}`"
+        ) from None
 
 
 def check_writable(run_dir: Path) -> None:
@@ -123,11 +135,14 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise RunDirError(f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop "
-                              f"it, or pass another --run-dir") from None
+            raise RunDirError(
+                f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop "
+                f"it, or pass another --run-dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  .encode(), 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
+        )
         yield
     finally:
         os.close(fd)  # releases the lock; the file stays (removing it would race a waiting run)
@@ -212,6 +227,7 @@ def write_summary(run_dir: Path, summary: dict, ctx: DistContext) -> None:
 
 def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
     """The unwrapped model's weights, loadable with plain ``model.load_state_dict``."""
+
     def write():
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         atomic_write(RunFiles(run_dir).model, torch_bytes(state))

@@ -53,9 +53,11 @@ def windows(metrics_jsonl: Path, global_batch: int, window: int) -> list[float]:
     steps = [r for r in records if r.get("event") == "step"]
     rates = [r["samples_per_s"] for prev, r in zip([{"step": 0}, *steps], steps) if r["step"] - prev["step"] == window]
     if len(rates) < 2:
-        raise ConfigError(f"only {len(rates)} whole window(s) of {window} steps: an epoch of this dataset holds fewer "
-                          f"steps than a window, or --steps is too small; raise --limit-train or --steps, or lower "
-                          f"--window")
+        raise ConfigError(
+            f"only {len(rates)} whole window(s) of {window} steps: an epoch of this dataset holds fewer "
+            f"steps than a window, or --steps is too small; raise --limit-train or --steps, or lower "
+            f"--window"
+        )
     drop = max(1, int(len(rates) * WARMUP_FRAC))
     return [global_batch / r for r in rates[drop:]]
 
@@ -83,10 +85,23 @@ def probe_worker(device: str, sizes: tuple, repeats: int) -> list[float]:
         return out
 
 
-def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool = False, window: int = 0,
-          comm_hook: str | None = None, zero: bool | None = None, predict_worlds: tuple = (2, 4, 8),
-          gpu_step_s: float | None = None, gpu_link: Link | None = None, model=None, train_data=None,
-          test_data=None, loss_fn=None, metrics=None) -> dict:
+def bench(
+    config: TrainConfig,
+    nprocs: list[int],
+    steps: int = 200,
+    strong: bool = False,
+    window: int = 0,
+    comm_hook: str | None = None,
+    zero: bool | None = None,
+    predict_worlds: tuple = (2, 4, 8),
+    gpu_step_s: float | None = None,
+    gpu_link: Link | None = None,
+    model=None,
+    train_data=None,
+    test_data=None,
+    loss_fn=None,
+    metrics=None,
+) -> dict:
     """Run the workload at each world size in ``nprocs``; return the report (see the module docstring)."""
     import copy
 
@@ -106,59 +121,133 @@ def bench(config: TrainConfig, nprocs: list[int], steps: int = 200, strong: bool
         raise ConfigError(f"--strong keeps the global batch {per_rank}; it must divide by every world size {nprocs}")
     window = window or max(1, steps // 10)
     if steps < 2 * window:
-        raise ConfigError(f"--steps {steps} gives fewer than two windows of {window} steps: nothing is left after "
-                          f"the warm-up; raise --steps")
+        raise ConfigError(
+            f"--steps {steps} gives fewer than two windows of {window} steps: nothing is left after "
+            f"the warm-up; raise --steps"
+        )
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-"))
     rows = []
     try:
         for n in nprocs:
             global_batch = per_rank if strong else per_rank * n
-            cfg = dataclasses.replace(base, nproc=str(n), batch_size=global_batch, max_steps=steps, epochs=10**6,
-                                      log_every=window, progress=False, quiet=True, resume="never", save_every_steps=0,
-                                      plots=False, log="",  # its own runs: bench draws scaling.png instead
-                                      comm_hook=comm_hook, zero=zero, limit_test=max(global_batch, 2 * n),
-                                      max_restarts=0, run_dir="")
+            cfg = dataclasses.replace(
+                base,
+                nproc=str(n),
+                batch_size=global_batch,
+                max_steps=steps,
+                epochs=10**6,
+                log_every=window,
+                progress=False,
+                quiet=True,
+                resume="never",
+                save_every_steps=0,
+                plots=False,
+                log="",  # its own runs: bench draws scaling.png instead
+                comm_hook=comm_hook,
+                zero=zero,
+                limit_test=max(global_batch, 2 * n),
+                max_restarts=0,
+                run_dir="",
+            )
             row = {"world_size": n, "global_batch": global_batch}
             # ZeRO's parameter broadcast is part of its step, and with unsynced gradients an fp16
             # scaler may skip the step on one rank only, leaving the others in that broadcast.
-            for sync in ((True, False) if n > 1 and not zero else (True,)):
-                run_cfg = dataclasses.replace(cfg, grad_sync=sync, run_dir=str(work / f"w{n}-{'sync' if sync else 'nosync'}"))
-                result = Trainer(run_cfg, model=copy.deepcopy(model), train_data=train_data, test_data=test_data,
-                                 loss_fn=loss_fn, metrics=metrics).fit()  # a copy: fit() trains the object it gets
+            for sync in (True, False) if n > 1 and not zero else (True,):
+                run_cfg = dataclasses.replace(
+                    cfg, grad_sync=sync, run_dir=str(work / f"w{n}-{'sync' if sync else 'nosync'}")
+                )
+                result = Trainer(
+                    run_cfg,
+                    model=copy.deepcopy(model),
+                    train_data=train_data,
+                    test_data=test_data,
+                    loss_fn=loss_fn,
+                    metrics=metrics,
+                ).fit()  # a copy: fit() trains the object it gets
                 s = spread(windows(RunFiles(result.run_dir).metrics, global_batch, window))
                 if sync:
-                    row.update(step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers"))
+                    row.update(
+                        step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers")
+                    )
                 else:
                     row["compute_step_s"] = s
             if "compute_step_s" in row:
                 row["comm_s"] = max(0.0, row["step_s"]["median"] - row["compute_step_s"]["median"])
             if n > 1:
-                times = run_workers(probe_worker, (base.device, PROBE_BYTES, 5),
-                                    LaunchSpec.from_config(dataclasses.replace(cfg, run_dir=str(work / "probe"))))
+                times = run_workers(
+                    probe_worker,
+                    (base.device, PROBE_BYTES, 5),
+                    LaunchSpec.from_config(dataclasses.replace(cfg, run_dir=str(work / "probe"))),
+                )
                 row["allreduce_probe"] = {"bytes": list(PROBE_BYTES), "seconds": times}
             rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     model_obj = model if model is not None else _registry_model(base)  # for its gradient bytes
-    return report(base, rows, model_obj, device, strong, predict_worlds, gpu_step_s, gpu_link, per_rank,
-                  comm_hook, zero, steps, window)
+    return report(
+        base,
+        rows,
+        model_obj,
+        device,
+        strong,
+        predict_worlds,
+        gpu_step_s,
+        gpu_link,
+        per_rank,
+        comm_hook,
+        zero,
+        steps,
+        window,
+    )
 
 
-def predict_only(config: TrainConfig, gpu_step_s: float, link: Link | None = None, predict_worlds=(2, 4, 8),
-                 strong: bool = False, model=None) -> dict:
+def predict_only(
+    config: TrainConfig,
+    gpu_step_s: float,
+    link: Link | None = None,
+    predict_worlds=(2, 4, 8),
+    strong: bool = False,
+    model=None,
+) -> dict:
     """The cost model alone: what ``predict_worlds`` GPUs would give, from a world-1 step time
     measured on such a GPU, without running anything here."""
     base = config.resolved()
-    return report(base, [], model if model is not None else _registry_model(base), "cuda", strong, predict_worlds,
-                  gpu_step_s, link, base.batch_size, base.comm_hook, base.zero, 0, 0)
+    return report(
+        base,
+        [],
+        model if model is not None else _registry_model(base),
+        "cuda",
+        strong,
+        predict_worlds,
+        gpu_step_s,
+        link,
+        base.batch_size,
+        base.comm_hook,
+        base.zero,
+        0,
+        0,
+    )
 
 
 def _registry_model(cfg: TrainConfig):
     return model_for(cfg, load_dataset(cfg).meta)
 
 
-def report(cfg: TrainConfig, rows, model, device, strong, predict_worlds, gpu_step_s, gpu_link, per_rank, comm_hook, zero,
-           steps, window) -> dict:
+def report(
+    cfg: TrainConfig,
+    rows,
+    model,
+    device,
+    strong,
+    predict_worlds,
+    gpu_step_s,
+    gpu_link,
+    per_rank,
+    comm_hook,
+    zero,
+    steps,
+    window,
+) -> dict:
     """Speedup, efficiency and the cost model's prediction beside each measurement."""
     t1 = rows[0]["step_s"]["median"] if rows else gpu_step_s
     rate1 = rows[0]["samples_per_s"] if rows else None
@@ -170,8 +259,12 @@ def report(cfg: TrainConfig, rows, model, device, strong, predict_worlds, gpu_st
     link = None
     if probes:
         widest = probes[-1]
-        link = Link.fit(f"measured {'gloo' if device == 'cpu' else 'nccl'} at world {widest['world_size']}",
-                        widest["world_size"], widest["allreduce_probe"]["bytes"], widest["allreduce_probe"]["seconds"])
+        link = Link.fit(
+            f"measured {'gloo' if device == 'cpu' else 'nccl'} at world {widest['world_size']}",
+            widest["world_size"],
+            widest["allreduce_probe"]["bytes"],
+            widest["allreduce_probe"]["seconds"],
+        )
     for r in rows:
         r["speedup"] = r["samples_per_s"] / rate1
         r["efficiency"] = r["speedup"] / r["world_size"]
@@ -180,30 +273,53 @@ def report(cfg: TrainConfig, rows, model, device, strong, predict_worlds, gpu_st
             # under no_sync at that world size (on CPU it depends on how the cores are shared, which
             # the thread-ratio rule used for unmeasured sizes only bounds).
             compute = r["compute_step_s"]["median"] if "compute_step_s" in r else t1
-            p = predict_step(compute, buckets, r["world_size"], link, device, per_rank, strong, cores,
-                             compute_measured=True)
+            p = predict_step(
+                compute, buckets, r["world_size"], link, device, per_rank, strong, cores, compute_measured=True
+            )
             rate = r["global_batch"] / p.step_s
-            r["predicted"] = {**p.to_dict(), "samples_per_s": rate, "speedup": rate / rate1,
-                              "efficiency": rate / rate1 / r["world_size"]}
+            r["predicted"] = {
+                **p.to_dict(),
+                "samples_per_s": rate,
+                "speedup": rate / rate1,
+                "efficiency": rate / rate1 / r["world_size"],
+            }
             r["prediction_error"] = p.step_s / r["step_s"]["median"] - 1
     predictions = {}
     if device == "cuda" or gpu_step_s:
         t_gpu = gpu_step_s or t1
         fabric = gpu_link or LINKS["h100-nvlink"]
-        predictions[fabric.name] = [predict_step(t_gpu, buckets, n, fabric, "cuda", per_rank, strong).to_dict()
-                                    for n in (1, *predict_worlds)]
+        predictions[fabric.name] = [
+            predict_step(t_gpu, buckets, n, fabric, "cuda", per_rank, strong).to_dict() for n in (1, *predict_worlds)
+        ]
     if link is not None and device == "cpu":
-        predictions[link.name] = [predict_step(t1, buckets, n, link, device, per_rank, strong, cores).to_dict()
-                                  for n in (1, *predict_worlds)]
-    return {"config": {"model": cfg.model, "dataset": cfg.dataset, "device": device, "dtype": cfg.dtype,
-                       "amp": cfg.amp, "per_rank_batch" if not strong else "global_batch": per_rank,
-                       "scaling": "strong" if strong else "weak", "steps": steps, "window_steps": window,
-                       "warmup_windows_dropped_frac": WARMUP_FRAC, "comm_hook": comm_hook, "zero": zero,
-                       "cores": cpu_cores(), "torch": torch.__version__,
-                       "comm_modelled": comm_hook != "powersgd"},
-            "gradient_bytes": sum(buckets), "ddp_buckets": buckets,
-            "link": dataclasses.asdict(link) if link else None,
-            "gpu_step_s": gpu_step_s, "rows": rows, "predictions": predictions}
+        predictions[link.name] = [
+            predict_step(t1, buckets, n, link, device, per_rank, strong, cores).to_dict() for n in (1, *predict_worlds)
+        ]
+    return {
+        "config": {
+            "model": cfg.model,
+            "dataset": cfg.dataset,
+            "device": device,
+            "dtype": cfg.dtype,
+            "amp": cfg.amp,
+            "per_rank_batch" if not strong else "global_batch": per_rank,
+            "scaling": "strong" if strong else "weak",
+            "steps": steps,
+            "window_steps": window,
+            "warmup_windows_dropped_frac": WARMUP_FRAC,
+            "comm_hook": comm_hook,
+            "zero": zero,
+            "cores": cpu_cores(),
+            "torch": torch.__version__,
+            "comm_modelled": comm_hook != "powersgd",
+        },
+        "gradient_bytes": sum(buckets),
+        "ddp_buckets": buckets,
+        "link": dataclasses.asdict(link) if link else None,
+        "gpu_step_s": gpu_step_s,
+        "rows": rows,
+        "predictions": predictions,
+    }
 
 
 def write_outputs(rep: dict, out: str | Path) -> list[Path]:
@@ -223,23 +339,34 @@ def markdown(rep: dict) -> str:
     lines = [f"# ddpkit bench: {c['model']} on {c['dataset']}, {c['device']}, {c['scaling']} scaling", ""]
     if not rep["rows"]:
         batch = c.get("per_rank_batch") or c.get("global_batch")
-        lines.append(f"Predictions only, from a world-1 step of {rep['gpu_step_s'] * 1e3:.2f} ms at batch {batch}. "
-                     f"{buckets}")
+        lines.append(
+            f"Predictions only, from a world-1 step of {rep['gpu_step_s'] * 1e3:.2f} ms at batch {batch}. {buckets}"
+        )
         return _predictions_md(rep, lines)
-    lines += [f"{c['steps']} steps per run in windows of {c['window_steps']}; the first "
-              f"{int(c['warmup_windows_dropped_frac'] * 100)}% of windows (at least one) dropped as warm-up; "
-              f"median (min-max) over the rest. Predicted step = compute measured under no_sync + the cost "
-              f"model's comm. {buckets}", "",
-              "| world | global batch | samples/s | step ms (min-max) | compute ms (no_sync) | comm ms | speedup | "
-              "efficiency | predicted step ms | prediction error |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"{c['steps']} steps per run in windows of {c['window_steps']}; the first "
+        f"{int(c['warmup_windows_dropped_frac'] * 100)}% of windows (at least one) dropped as warm-up; "
+        f"median (min-max) over the rest. Predicted step = compute measured under no_sync + the cost "
+        f"model's comm. {buckets}",
+        "",
+        "| world | global batch | samples/s | step ms (min-max) | compute ms (no_sync) | comm ms | speedup | "
+        "efficiency | predicted step ms | prediction error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rep["rows"]:
         s, comp, pred = r["step_s"], r.get("compute_step_s"), r.get("predicted")
-        cells = [str(r["world_size"]), str(r["global_batch"]), f"{r['samples_per_s']:,.0f}",
-                 f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})",
-                 f"{comp['median'] * 1e3:.1f}" if comp else "-", f"{r.get('comm_s', 0.0) * 1e3:.1f}",
-                 f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}",
-                 f"{pred['step_s'] * 1e3:.1f}" if pred else "-", f"{r['prediction_error']:+.0%}" if pred else "-"]
+        cells = [
+            str(r["world_size"]),
+            str(r["global_batch"]),
+            f"{r['samples_per_s']:,.0f}",
+            f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})",
+            f"{comp['median'] * 1e3:.1f}" if comp else "-",
+            f"{r.get('comm_s', 0.0) * 1e3:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['efficiency']:.0%}",
+            f"{pred['step_s'] * 1e3:.1f}" if pred else "-",
+            f"{r['prediction_error']:+.0%}" if pred else "-",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return _predictions_md(rep, lines)
 
@@ -249,22 +376,40 @@ def _predictions_md(rep: dict, lines: list[str]) -> str:
         lines += ["", "PowerSGD's compressed all-reduce is not modelled: the predictions count full gradients."]
     timers = [r for r in rep["rows"] if r.get("ddp_timers")]
     if timers:
-        lines += ["", "DDP's own timers (private API `_get_ddp_logging_data`, averaged over sampled iterations, ms):", ""]
+        lines += [
+            "",
+            "DDP's own timers (private API `_get_ddp_logging_data`, averaged over sampled iterations, ms):",
+            "",
+        ]
         for r in timers:
-            lines.append(f"- world {r['world_size']}: " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["ddp_timers"].items()))
+            lines.append(
+                f"- world {r['world_size']}: " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["ddp_timers"].items())
+            )
     if rep["link"]:
         link = rep["link"]
-        lines += ["", f"All-reduce probe ({link['name']}): bus bandwidth {link['busbw'] / 1e9:.2f} GB/s, "
-                      f"latency {link['latency_s'] * 1e6:.0f} us per ring step."]
+        lines += [
+            "",
+            f"All-reduce probe ({link['name']}): bus bandwidth {link['busbw'] / 1e9:.2f} GB/s, "
+            f"latency {link['latency_s'] * 1e6:.0f} us per ring step.",
+        ]
     for name, preds in rep["predictions"].items():
-        how = ("compute = the world-1 step, scaled by core sharing (N ranks on "
-               f"{rep['config']['cores']} cores get cores/N threads each, a fraction of a core past N = cores), "
-               "+ the modelled comm; the table above instead uses the compute measured at each size"
-               if name.startswith("measured") else
-               "compute = the GPU's world-1 step (each GPU computes alone), + the comm the backward does not hide")
-        lines += ["", f"Predicted from the world-1 step with {name} ({how}):", "",
-                  "| world | step ms | comm ms | exposed comm ms | samples/s | efficiency |", "|---|---|---|---|---|---|"]
+        how = (
+            "compute = the world-1 step, scaled by core sharing (N ranks on "
+            f"{rep['config']['cores']} cores get cores/N threads each, a fraction of a core past N = cores), "
+            "+ the modelled comm; the table above instead uses the compute measured at each size"
+            if name.startswith("measured")
+            else "compute = the GPU's world-1 step (each GPU computes alone), + the comm the backward does not hide"
+        )
+        lines += [
+            "",
+            f"Predicted from the world-1 step with {name} ({how}):",
+            "",
+            "| world | step ms | comm ms | exposed comm ms | samples/s | efficiency |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in preds:
-            lines.append(f"| {p['world']} | {p['step_s'] * 1e3:.2f} | {p['comm_s'] * 1e3:.2f} | "
-                         f"{p['exposed_comm_s'] * 1e3:.2f} | {p['samples_per_s']:,.0f} | {p['efficiency']:.0%} |")
+            lines.append(
+                f"| {p['world']} | {p['step_s'] * 1e3:.2f} | {p['comm_s'] * 1e3:.2f} | "
+                f"{p['exposed_comm_s'] * 1e3:.2f} | {p['samples_per_s']:,.0f} | {p['efficiency']:.0%} |"
+            )
     return "\n".join(lines) + "\n"

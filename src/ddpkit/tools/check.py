@@ -104,12 +104,21 @@ class CheckReport:
 
     def to_dict(self) -> dict:
         worst = self.worst
-        return {"passed": self.passed, "world_size": self.world, "steps": self.steps, "dtype": self.dtype,
-                "noise_run": self.noise_run, "noise_factor": NOISE_FACTOR, "floor": FLOOR[self.dtype],
-                "worst": dataclasses.asdict(worst) if worst else None,
-                "max_abs_rel_diff": max((t.diff for t in self.tensors), default=0.0),
-                "tensors": [dataclasses.asdict(t) | {"ok": t.ok} for t in self.tensors],
-                "coverage": self.coverage, "notes": self.notes, "error": self.error}
+        return {
+            "passed": self.passed,
+            "world_size": self.world,
+            "steps": self.steps,
+            "dtype": self.dtype,
+            "noise_run": self.noise_run,
+            "noise_factor": NOISE_FACTOR,
+            "floor": FLOOR[self.dtype],
+            "worst": dataclasses.asdict(worst) if worst else None,
+            "max_abs_rel_diff": max((t.diff for t in self.tensors), default=0.0),
+            "tensors": [dataclasses.asdict(t) | {"ok": t.ok} for t in self.tensors],
+            "coverage": self.coverage,
+            "notes": self.notes,
+            "error": self.error,
+        }
 
     def text(self) -> str:
         lines = [f"ddpkit check: {self.world} processes against 1, {self.steps} steps, {self.dtype}"]
@@ -118,12 +127,16 @@ class CheckReport:
         worst = self.worst
         if worst is not None:
             bad = [t for t in self.tensors if not t.ok]
-            lines.append(f"  weights: {len(self.tensors) - len(bad)} of {len(self.tensors)} tensors within tolerance "
-                         f"(tolerance = max({NOISE_FACTOR:g} x rounding noise, {FLOOR[self.dtype]:g}); noise from "
-                         f"{self.noise_run})")
+            lines.append(
+                f"  weights: {len(self.tensors) - len(bad)} of {len(self.tensors)} tensors within tolerance "
+                f"(tolerance = max({NOISE_FACTOR:g} x rounding noise, {FLOOR[self.dtype]:g}); noise from "
+                f"{self.noise_run})"
+            )
             largest = max(self.tensors, key=lambda t: t.diff)
-            lines.append(f"  largest difference: {largest.diff:.3g} relative ({largest.name}); worst against its "
-                         f"tolerance: {worst.name} ({worst.diff:.3g} vs {worst.tol:.3g}, noise {worst.noise:.3g})")
+            lines.append(
+                f"  largest difference: {largest.diff:.3g} relative ({largest.name}); worst against its "
+                f"tolerance: {worst.name} ({worst.diff:.3g} vs {worst.tol:.3g}, noise {worst.noise:.3g})"
+            )
             for t in sorted(bad, key=lambda t: -t.ratio)[:20]:
                 lines.append(f"  DIVERGED: {t.name}: {t.diff:.3g} relative, tolerance {t.tol:.3g}")
             if len(bad) > 20:
@@ -157,11 +170,24 @@ def compare(reference: dict, other: dict, noise: dict, dtype: str) -> list[Tenso
     return out
 
 
-def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=None, test_data=None, *,
-          config: TrainConfig | None = None, nproc: int = 2, steps: int = 5, loss_fn: Callable | None = None,
-          metrics: Mapping[str, Callable] | None = None, meta=None, collate_fn: Callable | None = None,
-          batch_size: int | None = None, device: str | None = None, sync_bn: bool | None = None,
-          dtype: str | None = None, work_dir: str | Path | None = None) -> CheckReport:
+def check(
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    train_data=None,
+    test_data=None,
+    *,
+    config: TrainConfig | None = None,
+    nproc: int = 2,
+    steps: int = 5,
+    loss_fn: Callable | None = None,
+    metrics: Mapping[str, Callable] | None = None,
+    meta=None,
+    collate_fn: Callable | None = None,
+    batch_size: int | None = None,
+    device: str | None = None,
+    sync_bn: bool | None = None,
+    dtype: str | None = None,
+    work_dir: str | Path | None = None,
+) -> CheckReport:
     """Check that ``nproc`` processes train ``model`` as one process does (see the module docstring).
 
     ``model`` is a module or a function returning one (None: the config's registry model);
@@ -180,17 +206,26 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
     base = dataclasses.replace(base, **overrides)
     batch = base.resolved().batch_size
     if batch % nproc:
-        raise ConfigError(f"--batch-size {batch} (global) must divide by --nproc {nproc} for the N-process run to "
-                          f"see the same global batch; use {batch - batch % nproc or nproc} or {batch + nproc - batch % nproc}")
+        raise ConfigError(
+            f"--batch-size {batch} (global) must divide by --nproc {nproc} for the N-process run to "
+            f"see the same global batch; use {batch - batch % nproc or nproc} or {batch + nproc - batch % nproc}"
+        )
     if test_data is None and train_data is not None:
         test_data = train_data
     if callable(model) and not isinstance(model, nn.Module):
         model = model()
     notes: list[str] = []
-    probe = Trainer(dataclasses.replace(base, nproc="1"), model=model, train_data=train_data, test_data=test_data,
-                    meta=meta, loss_fn=loss_fn, metrics=metrics, collate_fn=collate_fn)
+    probe = Trainer(
+        dataclasses.replace(base, nproc="1"),
+        model=model,
+        train_data=train_data,
+        test_data=test_data,
+        meta=meta,
+        loss_fn=loss_fn,
+        metrics=metrics,
+        collate_fn=collate_fn,
+    )
     if model is None:  # the registry model, built here so that every run starts from the same weights
-
         cfg = probe.config.resolved()
         torch.manual_seed(cfg.seed)
         model = model_for(cfg, load_dataset(cfg).meta)
@@ -199,39 +234,70 @@ def check(model: nn.Module | Callable[[], nn.Module] | None = None, train_data=N
     if sync_bn is None:
         sync_bn = has_bn or base.sync_bn
         if has_bn and not base.sync_bn:
-            notes.append("BatchNorm: checked with --sync-bn, without which each rank normalises over its own "
-                         "B/N samples and N processes differ from 1 (see it with --no-sync-bn)")
+            notes.append(
+                "BatchNorm: checked with --sync-bn, without which each rank normalises over its own "
+                "B/N samples and N processes differ from 1 (see it with --no-sync-bn)"
+            )
     elif has_bn and not sync_bn:
-        notes.append("BatchNorm without SyncBN: each rank normalises over its own B/N samples, so the N-process run "
-                     "is expected to differ from 1 process; --sync-bn makes them equal")
+        notes.append(
+            "BatchNorm without SyncBN: each rank normalises over its own B/N samples, so the N-process run "
+            "is expected to differ from 1 process; --sync-bn makes them equal"
+        )
     task = probe._task(probe.config)
     batch = sample_batch(probe.splits) if probe.splits is not None else None  # two samples, as training sees them
     device = resolve_device_type(base.device)
     if dtype is None:
         dtype = "float64" if device == "cpu" and runs_in_float64(model, task, batch) else base.dtype
         if dtype != "float64" and device == "cpu":
-            notes.append("the model does not run in float64, so the check is in float32 and its tolerance is "
-                         "rounding noise measured in float32")
+            notes.append(
+                "the model does not run in float64, so the check is in float32 and its tolerance is "
+                "rounding noise measured in float32"
+            )
     unused = unused_parameters(model, task, batch)
     if unused:
-        notes.append(f"parameters that get no gradient: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
-                     f"DDP fails on them at the second step unless they are removed or used")
+        notes.append(
+            f"parameters that get no gradient: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}; "
+            f"DDP fails on them at the second step unless they are removed or used"
+        )
 
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="ddpkit-check-"))  # removed below
-    common = dict(max_steps=steps, epochs=max(base.epochs, steps), log_every=steps, progress=False, quiet=True, resume="never",
-                  plots=False, log="",  # its own short runs in a temporary dir: nothing to look at
-                  sync_bn=sync_bn, dtype=dtype, amp="none", ema=0.0,
-                  save_every_steps=0, max_restarts=0, nnodes=1)
+    common = dict(
+        max_steps=steps,
+        epochs=max(base.epochs, steps),
+        log_every=steps,
+        progress=False,
+        quiet=True,
+        resume="never",
+        plots=False,
+        log="",  # its own short runs in a temporary dir: nothing to look at
+        sync_bn=sync_bn,
+        dtype=dtype,
+        amp="none",
+        ema=0.0,
+        save_every_steps=0,
+        max_restarts=0,
+        nnodes=1,
+    )
     cfg = dataclasses.replace(base, **common)
     noise_cfg, noise_run = noise_config(cfg, model, has_bn)
-    runs = {"reference": dataclasses.replace(cfg, nproc="1"), "noise": dataclasses.replace(noise_cfg, nproc="1"),
-            "test": dataclasses.replace(cfg, nproc=str(nproc))}
+    runs = {
+        "reference": dataclasses.replace(cfg, nproc="1"),
+        "noise": dataclasses.replace(noise_cfg, nproc="1"),
+        "test": dataclasses.replace(cfg, nproc=str(nproc)),
+    }
     weights, coverage, error = {}, {"ok": False, "lines": []}, ""
     try:
         for name, run_cfg in runs.items():
-            trainer = Trainer(dataclasses.replace(run_cfg, run_dir=str(work / name)), model=copy.deepcopy(model),
-                              train_data=train_data, test_data=test_data, meta=meta, loss_fn=loss_fn, metrics=metrics,
-                              collate_fn=collate_fn)
+            trainer = Trainer(
+                dataclasses.replace(run_cfg, run_dir=str(work / name)),
+                model=copy.deepcopy(model),
+                train_data=train_data,
+                test_data=test_data,
+                meta=meta,
+                loss_fn=loss_fn,
+                metrics=metrics,
+                collate_fn=collate_fn,
+            )
             result = trainer.fit()
             weights[name] = read_weights(RunFiles(result.run_dir).model)
             if name == "test":
@@ -257,19 +323,25 @@ def without_dropout(model: nn.Module, notes: list[str]) -> nn.Module:
         for m in model.modules():
             if isinstance(m, DROPOUT):
                 m.p = 0.0
-        notes.append(f"rank-dependent randomness: {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''} "
-                     f"draw their masks from each rank's own seed (allowed: ranks should not drop the same units), "
-                     f"so N processes cannot equal 1; checked with dropout off")
+        notes.append(
+            f"rank-dependent randomness: {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''} "
+            f"draw their masks from each rank's own seed (allowed: ranks should not drop the same units), "
+            f"so N processes cannot equal 1; checked with dropout off"
+        )
     return model
 
 
 def noise_config(cfg: TrainConfig, model: nn.Module, has_bn: bool) -> tuple[TrainConfig, str]:
     """The 1-process run that differs from the reference in rounding only, and what it is."""
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        return (dataclasses.replace(cfg, channels_last=not (cfg.channels_last is None or cfg.channels_last)),
-                "1 process in the other memory format (NCHW/NHWC)")
+        return (
+            dataclasses.replace(cfg, channels_last=not (cfg.channels_last is None or cfg.channels_last)),
+            "1 process in the other memory format (NCHW/NHWC)",
+        )
     if not has_bn:
-        return dataclasses.replace(cfg, grad_accum=2 * cfg.grad_accum), "1 process with the batch as 2 accumulated halves"
+        return dataclasses.replace(
+            cfg, grad_accum=2 * cfg.grad_accum
+        ), "1 process with the batch as 2 accumulated halves"
     return cfg, "1 process, run again"  # half-batches would change BatchNorm's statistics, not just the rounding
 
 
@@ -309,8 +381,9 @@ def data_coverage(trainer, nproc: int) -> dict:
     splits = trainer.splits
     if splits is None:
         splits = load_dataset(cfg)
-    return run_workers(coverage_worker, (Job(cfg, trainer._task(cfg), None, splits),),
-                       LaunchSpec.from_config(cfg, resumable=False))
+    return run_workers(
+        coverage_worker, (Job(cfg, trainer._task(cfg), None, splits),), LaunchSpec.from_config(cfg, resumable=False)
+    )
 
 
 def coverage_worker(job) -> dict:
@@ -322,8 +395,7 @@ def coverage_worker(job) -> dict:
         n_train, n_test = len(job.splits.train), len(job.splits.test)
         # --join: the ranks' shares differ by one sample; -1 pads the shorter ones for the gather
         width_train = -(-n_train // ctx.world_size)
-        epochs = [ctx.all_gather(_padded(train_src.epoch_indices(e), width_train).to(ctx.device)).cpu()
-                  for e in (0, 1)]
+        epochs = [ctx.all_gather(_padded(train_src.epoch_indices(e), width_train).to(ctx.device)).cpu() for e in (0, 1)]
         own = torch.tensor(list(eval_src.indices), dtype=torch.long)
         test = ctx.all_gather(_padded(own, -(-n_test // ctx.world_size)).to(ctx.device)).cpu()
     return coverage_verdict(epochs, test, n_train, n_test, cfg.batch_size)
@@ -331,12 +403,13 @@ def coverage_worker(job) -> dict:
 
 def _padded(indices: torch.Tensor, width: int) -> torch.Tensor:
     out = torch.full((width,), -1, dtype=torch.long)
-    out[:len(indices)] = indices
+    out[: len(indices)] = indices
     return out
 
 
-def coverage_verdict(epochs: list[torch.Tensor], test: torch.Tensor, n_train: int, n_test: int,
-                     global_batch: int) -> dict:
+def coverage_verdict(
+    epochs: list[torch.Tensor], test: torch.Tensor, n_train: int, n_test: int, global_batch: int
+) -> dict:
     """Count each sample over all ranks: ``epochs`` are [world, indices] per epoch, ``test`` [world, shard]."""
     lines, ok = [], True
     for e, idx in enumerate(epochs):
@@ -348,12 +421,21 @@ def coverage_verdict(epochs: list[torch.Tensor], test: torch.Tensor, n_train: in
             lines.append(f"epoch {e}: {twice} training samples are used more than once across the ranks")
         elif dropped >= global_batch:
             ok = False
-            lines.append(f"epoch {e}: {dropped} of {n_train} training samples are never used, more than the last "
-                         f"partial global batch ({global_batch})")
+            lines.append(
+                f"epoch {e}: {dropped} of {n_train} training samples are never used, more than the last "
+                f"partial global batch ({global_batch})"
+            )
         elif e == 0:
-            lines.append(f"every training sample is used {'exactly once' if not dropped else 'at most once'} per "
-                         f"epoch across the ranks" + (f" (drop-last: the last {dropped} of {n_train} fall in a partial "
-                                                      f"global batch of {global_batch} and are left out)" if dropped else ""))
+            lines.append(
+                f"every training sample is used {'exactly once' if not dropped else 'at most once'} per "
+                f"epoch across the ranks"
+                + (
+                    f" (drop-last: the last {dropped} of {n_train} fall in a partial "
+                    f"global batch of {global_batch} and are left out)"
+                    if dropped
+                    else ""
+                )
+            )
     if len(epochs) > 1 and epochs[0].numel() > 1 and torch.equal(epochs[0], epochs[1]):
         ok = False
         lines.append("epochs 0 and 1 use the same order: the sampler is not told the epoch (set_epoch)")
@@ -363,8 +445,10 @@ def coverage_verdict(epochs: list[torch.Tensor], test: torch.Tensor, n_train: in
     counts = torch.bincount(valid, minlength=n_test)
     if valid.numel() != n_test or bool((counts != 1).any()):
         ok = False
-        lines.append(f"the test shards count {valid.numel()} samples for a test set of {n_test}: "
-                     f"{int((counts == 0).sum())} missed, {int((counts > 1).sum())} counted twice")
+        lines.append(
+            f"the test shards count {valid.numel()} samples for a test set of {n_test}: "
+            f"{int((counts == 0).sum())} missed, {int((counts > 1).sum())} counted twice"
+        )
     else:
         lines.append(f"every one of the {n_test} test samples is evaluated exactly once (no padding)")
     return {"ok": ok, "lines": lines}

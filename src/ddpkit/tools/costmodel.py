@@ -99,8 +99,17 @@ class Prediction:
         return asdict(self)
 
 
-def predict_step(t1_s: float, buckets: list[int], world: int, link: Link, device_type: str, batch_1: int,
-                 strong: bool = False, cores: int = 1, compute_measured: bool = False) -> Prediction:
+def predict_step(
+    t1_s: float,
+    buckets: list[int],
+    world: int,
+    link: Link,
+    device_type: str,
+    batch_1: int,
+    strong: bool = False,
+    cores: int = 1,
+    compute_measured: bool = False,
+) -> Prediction:
     """Step time at ``world`` ranks from the measured world-1 step ``t1_s`` at batch ``batch_1``.
 
     Weak scaling keeps the per-rank batch (global batch grows with world); strong scaling keeps

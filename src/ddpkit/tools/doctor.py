@@ -35,8 +35,17 @@ SMALL_FLOATS = 256  # latency probe: 256 float32 = 1 KiB, so the time is per-mes
 BIG_BYTES = 8 << 20  # bandwidth probe: one 8 MiB all-reduce, large enough that latency is a small share
 ITERS = 20  # all-reduces averaged for the latency
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
-ENV_NAMES = ("TORCH_DISTRIBUTED_DEBUG", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
-             "GLOO_SOCKET_IFNAME", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+ENV_NAMES = (
+    "TORCH_DISTRIBUTED_DEBUG",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GLOO_SOCKET_IFNAME",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+)
 
 
 def row(value, status: str | None = None, note: str = "", unit: str = "") -> dict:
@@ -53,17 +62,26 @@ def versions() -> dict:
 
         vision = row(torchvision.__version__, "ok")
     except Exception as exc:  # noqa: BLE001 - any import failure is the finding
-        vision = row(f"broken ({type(exc).__name__}: {str(exc)[:120]})", "FAIL",
-                     "install the torchvision release built for this torch (the Makefile pins a matched pair)")
-    return {"python": row(platform.python_version()), "ddpkit": row(__version__), "torch": row(torch.__version__),
-            "torchvision": vision,
-            "CUDA build": row(torch.version.cuda or "none (CPU-only torch)"),
-            "CUDA available": row(cuda),
-            "gloo": row("available", "ok") if dist.is_gloo_available() else
-                    row("missing", "FAIL", "ddpkit's CPU runs need gloo: reinstall torch"),
-            # NCCL matters only where there are GPUs to use it with.
-            "nccl": row(nccl or ("built in" if nccl_built else "missing"),
-                        ("ok" if nccl_built else "FAIL") if cuda else None)}
+        vision = row(
+            f"broken ({type(exc).__name__}: {str(exc)[:120]})",
+            "FAIL",
+            "install the torchvision release built for this torch (the Makefile pins a matched pair)",
+        )
+    return {
+        "python": row(platform.python_version()),
+        "ddpkit": row(__version__),
+        "torch": row(torch.__version__),
+        "torchvision": vision,
+        "CUDA build": row(torch.version.cuda or "none (CPU-only torch)"),
+        "CUDA available": row(cuda),
+        "gloo": row("available", "ok")
+        if dist.is_gloo_available()
+        else row("missing", "FAIL", "ddpkit's CPU runs need gloo: reinstall torch"),
+        # NCCL matters only where there are GPUs to use it with.
+        "nccl": row(
+            nccl or ("built in" if nccl_built else "missing"), ("ok" if nccl_built else "FAIL") if cuda else None
+        ),
+    }
 
 
 def gpus() -> dict:
@@ -77,8 +95,9 @@ def gpus() -> dict:
     for i in range(n if n > 1 else 0):
         # Without P2P, NCCL stages GPU-to-GPU traffic through host memory: slower, not wrong.
         peers = [j for j in range(n) if j != i and not torch.cuda.can_device_access_peer(i, j)]
-        out[f"P2P from GPU {i}"] = row("all peers" if not peers else f"no access to {peers}",
-                                       "ok" if not peers else "warn")
+        out[f"P2P from GPU {i}"] = row(
+            "all peers" if not peers else f"no access to {peers}", "ok" if not peers else "warn"
+        )
     return out
 
 
@@ -100,16 +119,26 @@ def port_check(host: str, port: int, named: bool) -> dict:
                 return row("free", "ok")
             except OSError as exc:
                 if named:
-                    return row(f"in use ({exc.strerror})", "FAIL", "a rendezvous hosted here cannot listen on it: "
-                               "stop what holds it or pick another port")
-                return row(f"in use ({exc.strerror})", "warn", "ddpkit picks a free port itself for one-node runs; "
-                           "plain torchrun and multi-node jobs need MASTER_PORT or --rdzv-endpoint set to a free one")
+                    return row(
+                        f"in use ({exc.strerror})",
+                        "FAIL",
+                        "a rendezvous hosted here cannot listen on it: stop what holds it or pick another port",
+                    )
+                return row(
+                    f"in use ({exc.strerror})",
+                    "warn",
+                    "ddpkit picks a free port itself for one-node runs; "
+                    "plain torchrun and multi-node jobs need MASTER_PORT or --rdzv-endpoint set to a free one",
+                )
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
             return row("reachable", "ok")
     except OSError as exc:
-        return row(f"unreachable ({exc.strerror or exc})", "warn",
-                   "fine if the node hosting the rendezvous is not started yet; else check the address and firewall")
+        return row(
+            f"unreachable ({exc.strerror or exc})",
+            "warn",
+            "fine if the node hosting the rendezvous is not started yet; else check the address and firewall",
+        )
 
 
 def ports(rdzv_endpoint: str = "", environ=os.environ) -> dict:
@@ -130,8 +159,12 @@ def env_vars(environ=os.environ) -> dict:
     names = sorted(k for k in environ if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
     out = {k: row(environ[k]) for k in names}
     if under_launcher(environ) and "TORCHELASTIC_RUN_ID" not in environ and "GROUP_RANK" not in environ:
-        out["RANK"] = row(environ["RANK"], "warn", "RANK, LOCAL_RANK and WORLD_SIZE are set but no launcher is: "
-                          "ddpkit will act as one rank of a torchrun job; unset them")
+        out["RANK"] = row(
+            environ["RANK"],
+            "warn",
+            "RANK, LOCAL_RANK and WORLD_SIZE are set but no launcher is: "
+            "ddpkit will act as one rank of a torchrun job; unset them",
+        )
     return out
 
 
@@ -145,8 +178,11 @@ def cpu(nproc: int, environ=os.environ) -> dict:
     total = threads * nproc
     note = f"OMP_NUM_THREADS={omp}" if omp else "OMP_NUM_THREADS unset: ddpkit gives each process cores/nproc"
     over = total > cores
-    out["threads"] = row(f"{threads} x {nproc} processes = {total} on {cores} cores", "warn" if over else "ok",
-                         note + ("; oversubscribed: fewer threads or processes" if over else ""))
+    out["threads"] = row(
+        f"{threads} x {nproc} processes = {total} on {cores} cores",
+        "warn" if over else "ok",
+        note + ("; oversubscribed: fewer threads or processes" if over else ""),
+    )
     return out
 
 
@@ -178,9 +214,15 @@ def smoke_worker(ctx: DistContext, t0: float, iters: int = ITERS, big_bytes: int
     dist.all_reduce(big)
     sync()
     big_s = time.perf_counter() - start
-    return {"world": float(ctx.world_size), "sum": float(x.item()), "big_min": float(big.min()),
-            "big_max": float(big.max()), "first_s": first_s, "latency_us": latency_s * 1e6,
-            "bandwidth_gbs": big_bytes / big_s / 1e9}
+    return {
+        "world": float(ctx.world_size),
+        "sum": float(x.item()),
+        "big_min": float(big.min()),
+        "big_max": float(big.max()),
+        "first_s": first_s,
+        "latency_us": latency_s * 1e6,
+        "bandwidth_gbs": big_bytes / big_s / 1e9,
+    }
 
 
 def smoke_verdict(result: dict, nproc: int) -> tuple[str, str]:
@@ -189,8 +231,9 @@ def smoke_verdict(result: dict, nproc: int) -> tuple[str, str]:
     got = (result.get("world"), result.get("sum"), result.get("big_min"), result.get("big_max"))
     if got == (float(nproc), expect, expect, expect):
         return "ok", f"sum of rank+1 over {nproc} ranks = {expect:g}, exact"
-    return "FAIL", (f"expected world {nproc} and sums {expect:g}; got world {got[0]}, sum {got[1]}, "
-                    f"8 MiB tensor {got[2]}..{got[3]}")
+    return "FAIL", (
+        f"expected world {nproc} and sums {expect:g}; got world {got[0]}, sum {got[1]}, 8 MiB tensor {got[2]}..{got[3]}"
+    )
 
 
 def smoke(backend: str, nproc: int, timeout_s: float) -> dict:
@@ -205,19 +248,30 @@ def smoke(backend: str, nproc: int, timeout_s: float) -> dict:
     status, note = smoke_verdict(result, nproc)
     out = {f"{backend} all-reduce": row(f"{nproc} process(es)", status, note)}
     if status == "ok":
-        out[f"{backend} first result"] = row(round(result["first_s"], 2), unit="s",
-                                             note="launch, rendezvous, group setup and one all-reduce")
-        out[f"{backend} latency"] = row(round(result["latency_us"], 1), unit="us",
-                                        note=f"mean of {ITERS} all-reduces of {SMALL_FLOATS * 4} bytes")
-        out[f"{backend} bandwidth"] = row(round(result["bandwidth_gbs"], 3), unit="GB/s",
-                                          note=f"one {BIG_BYTES >> 20} MiB all-reduce, size / time"
-                                          + (": 1 process, a local copy, not a link's speed" if nproc == 1 else ""))
+        out[f"{backend} first result"] = row(
+            round(result["first_s"], 2), unit="s", note="launch, rendezvous, group setup and one all-reduce"
+        )
+        out[f"{backend} latency"] = row(
+            round(result["latency_us"], 1), unit="us", note=f"mean of {ITERS} all-reduces of {SMALL_FLOATS * 4} bytes"
+        )
+        out[f"{backend} bandwidth"] = row(
+            round(result["bandwidth_gbs"], 3),
+            unit="GB/s",
+            note=f"one {BIG_BYTES >> 20} MiB all-reduce, size / time"
+            + (": 1 process, a local copy, not a link's speed" if nproc == 1 else ""),
+        )
     return out
 
 
 def report(nproc: int = 2, rdzv_endpoint: str = "", timeout_s: float = 60.0) -> dict:
-    out = {"versions": versions(), "GPUs": gpus(), "rendezvous ports": ports(rdzv_endpoint),
-           "environment": env_vars(), "CPU": cpu(nproc), "smoke test": smoke("gloo", nproc, timeout_s)}
+    out = {
+        "versions": versions(),
+        "GPUs": gpus(),
+        "rendezvous ports": ports(rdzv_endpoint),
+        "environment": env_vars(),
+        "CPU": cpu(nproc),
+        "smoke test": smoke("gloo", nproc, timeout_s),
+    }
     if torch.cuda.is_available():
         out["smoke test"].update(smoke("nccl", max(1, torch.cuda.device_count()), timeout_s))
     return out

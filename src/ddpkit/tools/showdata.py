@@ -33,11 +33,26 @@ MAX_IMAGES = 256
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_NAME = 16  # characters of a class name shown on a tile; longer ones end in "…"
 
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                         "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-TITLES = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST", "cifar10": "CIFAR-10", "cifar100": "CIFAR-100",
-          "synthetic": "synthetic (random pixels)"}
+TITLES = {
+    "mnist": "MNIST",
+    "fashion-mnist": "Fashion-MNIST",
+    "cifar10": "CIFAR-10",
+    "cifar100": "CIFAR-100",
+    "synthetic": "synthetic (random pixels)",
+}
 
 # Style: right and wrong differ in mark, weight and frame, not in colour alone.
 RIGHT_MARK, WRONG_MARK = "\u2713", "\u2717"  # ✓ ✗ (both in DejaVu Sans, matplotlib's own font)
@@ -95,7 +110,7 @@ def _folder_classes(data) -> list[str] | None:
 
 
 def shorten(name: str, limit: int = MAX_NAME) -> str:
-    return name if len(name) <= limit else name[:limit - 1].rstrip() + "\u2026"
+    return name if len(name) <= limit else name[: limit - 1].rstrip() + "\u2026"
 
 
 # ---------------------------------------------------------------------- the run, the data, the predictions
@@ -145,7 +160,7 @@ def predict(cfg: TrainConfig, meta, run_dir: str | Path, images, batch: int = 64
     preds = []
     with torch.no_grad():
         for start in range(0, len(images), batch):
-            x = pre.eval(images[start:start + batch])
+            x = pre.eval(images[start : start + batch])
             logits = model(x)
             if cfg.tta:  # as Classification.evaluate: average over the image and its mirror
                 logits = (logits.float() + model(x.flip(3)).float()) / 2
@@ -167,14 +182,24 @@ def check_out(out: str | Path) -> Path:
         except OSError as exc:
             raise ConfigError(f"--out {out}: cannot read the existing file ({exc.strerror})") from None
         if head != PNG_SIGNATURE:
-            raise ConfigError(f"--out {out} exists and is not a PNG image; refusing to overwrite it "
-                              f"(remove it or choose another path)")
+            raise ConfigError(
+                f"--out {out} exists and is not a PNG image; refusing to overwrite it "
+                f"(remove it or choose another path)"
+            )
     return out
 
 
 # ---------------------------------------------------------------------- the entry point
-def show_data(dataset: str | None = None, out: str | Path = "grid.png", *, split: str = "test", n: int = 32,
-              seed: int = 0, data_dir: str | None = None, predictions: str | Path | None = None) -> dict:
+def show_data(
+    dataset: str | None = None,
+    out: str | Path = "grid.png",
+    *,
+    split: str = "test",
+    n: int = 32,
+    seed: int = 0,
+    data_dir: str | None = None,
+    predictions: str | Path | None = None,
+) -> dict:
     """Write a PNG grid of ``n`` images of ``dataset``'s ``split``, each labelled with its class.
 
     ``dataset``: any ``--dataset`` value (mnist, fashion-mnist, cifar10, cifar100, synthetic,
@@ -201,12 +226,16 @@ def show_data(dataset: str | None = None, out: str | Path = "grid.png", *, split
     if predictions is not None:
         cfg = load_run(predictions)
         if dataset is not None and not same_dataset(dataset, cfg.dataset):
-            raise ConfigError(f"dataset {dataset} is not the one {predictions} was trained on ({cfg.dataset}); "
-                              f"leave DATASET out to use the run's")
+            raise ConfigError(
+                f"dataset {dataset} is not the one {predictions} was trained on ({cfg.dataset}); "
+                f"leave DATASET out to use the run's"
+            )
         cfg = replace(cfg, data_dir=data_dir or cfg.data_dir, device="cpu")
     elif dataset is None:
-        raise ConfigError("give a DATASET (mnist, fashion-mnist, cifar10, cifar100, synthetic, imagefolder:PATH), "
-                          "or --predictions RUN_DIR to use the run's")
+        raise ConfigError(
+            "give a DATASET (mnist, fashion-mnist, cifar10, cifar100, synthetic, imagefolder:PATH), "
+            "or --predictions RUN_DIR to use the run's"
+        )
     else:
         cfg = TrainConfig(dataset=dataset, data_dir=data_dir or "data", device="cpu")
 
@@ -220,23 +249,30 @@ def show_data(dataset: str | None = None, out: str | Path = "grid.png", *, split
     meta = splits.meta
     classes = meta.classes if meta is not None else int(labels.max()) + 1
     names = class_names(cfg.dataset, classes, cfg.data_dir, data)
-    result: dict = {"path": str(out), "dataset": cfg.dataset, "split": split, "count": len(indices),
-                    "indices": indices, "labels": labels.tolist()}
+    result: dict = {
+        "path": str(out),
+        "dataset": cfg.dataset,
+        "split": split,
+        "count": len(indices),
+        "indices": indices,
+        "labels": labels.tolist(),
+    }
 
     preds = None
     if predictions is not None:
         preds = predict(cfg, meta, predictions, images)
         right = int((preds == labels).sum())
-        result.update(run_dir=str(predictions), predictions=preds.tolist(), right=right,
-                      accuracy=right / len(indices))
+        result.update(run_dir=str(predictions), predictions=preds.tolist(), right=right, accuracy=right / len(indices))
 
     count = f"{len(indices)} random image{'s' if len(indices) != 1 else ''}"
     # A no-break space: never "(seed" and "0)" on two lines.
     title = f"{_dataset_title(cfg.dataset)} \u00b7 {split} split \u00b7 {count} (seed\u00a0{seed})"
     subtitles = []
     if preds is not None:
-        subtitles.append(f"Predictions of {cfg.model} from {predictions}: {result['right']} of {len(indices)} "
-                         f"right ({100 * result['accuracy']:.1f}%)")
+        subtitles.append(
+            f"Predictions of {cfg.model} from {predictions}: {result['right']} of {len(indices)} "
+            f"right ({100 * result['accuracy']:.1f}%)"
+        )
         subtitles.append(f"{RIGHT_MARK} right    {WRONG_MARK} wrong (framed, bold, with the true class)")
     fig = grid_figure(images, labels.tolist(), names, None if preds is None else preds.tolist(), title, subtitles)
     _save(fig, out)
@@ -271,6 +307,7 @@ def _text_width_in(text: str, size: float, bold: bool = False) -> float:
 def _wrap(text: str, width_in: float, size: float, bold: bool = False) -> list[str]:
     """``text`` broken at spaces into lines no wider than ``width_in``; a longer word (a path) is
     broken after a "/" where it can be, else anywhere."""
+
     def fits(s: str) -> bool:
         return _text_width_in(s, size, bold) <= width_in
 
@@ -306,18 +343,23 @@ def _columns(n: int) -> int:
 
 def tile_labels(labels: list[int], names: list[str], preds: list[int] | None) -> list[list[tuple[str, bool]]]:
     """Per tile, its label lines as (text, bold): the class; or "✓ pred X"; or "✗ pred X" and "true Y"."""
+
     def name(k: int) -> str:
         return shorten(names[k] if 0 <= k < len(names) else str(k))
 
     if preds is None:
         return [[(name(y), False)] for y in labels]
-    return [[(f"{RIGHT_MARK} pred {name(p)}", False)] if p == y else
-            [(f"{WRONG_MARK} pred {name(p)}", True), (f"true {name(y)}", True)]
-            for y, p in zip(labels, preds)]
+    return [
+        [(f"{RIGHT_MARK} pred {name(p)}", False)]
+        if p == y
+        else [(f"{WRONG_MARK} pred {name(p)}", True), (f"true {name(y)}", True)]
+        for y, p in zip(labels, preds)
+    ]
 
 
-def grid_figure(images, labels: list[int], names: list[str], preds: list[int] | None, title: str,
-                subtitles: list[str] = ()):
+def grid_figure(
+    images, labels: list[int], names: list[str], preds: list[int] | None, title: str, subtitles: list[str] = ()
+):
     """The grid as a bare matplotlib Figure: uint8 ``images`` [k, C, H, W] (1 channel grey, 3 RGB).
 
     Sizes are in inches and fonts in points, fixed whatever the number of images: each column is
@@ -359,8 +401,17 @@ def grid_figure(images, labels: list[int], names: list[str], preds: list[int] | 
     ax.set_axis_off()
 
     def text(x, y, s, size, bold=False, colour=TEXT_COLOUR):
-        ax.text(x, y, s, ha="center", va="top", fontsize=size, weight="bold" if bold else "normal",
-                color=colour, parse_math=False)
+        ax.text(
+            x,
+            y,
+            s,
+            ha="center",
+            va="top",
+            fontsize=size,
+            weight="bold" if bold else "normal",
+            color=colour,
+            parse_math=False,
+        )
 
     y = fig_h - 0.25
     for line in title_lines:
@@ -385,9 +436,17 @@ def grid_figure(images, labels: list[int], names: list[str], preds: list[int] | 
         ax.add_patch(Rectangle((left, bottom), img_w, img_h, fill=False, edgecolor="#888888", linewidth=0.5))
         wrong = preds is not None and preds[i] != labels[i]
         if wrong:
-            ax.add_patch(Rectangle((left - frame_pad, bottom - frame_pad), img_w + 2 * frame_pad,
-                                   img_h + 2 * frame_pad, fill=False, edgecolor=WRONG_COLOUR, linewidth=3.0,
-                                   joinstyle="miter"))
+            ax.add_patch(
+                Rectangle(
+                    (left - frame_pad, bottom - frame_pad),
+                    img_w + 2 * frame_pad,
+                    img_h + 2 * frame_pad,
+                    fill=False,
+                    edgecolor=WRONG_COLOUR,
+                    linewidth=3.0,
+                    joinstyle="miter",
+                )
+            )
         ty = bottom - label_gap
         for line, bold in lines[i]:
             text(cx, ty, line, LABEL_PT, bold=bold, colour=WRONG_COLOUR if wrong else TEXT_COLOUR)

@@ -22,12 +22,14 @@ from ..models import to_channels_last, uses_conv
 from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
-SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-    else "broadcast_buffers"
+SYNC_BUFFERS = (
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+)
 
 
-def wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool
-         ) -> tuple[nn.Module, DDP | None, nn.Module]:
+def wrap(
+    model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool
+) -> tuple[nn.Module, DDP | None, nn.Module]:
     """``(raw, ddp, wrapped)``: see the module docstring. ``static_graph``: every parameter is used in
     every step (the registry models), so DDP may record the first iteration's graph."""
     raw = model.to(ctx.device)
@@ -43,10 +45,13 @@ def wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: boo
     # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
     if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
         sync_buffers = not only_batchnorm_buffers(raw)
-        ddp = DDP(raw, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-                  gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
-                  **{SYNC_BUFFERS: sync_buffers},
-                  static_graph=static_graph)
+        ddp = DDP(
+            raw,
+            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
+            **{SYNC_BUFFERS: sync_buffers},
+            static_graph=static_graph,
+        )
         if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
             for buf in raw.buffers():
                 ctx.broadcast(buf)
@@ -72,7 +77,9 @@ def register_comm_hook(ddp: DDP, name: str) -> None:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return
-    ddp.register_comm_hook(None, {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[name])
+    ddp.register_comm_hook(
+        None, {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[name]
+    )
 
 
 def ddp_timers(ddp: DDP | None) -> dict | None:

@@ -57,8 +57,9 @@ def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
     test = splits.test
     if getattr(train_src, "on_device", False) and isinstance(test, ImageData):
         test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
-    eval_src = EvalSource(test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, max(256, per_rank_batch),
-                          splits.collate_fn)
+    eval_src = EvalSource(
+        test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, max(256, per_rank_batch), splits.collate_fn
+    )
     return train_src, eval_src
 
 
@@ -81,28 +82,46 @@ class Timing:
 
 
 class Engine:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, model: nn.Module, splits: DataSplits, task: Task,
-                 optimizer=None, scheduler=None, static_graph: bool = False, t0: float | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        model: nn.Module,
+        splits: DataSplits,
+        task: Task,
+        optimizer=None,
+        scheduler=None,
+        static_graph: bool = False,
+        t0: float | None = None,
+    ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
         self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
         self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
         # Optimizer steps per epoch; with --join this rank may run fewer, and catches up after the Join.
-        self.steps_per_epoch = getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
+        self.steps_per_epoch = (
+            getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
+        )
         self.data_note = splits.note
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
         self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static_graph and self.accum == 1 and cfg.grad_sync)
         torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
-        self.opt = user_optimizer(optimizer, self.raw) if optimizer is not None else \
-            build_optimizer(self.raw, cfg, ctx.device, zero=cfg.zero)
+        self.opt = (
+            user_optimizer(optimizer, self.raw)
+            if optimizer is not None
+            else build_optimizer(self.raw, cfg, ctx.device, zero=cfg.zero)
+        )
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.sched = user_schedule(scheduler, self.opt, self.total_steps) if scheduler is not None else \
-            build_schedule(self.opt, cfg, self.total_steps)
+        self.sched = (
+            user_schedule(scheduler, self.opt, self.total_steps)
+            if scheduler is not None
+            else build_schedule(self.opt, cfg, self.total_steps)
+        )
         self.scaler = build_scaler(cfg, ctx.device)
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
         self.autocast = autocast(cfg, ctx.device)
@@ -111,8 +130,16 @@ class Engine:
         self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
         self._no_norm = [(0.0, 0.0)] * len(extra)
         self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots, every_steps=cfg.save_every_steps)
-        self.log = MetricLogger(ctx, cfg.run_dir, self.total_steps, cfg.progress, cfg.quiet,
-                                loggers=parse_loggers(cfg.log), config=cfg.to_dict(), metric_names=task.names)
+        self.log = MetricLogger(
+            ctx,
+            cfg.run_dir,
+            self.total_steps,
+            cfg.progress,
+            cfg.quiet,
+            loggers=parse_loggers(cfg.log),
+            config=cfg.to_dict(),
+            metric_names=task.names,
+        )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
         self._epoch_t0 = 0.0
         self.final_train: dict = {}
@@ -124,19 +151,29 @@ class Engine:
     # ------------------------------------------------------------------ state
     def _stateful(self) -> dict:
         """The components that save and load their own state, by their key in the snapshot."""
-        return {"model": self.raw, "optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler,
-                "ema": self.ema}
+        return {
+            "model": self.raw,
+            "optimizer": self.opt,
+            "scheduler": self.sched,
+            "scaler": self.scaler,
+            "ema": self.ema,
+        }
 
     def state_dict(self) -> dict:
-        state = {key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer"
-                 else part.state_dict() for key, part in self._stateful().items()}
+        state = {
+            key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer" else part.state_dict()
+            for key, part in self._stateful().items()
+        }
         elapsed = time.perf_counter() - self._epoch_t0 if self.pos.step_in_epoch else 0.0
-        return {**state, "position": dataclasses.asdict(self.pos),
-                "timing": dataclasses.asdict(dataclasses.replace(self.timing, epoch_elapsed_s=elapsed)),
-                "final_train": self.final_train,
-                # Plain floats: this travels through all_gather_object, which would rebuild a
-                # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
-                "rank_state": {"acc": self.acc.state()}}
+        return {
+            **state,
+            "position": dataclasses.asdict(self.pos),
+            "timing": dataclasses.asdict(dataclasses.replace(self.timing, epoch_elapsed_s=elapsed)),
+            "final_train": self.final_train,
+            # Plain floats: this travels through all_gather_object, which would rebuild a
+            # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
+            "rank_state": {"acc": self.acc.state()},
+        }
 
     def load_state_dict(self, snap: dict) -> None:
         state = snap["trainer"]
@@ -166,8 +203,9 @@ class Engine:
         if self.ema and set(state["ema"] or {}) != set(self.ema.state_dict()):
             raise ValueError("its EMA weights are not this model's")
         ranks = snap["ranks"]
-        if len(ranks) != self.ctx.world_size or any(len(r["rank_state"]["acc"]) != 2 * len(self.acc.names)
-                                                    for r in ranks):
+        if len(ranks) != self.ctx.world_size or any(
+            len(r["rank_state"]["acc"]) != 2 * len(self.acc.names) for r in ranks
+        ):
             raise ValueError("its per-rank state does not match this run's ranks and metrics")
 
     def fit(self) -> dict:
@@ -179,11 +217,19 @@ class Engine:
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
             write_config(self.cfg, self.ctx)
-            self.log.log("start", world_size=self.ctx.world_size, backend=self.ctx.backend,
-                         device=str(self.ctx.device), data_path=self.train_src.path, data=self.data_note,
-                         task=self.task.identity,
-                         steps_per_epoch=self.steps_per_epoch, per_rank_batch=self.per_rank_batch,
-                         grad_accum=self.accum, resumed_at_step=self.pos.global_step if snap else None)
+            self.log.log(
+                "start",
+                world_size=self.ctx.world_size,
+                backend=self.ctx.backend,
+                device=str(self.ctx.device),
+                data_path=self.train_src.path,
+                data=self.data_note,
+                task=self.task.identity,
+                steps_per_epoch=self.steps_per_epoch,
+                per_rank_batch=self.per_rank_batch,
+                grad_accum=self.accum,
+                resumed_at_step=self.pos.global_step if snap else None,
+            )
             with self._stop:
                 while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
                     self._run_epoch()
@@ -217,7 +263,9 @@ class Engine:
                 self.log.progress(self.pos.global_step)  # the bar, if any, moves every step
                 if cfg.join:
                     continue  # ranks run different step counts: no collective of ours until all have joined
-                last = self.pos.step_in_epoch == self.steps_per_epoch or self.pos.global_step == self.total_steps  # --max-steps
+                last = (
+                    self.pos.step_in_epoch == self.steps_per_epoch or self.pos.global_step == self.total_steps
+                )  # --max-steps
                 if self.pos.step_in_epoch % cfg.log_every == 0 or last:
                     self._log_interval()
                 if last:
@@ -229,8 +277,11 @@ class Engine:
         epoch_time = time.perf_counter() - self._epoch_t0
         self.timing.epoch_elapsed_s = 0.0
         self.timing.train_time_s += epoch_time
-        self._end_epoch(self.acc.means(self._totals_last, "train_"), epoch_time,
-                        self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size)
+        self._end_epoch(
+            self.acc.means(self._totals_last, "train_"),
+            epoch_time,
+            self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size,
+        )
 
     def _join(self):
         """``--join``: DDP's (and ZeRO's) Join, under which a rank out of batches keeps answering the
@@ -311,8 +362,9 @@ class Engine:
             flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
         values = self.ctx.all_reduce(torch.cat([self.acc.local(), flags])).tolist()
         if values[-1] > 0:  # every rank stops together; rank 0's error carries the reason
-            raise self.log.error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the "
-                                                "one printed)")
+            raise self.log.error or RunDirError(
+                "global rank 0 could not write metrics.jsonl (its message is the one printed)"
+            )
         return values[:-3], values[-3] > 0, values[-2] > 0
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
@@ -328,9 +380,11 @@ class Engine:
             return
         last = self.ckpt.snapshots()
         self.log.log("stopped", reason="non-finite", step=self.pos.global_step)
-        raise NonFiniteLoss(f"{msg}. Stopped without saving it: the last good snapshot is "
-                            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
-                            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless.")
+        raise NonFiniteLoss(
+            f"{msg}. Stopped without saving it: the last good snapshot is "
+            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
+            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless."
+        )
 
     def _checked_state(self) -> dict:
         """The state to snapshot, after checking (on every rank: a collective) there is nothing non-finite in it."""
@@ -345,8 +399,14 @@ class Engine:
         n = (self.pos.step_in_epoch - self._step_last) * self.per_rank_batch * self.ctx.world_size
         means = self.acc.means(interval)
         rate = n / max(1e-9, now - self._t_last)
-        self.log.log("step", epoch=self.pos.epoch, step=self.pos.global_step, **means, lr=self.sched.get_last_lr()[0],
-                     samples_per_s=rate)
+        self.log.log(
+            "step",
+            epoch=self.pos.epoch,
+            step=self.pos.global_step,
+            **means,
+            lr=self.sched.get_last_lr()[0],
+            samples_per_s=rate,
+        )
         self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)
         self._check_finite(totals[0])
@@ -354,14 +414,25 @@ class Engine:
             path = self.ckpt.save(self._checked_state(), self.pos.global_step)
             name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
             self.log.log("stopped", reason="signal", signal=name, step=self.pos.global_step)
-            raise Stopped(f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; "
-                          f"run the same command again to resume from it", name)
+            raise Stopped(
+                f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; "
+                f"run the same command again to resume from it",
+                name,
+            )
 
     def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
         result, local = self._evaluate()
         self._last_eval = (self.pos.global_step, result, local)
-        self.log.log("epoch", epoch=self.pos.epoch, step=self.pos.global_step, **train, **result, epoch_time_s=epoch_time,
-                     samples_per_s=seen / max(1e-9, epoch_time), peak_memory_mb=peak_memory_mb(self.ctx))
+        self.log.log(
+            "epoch",
+            epoch=self.pos.epoch,
+            step=self.pos.global_step,
+            **train,
+            **result,
+            epoch_time_s=epoch_time,
+            samples_per_s=seen / max(1e-9, epoch_time),
+            peak_memory_mb=peak_memory_mb(self.ctx),
+        )
         self.final_train = train
         self._train_local = self.acc.local()
         self.pos.epoch += 1
@@ -381,16 +452,24 @@ class Engine:
     def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
         """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
         k = len(self.acc.names)
-        train_local = self._train_local if self._train_local is not None else torch.full((2 * k,), math.nan,
-                                                                                          dtype=torch.float64,
-                                                                                          device=self.ctx.device)
+        train_local = (
+            self._train_local
+            if self._train_local is not None
+            else torch.full((2 * k,), math.nan, dtype=torch.float64, device=self.ctx.device)
+        )
         rows = self.ctx.all_gather(torch.cat([train_local, test_local])).tolist()
         test_names = self.task.names
         out = []
         for rank, row in enumerate(rows):
-            train, test = row[:2 * k], row[2 * k:]
-            out.append({"rank": rank, **self.acc.means(train, "train_"), **means(test_names, test[:-1], "test_"),
-                        "test_samples": int(test[-1])})
+            train, test = row[: 2 * k], row[2 * k :]
+            out.append(
+                {
+                    "rank": rank,
+                    **self.acc.means(train, "train_"),
+                    **means(test_names, test[:-1], "test_"),
+                    "test_samples": int(test[-1]),
+                }
+            )
         return out
 
     def _finish(self) -> dict:
@@ -402,16 +481,35 @@ class Engine:
         per_rank = self._per_rank(test_local)
         model = self.ema.module if self.ema is not None else self.raw
         write_model(cfg.run_dir, model, ctx)
-        summary = {"world_size": ctx.world_size, "backend": ctx.backend, "device_type": ctx.device.type,
-                   "dataset": cfg.dataset, "model": cfg.model, "task": self.task.identity, "recipe": cfg.recipe,
-                   "epochs": cfg.epochs, "global_batch_size": self.per_rank_batch * ctx.world_size,
-                   "grad_accum": self.accum, "steps": self.pos.global_step, "data_path": self.train_src.path,
-                   "train_time_s": round(self.timing.train_time_s, 4), "compile_time_s": round(self.timing.compile_time_s, 4),
-                   "samples_per_s": self.pos.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.timing.train_time_s),
-                   **{f"final_{k}": v for k, v in self.final_train.items()}, **result,
-                   "peak_memory_mb": peak_memory_mb(ctx), "run_dir": cfg.run_dir, "config_hash": cfg.hash(),
-                   "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
-                   "finished_at": round(time.time(), 3), "per_rank": per_rank, "ddp_timers": ddp_timers(self.ddp)}
+        summary = {
+            "world_size": ctx.world_size,
+            "backend": ctx.backend,
+            "device_type": ctx.device.type,
+            "dataset": cfg.dataset,
+            "model": cfg.model,
+            "task": self.task.identity,
+            "recipe": cfg.recipe,
+            "epochs": cfg.epochs,
+            "global_batch_size": self.per_rank_batch * ctx.world_size,
+            "grad_accum": self.accum,
+            "steps": self.pos.global_step,
+            "data_path": self.train_src.path,
+            "train_time_s": round(self.timing.train_time_s, 4),
+            "compile_time_s": round(self.timing.compile_time_s, 4),
+            "samples_per_s": self.pos.global_step
+            * self.per_rank_batch
+            * ctx.world_size
+            / max(1e-9, self.timing.train_time_s),
+            **{f"final_{k}": v for k, v in self.final_train.items()},
+            **result,
+            "peak_memory_mb": peak_memory_mb(ctx),
+            "run_dir": cfg.run_dir,
+            "config_hash": cfg.hash(),
+            "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
+            "finished_at": round(time.time(), 3),
+            "per_rank": per_rank,
+            "ddp_timers": ddp_timers(self.ddp),
+        }
         write_summary(cfg.run_dir, summary, ctx)
         self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
         if ctx.is_main and cfg.plots:
@@ -424,6 +522,7 @@ class Engine:
         try:
             training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots)
         except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
-            self.log.print(f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
-                           f"`ddpkit plot {self.cfg.run_dir}` draws them later")
-
+            self.log.print(
+                f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
+                f"`ddpkit plot {self.cfg.run_dir}` draws them later"
+            )

@@ -21,7 +21,9 @@ from .task import Task
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, source: EvalSource, task: Task, cfg: TrainConfig, ctx: DistContext) -> tuple[dict, torch.Tensor]:
+def evaluate(
+    model: nn.Module, source: EvalSource, task: Task, cfg: TrainConfig, ctx: DistContext
+) -> tuple[dict, torch.Tensor]:
     """({test_<metric>: mean, test_samples: n} over the whole test set, this rank's own
     [sums..., counts..., samples] on the device). Every rank must call it.
 

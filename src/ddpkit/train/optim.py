@@ -19,11 +19,14 @@ from ..errors import ConfigError
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, zero: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, zero: bool = False
+) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
-        kwargs = dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
-                      weight_decay=cfg.weight_decay)
+        kwargs = dict(
+            lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0, weight_decay=cfg.weight_decay
+        )
     else:
         kwargs = dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
     # fused kernels on CUDA (one launch for all params; SGD, Adam and AdamW have them since torch
@@ -56,8 +59,10 @@ def user_optimizer(spec, model: nn.Module) -> torch.optim.Optimizer:
     if isinstance(spec, torch.optim.Optimizer):
         owned = {id(p) for p in model.parameters()}
         if not all(id(p) in owned for group in spec.param_groups for p in group["params"]):
-            raise ConfigError("the optimizer passed to Trainer holds parameters that are not the model's; build it "
-                              "on model.parameters() of the model you pass, or pass a factory: optimizer=lambda model: ...")
+            raise ConfigError(
+                "the optimizer passed to Trainer holds parameters that are not the model's; build it "
+                "on model.parameters() of the model you pass, or pass a factory: optimizer=lambda model: ..."
+            )
         return spec
     opt = spec(model)
     if not isinstance(opt, torch.optim.Optimizer):
@@ -70,11 +75,14 @@ def user_schedule(spec, opt: torch.optim.Optimizer, total_steps: int):
     ``fn(optimizer, total_steps)``, or a scheduler built on the optimizer passed with it."""
     if hasattr(spec, "step") and hasattr(spec, "state_dict"):
         if getattr(spec, "optimizer", opt) is not opt:
-            raise ConfigError("the scheduler passed to Trainer is not built on the optimizer passed with it; "
-                              "pass both, or a factory: scheduler=lambda opt, total_steps: ...")
+            raise ConfigError(
+                "the scheduler passed to Trainer is not built on the optimizer passed with it; "
+                "pass both, or a factory: scheduler=lambda opt, total_steps: ..."
+            )
         return spec
-    params = [p for p in inspect.signature(spec).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p for p in inspect.signature(spec).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return spec(opt, total_steps) if len(params) >= 2 else spec(opt)
 
 

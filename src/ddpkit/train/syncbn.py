@@ -69,7 +69,7 @@ class AllReduceBatchNorm(_BatchNorm):
         c = x.shape[1]
         n = total[-1]
         mean = total[:c] / n
-        var = (total[c:2 * c] / n - mean * mean).clamp_min(0)  # biased: what normalises the batch
+        var = (total[c : 2 * c] / n - mean * mean).clamp_min(0)  # biased: what normalises the batch
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -92,8 +92,9 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "
     if impl == "torch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if isinstance(model, _BatchNorm) and not isinstance(model, AllReduceBatchNorm):
-        new = AllReduceBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
-                                 model.track_running_stats, device="meta")
+        new = AllReduceBatchNorm(
+            model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats, device="meta"
+        )
         # The very same Parameter and buffer objects, as torch's conversion does: an optimizer
         # already built on the model keeps pointing at what trains.
         for name, value in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]:
@@ -107,8 +108,16 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "
 
 # BatchNorm classes whose training forward normalises with the batch's statistics. Exact types:
 # a subclass (batch renormalisation, say) may feed the running statistics into the forward.
-PLAIN_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-                   nn.LazyBatchNorm3d, nn.SyncBatchNorm, AllReduceBatchNorm)
+PLAIN_BATCHNORM = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+    AllReduceBatchNorm,
+)
 
 
 def only_batchnorm_buffers(model: nn.Module) -> bool:

@@ -57,8 +57,10 @@ class Task:
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
-                raise TaskError(f"metric name {name!r} must be an identifier other than {sorted(RESERVED)}; "
-                                f"it is reported as train_<name> and test_<name>")
+                raise TaskError(
+                    f"metric name {name!r} must be an identifier other than {sorted(RESERVED)}; "
+                    f"it is reported as train_<name> and test_<name>"
+                )
             if not callable(fn):
                 raise TaskError(f"metric {name!r} must be a function (outputs, batch) -> (sum, count)")
         self.metrics = metrics
@@ -74,7 +76,9 @@ class Task:
         if not self.metrics:
             return ""
         names = "".join(f"+{n}" for n in self.metrics)
-        return f"{names}#{hashlib.sha256(''.join(code_digest(f) for f in self.metrics.values()).encode()).hexdigest()[:8]}"
+        return (
+            f"{names}#{hashlib.sha256(''.join(code_digest(f) for f in self.metrics.values()).encode()).hexdigest()[:8]}"
+        )
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
@@ -97,16 +101,23 @@ def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
     try:
         result = fn(outputs, batch)
     except Exception as exc:
-        hint = (" It got outputs=None: loss_fn returned only the loss; return (loss, outputs) for the metrics to "
-                "read" if outputs is None else "")
+        hint = (
+            " It got outputs=None: loss_fn returned only the loss; return (loss, outputs) for the metrics to read"
+            if outputs is None
+            else ""
+        )
         raise TaskError(f"metric {name!r} raised {type(exc).__name__}: {str(exc)[:200]}.{hint}") from None
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise TaskError(f"metric {name!r} returned {type(result).__name__}; a metric returns (sum, count), e.g. "
-                        f"((pred == y).sum(), len(y)), so that ddpkit can reduce it exactly across ranks")
+        raise TaskError(
+            f"metric {name!r} returned {type(result).__name__}; a metric returns (sum, count), e.g. "
+            f"((pred == y).sum(), len(y)), so that ddpkit can reduce it exactly across ranks"
+        )
     for part, what in zip(result, ("sum", "count")):
         if isinstance(part, torch.Tensor) and part.numel() != 1:
-            raise TaskError(f"metric {name!r} returned a {what} of shape {list(part.shape)}; both parts of (sum, count) "
-                            f"are single numbers: add .sum()")
+            raise TaskError(
+                f"metric {name!r} returned a {what} of shape {list(part.shape)}; both parts of (sum, count) "
+                f"are single numbers: add .sum()"
+            )
     return result[0], result[1]
 
 
@@ -116,8 +127,14 @@ class Classification(Task):
     builtin = ("loss", "accuracy")
     kind = "classification"
 
-    def __init__(self, label_smoothing: float = 0.0, tta: bool = False, classes: int | None = None,
-                 metrics: Mapping[str, MetricFn] | None = None, min_classes: int | None = None):
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        tta: bool = False,
+        classes: int | None = None,
+        metrics: Mapping[str, MetricFn] | None = None,
+        min_classes: int | None = None,
+    ):
         super().__init__(metrics)
         self.label_smoothing, self.tta, self.classes = label_smoothing, tta, classes
         self.min_classes = min_classes  # from the labels, where the dataset declares no class count
@@ -140,8 +157,10 @@ class Classification(Task):
         if self.tta:  # average over the image and its mirror
             logits = (logits.float() + model(x.flip(3)).float()) / 2
         n = len(y)
-        values = {"loss": (F.cross_entropy(logits.float(), y, reduction="sum").double(), n),  # no smoothing at test
-                  "accuracy": ((logits.argmax(1) == y).sum().double(), n)}
+        values = {
+            "loss": (F.cross_entropy(logits.float(), y, reduction="sum").double(), n),  # no smoothing at test
+            "accuracy": ((logits.argmax(1) == y).sum().double(), n),
+        }
         for name, fn in self.metrics.items():
             values[name] = _call_metric(name, fn, logits, batch)
         return [values[name] for name in self.names]
@@ -150,8 +169,10 @@ class Classification(Task):
     def _unpack(batch):
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch
-        raise TaskError(f"the default classification task takes (inputs, targets) batches; this dataset gives "
-                        f"{type(batch).__name__} batches. Pass loss_fn=... (see docs/python-api.md, 'The step contract')")
+        raise TaskError(
+            f"the default classification task takes (inputs, targets) batches; this dataset gives "
+            f"{type(batch).__name__} batches. Pass loss_fn=... (see docs/python-api.md, 'The step contract')"
+        )
 
     def _check(self, logits, y) -> None:
         """Shapes and dtypes, once: metadata only, no host sync."""
@@ -161,24 +182,36 @@ class Classification(Task):
         if not isinstance(logits, torch.Tensor):
             raise TaskError(f"the model returned {type(logits).__name__}, not a tensor of logits; {fix}")
         if y.is_floating_point():
-            raise TaskError(f"the targets are {str(y.dtype).replace('torch.', '')} {list(y.shape)}; the default "
-                            f"classification task needs integer class labels. For regression or any other loss, {fix}")
+            raise TaskError(
+                f"the targets are {str(y.dtype).replace('torch.', '')} {list(y.shape)}; the default "
+                f"classification task needs integer class labels. For regression or any other loss, {fix}"
+            )
         if logits.dim() != 2:
-            raise TaskError(f"the model's output has shape {list(logits.shape)}; the default classification task "
-                            f"needs [batch, classes] logits. For sequence models or other outputs, {fix}")
+            raise TaskError(
+                f"the model's output has shape {list(logits.shape)}; the default classification task "
+                f"needs [batch, classes] logits. For sequence models or other outputs, {fix}"
+            )
         if y.dim() != 1 or y.shape[0] != logits.shape[0]:
-            raise TaskError(f"the targets have shape {list(y.shape)} for logits {list(logits.shape)}; "
-                            f"classification needs one integer label per sample, shape [{logits.shape[0]}]")
+            raise TaskError(
+                f"the targets have shape {list(y.shape)} for logits {list(logits.shape)}; "
+                f"classification needs one integer label per sample, shape [{logits.shape[0]}]"
+            )
         if logits.shape[1] < 2:
-            raise TaskError(f"the model outputs {logits.shape[1]} value per sample; classification needs one logit per "
-                            f"class (2 for a binary problem). For one logit with a sigmoid, {fix} "
-                            f"(F.binary_cross_entropy_with_logits)")
+            raise TaskError(
+                f"the model outputs {logits.shape[1]} value per sample; classification needs one logit per "
+                f"class (2 for a binary problem). For one logit with a sigmoid, {fix} "
+                f"(F.binary_cross_entropy_with_logits)"
+            )
         if self.classes is not None and logits.shape[1] != self.classes:
-            raise TaskError(f"the model outputs {logits.shape[1]} classes but the dataset has {self.classes}; "
-                            f"build the model with {self.classes} outputs")
+            raise TaskError(
+                f"the model outputs {logits.shape[1]} classes but the dataset has {self.classes}; "
+                f"build the model with {self.classes} outputs"
+            )
         if self.min_classes is not None and logits.shape[1] < self.min_classes:
-            raise TaskError(f"the model outputs {logits.shape[1]} classes but the labels go up to "
-                            f"{self.min_classes - 1}; build the model with at least {self.min_classes} outputs")
+            raise TaskError(
+                f"the model outputs {logits.shape[1]} classes but the labels go up to "
+                f"{self.min_classes - 1}; build the model with at least {self.min_classes} outputs"
+            )
         self._checked = True
 
 
@@ -193,9 +226,11 @@ class ModelLoss(Task):
         if loss is None and isinstance(out, Mapping):
             loss = out.get("loss")
         if not isinstance(loss, torch.Tensor):
-            raise TaskError(f"dict batches are passed as model(**batch), and the model's output ({type(out).__name__}) "
-                            f"has no .loss or 'loss' entry. Return the loss there (Hugging Face models do when given "
-                            f"labels), or pass loss_fn=...")
+            raise TaskError(
+                f"dict batches are passed as model(**batch), and the model's output ({type(out).__name__}) "
+                f"has no .loss or 'loss' entry. Return the loss there (Hugging Face models do when given "
+                f"labels), or pass loss_fn=..."
+            )
         return loss, out
 
 
@@ -220,14 +255,22 @@ class UserLoss(Task):
         loss, outputs = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         if not self._checked:
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-                what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                what = (
+                    f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                )
                 raise TaskError(f"loss_fn returned {what}; it must return a scalar float tensor, or (loss, outputs)")
             self._checked = True
         return loss, outputs
 
 
-def resolve_task(cfg: TrainConfig, loss_fn: Callable | None = None, metrics: Mapping[str, MetricFn] | None = None,
-                 sample: Any = None, classes: int | None = None, min_classes: int | None = None) -> Task:
+def resolve_task(
+    cfg: TrainConfig,
+    loss_fn: Callable | None = None,
+    metrics: Mapping[str, MetricFn] | None = None,
+    sample: Any = None,
+    classes: int | None = None,
+    min_classes: int | None = None,
+) -> Task:
     """The user's loss first; then a model's own loss for dict samples; else classification."""
     if loss_fn is not None:
         return UserLoss(loss_fn, metrics)

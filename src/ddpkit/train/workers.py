@@ -39,8 +39,6 @@ class Job:
     t0: float | None = None  # when the user launched the run (wall clock), for summary.json's startup_s
 
 
-
-
 def train_worker(job: Job) -> dict:
     """One rank, start to finish; the process group is destroyed even on error."""
     cfg = job.cfg
@@ -68,8 +66,9 @@ def _train(job: Job, ctx: DistContext) -> dict:
     if model is None:
         model = model_for(cfg, splits.meta)
     # Registry models use every parameter every step, so DDP may assume a static graph.
-    return Engine(cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None,
-                  t0=job.t0).fit()
+    return Engine(
+        cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None, t0=job.t0
+    ).fit()
 
 
 def eval_worker(job: Job) -> dict:
@@ -84,7 +83,8 @@ def eval_worker(job: Job) -> dict:
         else:
             model = load_trained_model(cfg, splits.meta, cfg.run_dir)
         model.to(ctx.device)
-        source = EvalSource(splits.test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, 256,
-                            splits.collate_fn)
+        source = EvalSource(
+            splits.test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, 256, splits.collate_fn
+        )
         result, _ = evaluate(model, source, job.task, cfg, ctx)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}
