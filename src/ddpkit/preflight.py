@@ -21,7 +21,8 @@ from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.loader import Preprocess
 from .data.materialize import materialize
-from .dist.context import cpu_cores, env
+from .dist import env
+from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
 from .errors import ConfigError, DataError, DdpkitError, RunDirError
 from .models import model_for

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .device import resolve_device_type
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # config.py imports this module: the type only, for readers and type checkers
@@ -89,13 +90,8 @@ def pick(cfg: TrainConfig, flags: frozenset[str] | None = None) -> str:
 
 def native_cpu_bf16(device: str, flags: frozenset[str] | None = None) -> bool:
     """A CPU run on a CPU with bf16 instructions (where bf16 autocast is faster, not emulated)."""
-    if device == "cuda":
+    if resolve_device_type(device) != "cpu":
         return False
-    if device == "auto":
-        import torch  # here, not at the top: the config, and with it `ddpkit --help`, stay free of torch
-
-        if torch.cuda.is_available():
-            return False
     flags = cpu_flags() if flags is None else flags
     return "avx512_bf16" in flags or "amx_bf16" in flags
 

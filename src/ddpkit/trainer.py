@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
-from .dist.context import env
+from .dist import env
 from .dist.launcher import LaunchSpec, refuse_if_importing_main, run_workers
 from .errors import ConfigError, DataError
 from .identity import code_name, data_fingerprint, model_fingerprint
@@ -175,6 +175,8 @@ class Trainer:
         splits = materialize(
             self.splits if self.splits is not None else load_dataset(cfg), cfg, available_memory_bytes()
         )
+        if splits.test is None or len(splits.test) == 0:
+            raise DataError("evaluate() needs a non-empty test_data")
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
 
@@ -182,8 +184,6 @@ class Trainer:
 def run_evaluation(cfg: TrainConfig, task: Task, splits: DataSplits, model: nn.Module | None = None) -> dict:
     """Evaluate ``model`` (or, when None, the run dir's model.pt in its registry model) on ``splits.test``,
     distributed as ``cfg`` asks; the one evaluation behind ``Trainer.evaluate`` and ``ddpkit eval``."""
-    if splits.test is None or len(splits.test) == 0:
-        raise DataError("evaluate() needs a non-empty test_data")
     spec = LaunchSpec.from_config(cfg, resumable=False)
     home = None if spec.in_process else move_to_cpu(model)
     try:

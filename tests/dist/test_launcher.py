@@ -9,14 +9,13 @@ import sys
 
 import pytest
 import torch
+from clirun import cli_env
 
 from ddpkit.config import TrainConfig
-
-from ddpkit.dist import context as dist, launcher
+from ddpkit.dist import context as dist
+from ddpkit.dist import launcher
 from ddpkit.dist.failures import signal_failure
-from ddpkit.errors import WorkersFailed
-from ddpkit.errors import ConfigError
-from clirun import cli_env
+from ddpkit.errors import ConfigError, WorkersFailed
 
 
 def test_auto_is_one_process_on_cpu(monkeypatch):
@@ -72,11 +71,14 @@ def test_agent_config_for_restarts_and_nodes(monkeypatch):
     monkeypatch.setattr(dist, "cpu_cores", lambda: 16)
     config, env = launcher._launch_config(launcher.LaunchSpec(nproc=2, max_restarts=2))
     assert config.max_restarts == 2 and config.rdzv_endpoint == "localhost:0"
-    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # pytorch/pytorch#135712
-                   "OMP_NUM_THREADS": "8",  # what torchrun would set, which elastic_launch does not
-                   "DDPKIT_LAUNCHER_PID": str(os.getpid())}  # a worker whose launcher died exits at once
-    config, env = launcher._launch_config(launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500",
-                                                          rdzv_id="job"))
+    assert env == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # pytorch/pytorch#135712
+        "OMP_NUM_THREADS": "8",  # what torchrun would set, which elastic_launch does not
+        "DDPKIT_LAUNCHER_PID": str(os.getpid()),
+    }  # a worker whose launcher died exits at once
+    config, env = launcher._launch_config(
+        launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29500", rdzv_id="job")
+    )
     assert (config.min_nodes, config.max_nodes, config.run_id) == (2, 2, "job")
     assert config.rdzv_endpoint == "127.0.0.1:29500" and "is_host" not in config.rdzv_configs  # loopback: torch's own
     assert getattr(config, "local_addr", "127.0.0.1") == "127.0.0.1"
@@ -91,12 +93,15 @@ def test_a_users_socket_interfaces_and_threads_are_left_alone(monkeypatch):
     assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS"} & set(env)
 
 
-@pytest.mark.parametrize("codes,kind,fragments", [
-    ({1: -6}, "CollectiveTimeout", ["rank 1 was aborted (SIGABRT)", "NCCL's watchdog", "--timeout-s 30 s"]),
-    ({0: -6, 1: -9}, "CollectiveTimeout", ["rank 0 was aborted"]),
-    ({1: -9}, "PeerLost", ["rank 1 was killed (SIGKILL)", "out-of-memory killer"]),
-    ({0: -11}, "PeerLost", ["rank 0 died of SIGSEGV"]),
-])
+@pytest.mark.parametrize(
+    "codes,kind,fragments",
+    [
+        ({1: -6}, "CollectiveTimeout", ["rank 1 was aborted (SIGABRT)", "NCCL's watchdog", "--timeout-s 30 s"]),
+        ({0: -6, 1: -9}, "CollectiveTimeout", ["rank 0 was aborted"]),
+        ({1: -9}, "PeerLost", ["rank 1 was killed (SIGKILL)", "out-of-memory killer"]),
+        ({0: -11}, "PeerLost", ["rank 0 died of SIGSEGV"]),
+    ],
+)
 def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, fragments):
     err = signal_failure(codes, timeout_s=30)
     assert type(err).__name__ == kind and err.exit_code in (3, 4)
@@ -107,8 +112,10 @@ def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, frag
 
 @pytest.mark.multiprocess
 def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
-    code = ("import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
-            "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))")
+    code = (
+        "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
+        "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -140,16 +147,22 @@ def user_script(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_result(user_script):
-    proc = subprocess.run([sys.executable, str(user_script)], env=cli_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(user_script)], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
 
 
 @pytest.mark.multiprocess
 def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(user_script)],
-                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(user_script)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # two processes share the pipe, so their lines may interleave
     assert sorted(re.findall(r"\(\d, \d, [\d.]+\)", proc.stdout)) == ["(0, 2, 30.0)", "(1, 2, 30.0)"]
@@ -174,8 +187,10 @@ def test_how_workers_start(monkeypatch):
     Net = type("Net", (), {"__module__": "__main__", "__qualname__": "Net"})
     notebook.Net = Net
     monkeypatch.setitem(sys.modules, "__main__", notebook)
-    assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) == \
-        "'Net' is defined in __main__ of an interactive session or `python -c`"
+    assert (
+        launcher.unspawnable(user_code.all_reduce_rank, (Net(),))
+        == "'Net' is defined in __main__ of an interactive session or `python -c`"
+    )
     assert launcher.start_method(user_code.all_reduce_rank, (Net(),), "cpu", nproc=2) == "fork"
     notebook.__file__ = "/home/me/train.py"  # a script: spawn re-imports it as __mp_main__
     assert launcher.unspawnable(user_code.all_reduce_rank, (Net(),)) is None
@@ -185,12 +200,13 @@ def test_how_workers_start(monkeypatch):
 @pytest.mark.parametrize("resumable", [True, False])
 def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, resumable):
     """Regression: `ddpkit eval` interrupted with Ctrl-C advised rerunning to resume from a snapshot."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def interrupted(config, entrypoint):
         def run(*args):
             raise SignalException("interrupted", sigval=signal.SIGINT)
+
         return run
 
     monkeypatch.setattr(api, "elastic_launch", interrupted)
@@ -217,7 +233,8 @@ def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_h
     """Regression: a child forked after its parent ran OpenMP regions hangs in its first parallel
     region (libgomp), so forked workers with more than one thread each hung (here: 1 process,
     2 cores, 2 threads). Forked workers now run one intra-op thread."""
-    proc = subprocess.run([sys.executable, "-c", OMP_THEN_FORK], env=cli_env(), capture_output=True, text=True,
-                          timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", OMP_THEN_FORK], env=cli_env(), capture_output=True, text=True, timeout=90
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT (1, 1.0)" in proc.stdout

@@ -29,10 +29,12 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ..device import resolve_device_type
 from ..errors import ConfigError, DdpkitError, RunDirError
 from . import env
 from .env import under_launcher
 from .failures import report_failure, worker_failure
+
 CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
 
 
@@ -87,14 +89,6 @@ def cpu_threads(local_world_size: int, cores: int | None = None) -> int:
     return max(1, (cpu_cores() if cores is None else cores) // max(1, local_world_size))
 
 
-def resolve_device_type(pref: str) -> str:
-    if pref == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if pref == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
-    return pref
-
-
 def plan(environ: Mapping[str, str], device_type: str, gpu_count: int, cores: int) -> tuple[DistContext, int]:
     """This process's place in the job, and its intra-op thread count. Pure: no device is touched.
 
@@ -111,9 +105,11 @@ def plan(environ: Mapping[str, str], device_type: str, gpu_count: int, cores: in
         # Checked on the node's process count, not this rank's index, so every rank of the
         # node fails alike and the error is printed once (by rank 0), not "invalid device ordinal".
         if local_world > gpu_count:
-            raise ConfigError(f"this node runs {local_world} processes but sees {gpu_count} GPU(s); start at most "
-                              f"{gpu_count} per node (torchrun --nproc-per-node {gpu_count}), or check "
-                              f"CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                f"this node runs {local_world} processes but sees {gpu_count} GPU(s); start at most "
+                f"{gpu_count} per node (torchrun --nproc-per-node {gpu_count}), or check "
+                f"CUDA_VISIBLE_DEVICES"
+            )
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -133,8 +129,12 @@ def deterministic(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, os.environ.get(env.CUBLAS_WORKSPACE_CONFIG))
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.get(env.CUBLAS_WORKSPACE_CONFIG),
+    )
     os.environ.setdefault(env.CUBLAS_WORKSPACE_CONFIG, CUBLAS_DETERMINISTIC)  # read at the first cuBLAS call
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
@@ -148,8 +148,9 @@ def deterministic(on: bool) -> Iterator[None]:
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float = 600.0, deterministic_algorithms: bool = False
-                ) -> Iterator[DistContext]:
+def distributed(
+    device: str = "auto", timeout_s: float = 600.0, deterministic_algorithms: bool = False
+) -> Iterator[DistContext]:
     dev_type = resolve_device_type(device)
     ctx, threads = plan(os.environ, dev_type, torch.cuda.device_count() if dev_type == "cuda" else 0, cpu_cores())
     torch.set_num_threads(threads)
@@ -207,5 +208,6 @@ def agree(ctx: DistContext, error: DdpkitError | None) -> None:
     else:
         failed = error is not None
     if failed:
-        raise error or RunDirError("global rank 0 could not write to the run directory (its message is the one "
-                                   "printed)")
+        raise error or RunDirError(
+            "global rank 0 could not write to the run directory (its message is the one printed)"
+        )

@@ -94,8 +94,10 @@ def write_error_file(line: str, quiet: bool, exit_code: int) -> None:
     first = line.strip().splitlines()[0][:500] if line.strip() else line
     try:
         with open(path, "w") as fh:
-            json.dump({"message": first, "timestamp": int(time.time()),
-                       "ddpkit": {"quiet": quiet, "exit_code": exit_code}}, fh)
+            json.dump(
+                {"message": first, "timestamp": int(time.time()), "ddpkit": {"quiet": quiet, "exit_code": exit_code}},
+                fh,
+            )
     except OSError:
         pass
 
@@ -127,9 +129,11 @@ _PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|connecti
 
 def timeout_message(timeout_s: float, detail: str = "") -> str:
     """What a collective timeout means and what to do, for gloo errors and NCCL aborts alike."""
-    return (f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
-            f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
-            f"that long, raise --timeout-s.{f' ({detail})' if detail else ''}")
+    return (
+        f"a collective did not complete within --timeout-s {timeout_s:g} s: another rank stalled, or died "
+        f"without its launcher noticing. If a step, an evaluation or a snapshot save can legitimately take "
+        f"that long, raise --timeout-s.{f' ({detail})' if detail else ''}"
+    )
 
 
 def comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
@@ -144,8 +148,9 @@ def comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
     if _TIMEOUT.search(text):
         return CollectiveTimeout(timeout_message(timeout_s, first))
     if _PEER_GONE.search(text):
-        return PeerLost(f"another rank left mid-collective (it died or was stopped; its own output says why). "
-                        f"({first})")
+        return PeerLost(
+            f"another rank left mid-collective (it died or was stopped; its own output says why). ({first})"
+        )
     return None
 
 
@@ -171,8 +176,11 @@ def outside_group_bug(exc: BaseException) -> None:
 def worker_reports(exc) -> list[dict]:
     """What the workers of this node said about their failure (a ``ChildFailedError``): their error
     files, found beside those of the failures the agent observed (it observes the first and stops the rest)."""
-    dirs = {Path(f.error_file).parent.parent for f in exc.failures.values()
-            if isinstance(f.error_file, str) and Path(f.error_file).is_file()}
+    dirs = {
+        Path(f.error_file).parent.parent
+        for f in exc.failures.values()
+        if isinstance(f.error_file, str) and Path(f.error_file).is_file()
+    }
     reports = []
     for folder in dirs:
         for path in sorted(folder.glob("*/error.json")):
@@ -204,8 +212,11 @@ def launch_failure(exc, timeout_s: float) -> Exception:
         return WorkersFailed(reports[0]["message"], True, reports[0]["exit_code"])
     reported = all(code in REPORTED_EXITS for code in codes.values())
     first = next(iter(codes.values()))
-    return WorkersFailed(f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
-                         reported, first if reported else 1)
+    return WorkersFailed(
+        f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
+        reported,
+        first if reported else 1,
+    )
 
 
 def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
@@ -224,22 +235,36 @@ def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | Non
     except ValueError:
         name = f"signal {signum}"
     if signum == signal.SIGABRT:
-        return CollectiveTimeout(f"rank {rank} was aborted (SIGABRT). On GPUs this is NCCL's watchdog: "
-                                 + timeout_message(timeout_s) + " A peer that died first is named by its own "
-                                 "error above; NCCL_DEBUG=WARN shows NCCL's reason.")
+        return CollectiveTimeout(
+            f"rank {rank} was aborted (SIGABRT). On GPUs this is NCCL's watchdog: "
+            + timeout_message(timeout_s)
+            + " A peer that died first is named by its own "
+            "error above; NCCL_DEBUG=WARN shows NCCL's reason."
+        )
     if signum == signal.SIGKILL:
-        return PeerLost(f"rank {rank} was killed (SIGKILL): most often by the kernel's out-of-memory killer "
-                        f"(see `dmesg`; lower --batch-size or --nproc), or from outside the job")
-    return PeerLost(f"rank {rank} died of {name}; if nothing above explains it, it is a crash in native code "
-                    f"(set TORCH_SHOW_CPP_STACKTRACES=1 and rerun to see where)")
+        return PeerLost(
+            f"rank {rank} was killed (SIGKILL): most often by the kernel's out-of-memory killer "
+            f"(see `dmesg`; lower --batch-size or --nproc), or from outside the job"
+        )
+    return PeerLost(
+        f"rank {rank} died of {name}; if nothing above explains it, it is a crash in native code "
+        f"(set TORCH_SHOW_CPP_STACKTRACES=1 and rerun to see where)"
+    )
 
 
 def interrupted(sig: signal.Signals, resumable: bool) -> WorkersFailed:
     """The launcher was sent ``sig`` (Ctrl-C, SIGTERM) and stopped the workers."""
-    after = ("; they save a snapshot at their next log interval if it comes within the agent's grace period: "
-             "run the same command again to resume") if resumable else ""
-    return WorkersFailed(f"interrupted: the launcher received {sig.name} and stopped the workers{after}", False,
-                         128 + sig.value)
+    after = (
+        (
+            "; they save a snapshot at their next log interval if it comes within the agent's grace period: "
+            "run the same command again to resume"
+        )
+        if resumable
+        else ""
+    )
+    return WorkersFailed(
+        f"interrupted: the launcher received {sig.name} and stopped the workers{after}", False, 128 + sig.value
+    )
 
 
 def returned_failure(result: Failure) -> Exception:

@@ -43,15 +43,17 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..config import TrainConfig
+from ..device import resolve_device_type
 from ..errors import ConfigError, PeerLost
 from . import env as names
 from .child import worker_entry
-from .context import cpu_threads, distributed, resolve_device_type
+from .context import cpu_threads, distributed
 from .env import under_launcher
 from .failures import Failure, interrupted, launch_failure, returned_failure
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 from .prestart import forkserver_available, prestart_workers
-from ..config import TrainConfig
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -69,19 +71,32 @@ class LaunchSpec:
     def from_config(cls, cfg: TrainConfig, resumable: bool = True) -> "LaunchSpec":
         if under_launcher():
             defaults = type(cfg)()
-            set_here = [f"--{n.replace('_', '-')}" for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr",
-                                                             "max_restarts")
-                        if getattr(cfg, n) != getattr(defaults, n)]
+            set_here = [
+                f"--{n.replace('_', '-')}"
+                for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts")
+                if getattr(cfg, n) != getattr(defaults, n)
+            ]
             if set_here:
-                raise ConfigError(f"this process was started by torchrun, which owns {', '.join(set_here)}: "
-                                  f"give them to torchrun instead (or launch with ddpkit alone)")
+                raise ConfigError(
+                    f"this process was started by torchrun, which owns {', '.join(set_here)}: "
+                    f"give them to torchrun instead (or launch with ddpkit alone)"
+                )
         run_id = cfg.rdzv_id
         if not run_id and cfg.nnodes > 1:
             # Every node runs the same command, so a hash of the config is an id they all agree on.
             blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
             run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
-        return cls(resolve_nproc(cfg.nproc, cfg.device), cfg.nnodes, cfg.rdzv_endpoint, run_id, cfg.local_addr,
-                   cfg.max_restarts, cfg.timeout_s, resolve_device_type(cfg.device), resumable)
+        return cls(
+            resolve_nproc(cfg.nproc, cfg.device),
+            cfg.nnodes,
+            cfg.rdzv_endpoint,
+            run_id,
+            cfg.local_addr,
+            cfg.max_restarts,
+            cfg.timeout_s,
+            resolve_device_type(cfg.device),
+            resumable,
+        )
 
     @property
     def in_process(self) -> bool:
@@ -101,24 +116,35 @@ def resolve_nproc(nproc: str, device: str) -> int:
         return max(1, gpus)
     n = int(nproc)
     if gpus and n > gpus:
-        raise ConfigError(f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); "
-                          f"use --nproc {gpus} or --nproc auto")
+        raise ConfigError(
+            f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); use --nproc {gpus} or --nproc auto"
+        )
     return n
 
 
-def launch(fn: Callable, *args, nproc: int | str = "auto", device: str = "auto", timeout_s: float = 600.0,
-           max_restarts: int = 0) -> Any:
+def launch(
+    fn: Callable,
+    *args,
+    nproc: int | str = "auto",
+    device: str = "auto",
+    timeout_s: float = 600.0,
+    max_restarts: int = 0,
+) -> Any:
     """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
 
-    ``ctx`` is a :class:`ddpkit.dist.DistContext` (rank, local_rank, world_size, device,
+    ``ctx`` is a :class:`ddpkit.dist.context.DistContext` (rank, local_rank, world_size, device,
     backend, and all_reduce/broadcast/all_gather/barrier helpers). The process group is
     destroyed even on error. For users who write their own loop (as a script that calls
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
     refuse_if_importing_main()
-    spec = LaunchSpec(nproc=resolve_nproc(str(nproc), device), max_restarts=max_restarts, timeout_s=timeout_s,
-                      device_type=resolve_device_type(device))
+    spec = LaunchSpec(
+        nproc=resolve_nproc(str(nproc), device),
+        max_restarts=max_restarts,
+        timeout_s=timeout_s,
+        device_type=resolve_device_type(device),
+    )
     return run_workers(_in_process_group, (fn, device, timeout_s, *args), spec)
 
 
@@ -154,9 +180,11 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     except SignalException as exc:
         raise interrupted(signal.Signals(exc.sigval), spec.resumable) from None
     except RendezvousTimeoutError:
-        raise PeerLost(f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
-                       f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
-                       f"nodes, with the same --rdzv-id, and check that each reaches the endpoint") from None
+        raise PeerLost(
+            f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
+            f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
+            f"nodes, with the same --rdzv-id, and check that each reaches the endpoint"
+        ) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)  # torch's default leaves one in /tmp per launch
     result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
@@ -202,9 +230,12 @@ def refuse_if_importing_main() -> None:
     # multiprocessing's own test for "still bootstrapping" (it refuses to start processes then, with a traceback)
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
-    print("ddpkit: error: this script starts training when it is imported, and worker processes import it: put "
-          "the code that calls Trainer(...).fit() or ddpkit.launch(...) under `if __name__ == \"__main__\":`",
-          file=sys.stderr, flush=True)
+    print(
+        "ddpkit: error: this script starts training when it is imported, and worker processes import it: put "
+        'the code that calls Trainer(...).fit() or ddpkit.launch(...) under `if __name__ == "__main__":`',
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(ConfigError.exit_code)  # a reported exit: the launcher adds nothing
 
 
@@ -227,8 +258,10 @@ def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) ->
         return "forkserver" if forkserver_available() else "spawn"
     if device_type == "cpu" and not torch.cuda.is_initialized() and "fork" in multiprocessing.get_all_start_methods():
         return "fork"
-    raise ConfigError(f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
-                      f"Move it into a .py file and import it from there")
+    raise ConfigError(
+        f"{problem}, so new processes cannot import it, and with CUDA in use only 'spawn' is safe. "
+        f"Move it into a .py file and import it from there"
+    )
 
 
 def unspawnable(fn: Callable, args: tuple) -> str | None:
@@ -259,8 +292,12 @@ class _Probe(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             return tuple, ()
-        if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
-                and not self.main_importable and self.found is None):
+        if (
+            isinstance(obj, (type, types.FunctionType))
+            and getattr(obj, "__module__", None) == "__main__"
+            and not self.main_importable
+            and self.found is None
+        ):
             self.found = obj
         return NotImplemented
 
@@ -273,7 +310,9 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None =
     endpoint, rdzv_configs, extra, env = "localhost:0", {}, {}, {}
     env[names.LAUNCHER_PID] = str(os.getpid())  # so a worker can tell its launcher died before it started
     if start == "fork":
-        env[names.FORKED_WORKER] = "1"  # one intra-op thread each: OpenMP hangs in a child forked after its parent used it
+        env[names.FORKED_WORKER] = (
+            "1"  # one intra-op thread each: OpenMP hangs in a child forked after its parent used it
+        )
     for var in names.TO_WORKERS:  # set by the launcher before it launches
         if var in os.environ:
             env[var] = os.environ[var]
@@ -304,8 +343,17 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None =
         for var in names.SOCKET_IFNAMES:
             if iface and var not in os.environ:
                 env[var] = iface
-    config = LaunchConfig(min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
-                        run_id=spec.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=endpoint,
-                        rdzv_configs=rdzv_configs, max_restarts=spec.max_restarts, start_method=start,
-                        logs_specs=DefaultLogsSpecs(log_dir=log_dir), **extra)
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=spec.rdzv_id or str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=spec.max_restarts,
+        start_method=start,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **extra,
+    )
     return config, env

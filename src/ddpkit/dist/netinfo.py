@@ -31,8 +31,10 @@ def route_addr(host: str) -> str:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as exc:
-        raise ConfigError(f"--rdzv-endpoint host {host!r} does not resolve ({exc.strerror}); "
-                          f"use an IP address or a name every node can resolve") from None
+        raise ConfigError(
+            f"--rdzv-endpoint host {host!r} does not resolve ({exc.strerror}); "
+            f"use an IP address or a name every node can resolve"
+        ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect(sockaddr)

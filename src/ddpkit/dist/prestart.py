@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import multiprocessing
 
-PRELOAD = ["ddpkit.dist.child", "ddpkit.train.workers", "torch._dynamo",  # torch, ddpkit; and dynamo (~1.9 s), which DDP.__init__ imports
-           "ddpkit.dist._forkserver_exit"]  # last: the forkserver then exits at once when the launcher dies
+PRELOAD = [
+    "ddpkit.dist.child",
+    "ddpkit.train.workers",
+    "torch._dynamo",  # torch, ddpkit; and dynamo (~1.9 s), which DDP.__init__ imports
+    "ddpkit.dist._forkserver_exit",
+]  # last: the forkserver then exits at once when the launcher dies
 
 
 def forkserver_available() -> bool:
@@ -30,4 +34,3 @@ def prestart_workers() -> None:
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
-

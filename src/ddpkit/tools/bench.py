@@ -32,7 +32,8 @@ import torch
 
 from ..config import TrainConfig
 from ..data import load_dataset
-from ..dist.context import cpu_cores, distributed, resolve_device_type
+from ..device import resolve_device_type
+from ..dist.context import cpu_cores, distributed
 from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import ConfigError
 from ..models import model_for

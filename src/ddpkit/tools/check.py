@@ -44,7 +44,8 @@ from torch import nn
 from ..config import TrainConfig
 from ..data import load_dataset
 from ..data.batch import tree_map
-from ..dist.context import distributed, resolve_device_type
+from ..device import resolve_device_type
+from ..dist.context import distributed
 from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import (
     ConfigError,

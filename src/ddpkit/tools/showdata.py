@@ -19,15 +19,12 @@ import pickle
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from ..config import TrainConfig, check_dataset_name
-from ..data import ImageData, load_dataset
-from ..data.folder import list_images
-from ..data.loader import Preprocess
 from ..errors import ConfigError, RunDirError
 from ..files import atomic_write
-from ..run.rundir import finished_cli_run, load_trained_model
+
+# torch and the modules that load it are imported where used: `ddpkit show-data` parses its flags and
+# refuses a mistyped path at once, before torch loads (about 1.5 s).
 
 MAX_IMAGES = 256
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -84,6 +81,8 @@ def class_names(dataset: str, classes: int, data_dir: str | Path = "data", data=
     elif dataset.startswith("imagefolder:"):
         names = _folder_classes(data) if data is not None else None
         if names is None:
+            from ..data.folder import list_images
+
             names = list_images(Path(dataset.split(":", 1)[1]) / "train")[0]
     else:
         names = numbers
@@ -120,6 +119,8 @@ def load_run(run_dir: str | Path):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--predictions {run_dir}: no such run directory")
+    from ..run.rundir import finished_cli_run
+
     cfg = finished_cli_run(run_dir, "show its predictions from Python instead")
     if cfg.model is None:
         raise RunDirError(f"{run_dir / 'config.toml'} names no model; is {run_dir} a finished ddpkit run?")
@@ -144,6 +145,8 @@ def take(data, indices: list[int]):
     """(uint8 images [k, C, H, W], int64 labels [k]) of ``data`` (ImageData or a map-style image dataset)."""
     import torch
 
+    from ..data import ImageData
+
     if isinstance(data, ImageData):
         idx = torch.tensor(indices, dtype=torch.long)
         return data.images[idx], data.labels[idx]
@@ -154,6 +157,11 @@ def take(data, indices: list[int]):
 def predict(cfg: TrainConfig, meta, run_dir: str | Path, images, batch: int = 64):
     """The run's model.pt's predicted classes for uint8 ``images``, on the CPU, in eval mode, preprocessed
     as ``ddpkit eval`` does (normalisation, --dtype, --tta)."""
+    import torch
+
+    from ..data.loader import Preprocess
+    from ..run.rundir import load_trained_model
+
     model = load_trained_model(cfg, meta, run_dir)
     model.eval()
     pre = Preprocess.for_config(meta, torch.device("cpu"), cfg)
@@ -240,6 +248,8 @@ def show_data(
         cfg = TrainConfig(dataset=dataset, data_dir=data_dir or "data", device="cpu")
 
     check_dataset_name(cfg.dataset)
+    from ..data import load_dataset
+
     splits = load_dataset(cfg)
     data = splits.train if split == "train" else splits.test
     if len(data) == 0:

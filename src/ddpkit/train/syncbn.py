@@ -26,20 +26,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..dist.context import DistContext
-
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks. d(sum over ranks)/d(mine) is the sum of every rank's upstream gradient."""
 
     @staticmethod
-    def forward(ctx: DistContext, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
         return x
 
     @staticmethod
-    def backward(ctx: DistContext, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         dist.all_reduce(grad)
         return grad
