@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .flags import add_config_flags, config_from_args, prestart_if_workers
+from .flags import TOOL_RUN_FIELDS, add_config_flags, config_from_args, prestart_if_workers
 
 HELP = "measure samples/s, speedup and scaling efficiency at several world sizes, with a cost model's prediction"
 
@@ -57,30 +57,7 @@ def register(parser) -> None:
     parser.add_argument(
         "--latency-us", type=float, default=None, help="GPU fabric latency per ring step, us (default: 5)"
     )
-    add_config_flags(
-        parser,
-        skip=frozenset(
-            {
-                "nproc",
-                "max_steps",
-                "resume",
-                "progress",
-                "quiet",
-                "run_dir",
-                "log",
-                "plots",
-                "max_restarts",
-                "nnodes",
-                "rdzv_endpoint",
-                "rdzv_id",
-                "local_addr",
-                "grad_sync",
-                "epochs",
-                "save_every_steps",
-                "log_every",
-            }
-        ),
-    )
+    add_config_flags(parser, skip=TOOL_RUN_FIELDS)
     for action in parser._actions:
         if action.dest == "batch_size":
             action.help = "samples PER RANK (weak scaling), or the global batch with --strong (default: the recipe's)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .flags import add_config_flags, config_from_args, prestart_if_workers
+from .flags import TOOL_RUN_FIELDS, add_config_flags, config_from_args, prestart_if_workers
 
 HELP = "check that N processes train exactly as 1 process does, and that the data is covered once"
 
@@ -16,34 +16,7 @@ def register(parser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default: 5)")
     parser.add_argument("--json", dest="json_out", metavar="PATH", help="also write the report as JSON")
     # what the check sets itself (its runs are short, quiet and in a temporary directory)
-    add_config_flags(
-        parser,
-        skip=frozenset(
-            {
-                "nproc",
-                "max_steps",
-                "resume",
-                "progress",
-                "quiet",
-                "run_dir",
-                "log",
-                "plots",
-                "epochs",
-                "log_every",
-                "save_every_steps",
-                "keep_snapshots",
-                "amp",
-                "ema",
-                "nnodes",
-                "rdzv_endpoint",
-                "rdzv_id",
-                "local_addr",
-                "max_restarts",
-                "grad_sync",
-                "join",
-            }
-        ),
-    )
+    add_config_flags(parser, skip=TOOL_RUN_FIELDS | {"keep_snapshots", "amp", "ema", "join"})
     for action in parser._actions:
         if action.dest == "dtype":
             action.help = (

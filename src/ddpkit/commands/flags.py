@@ -22,6 +22,31 @@ def _parse_type(annotation: str):
     return str
 
 
+# Fields a tool sets itself for its own runs (short, quiet, on this node, in a temporary directory): `ddpkit bench`
+# and `ddpkit check` offer no flag for them.
+TOOL_RUN_FIELDS = frozenset(
+    {
+        "nproc",
+        "max_steps",
+        "epochs",
+        "resume",
+        "progress",
+        "quiet",
+        "run_dir",
+        "log",
+        "plots",
+        "log_every",
+        "save_every_steps",
+        "max_restarts",
+        "nnodes",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "local_addr",
+        "grad_sync",
+    }
+)
+
+
 def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozenset()) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(TrainConfig):
