@@ -83,7 +83,9 @@ def pick(cfg: TrainConfig, flags: frozenset[str] | None = None) -> str:
     if cfg.dataset.startswith("imagefolder:"):
         return "imagefolder"
     name = AUTO.get(cfg.dataset, "none")
-    if name == "mnist" and cfg.dtype != "float64" and native_cpu_bf16(cfg.device, flags):
+    # bf16 autocast is the recipe's choice for its own ConvNet, never for a model you pass in.
+    own_model = str(cfg.model).startswith("custom:")
+    if name == "mnist" and not own_model and cfg.dtype != "float64" and native_cpu_bf16(cfg.device, flags):
         return "mnist-cpu-bf16"
     return name
 
@@ -130,15 +132,22 @@ def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; choose one of: auto, {', '.join(RECIPES)}")
     values = {**BASE, **RECIPES[name]}
+    own_model = str(cfg.model).startswith("custom:")
     if cfg.channels_last is None:
         # NHWC pays off on both engines: cuDNN/tensor cores on CUDA, and oneDNN's NHWC kernels on
         # CPU (seed ConvNet fwd+bwd+step, batch 100, one thread: 29.3 ms NCHW vs 23.2 ms NHWC;
         # resnet9 batch 32: 582 vs 481 ms). The engine ignores it for models without convolutions.
-        values["channels_last"] = True
-    # The user's own optimizer or schedule (Python API) takes none of the built-in one's settings.
+        # A model you pass in keeps its memory format unless you ask (--channels-last).
+        values["channels_last"] = not own_model
+    # The user's own optimizer or schedule (Python API) takes none of the built-in one's settings,
+    # and the user's own optimizer runs at its own learning rate: no schedule unless one is asked
+    # for (schedule=... in the config, or scheduler=...).
     if str(cfg.optimizer).startswith("custom:"):
         for key in ("lr", "momentum", "nesterov", "weight_decay"):
             values.pop(key, None)
+        values["schedule"] = "constant"
+        if cfg.schedule is None:
+            values.pop("warmup_frac", None)
     if str(cfg.schedule).startswith("custom:"):
         values.pop("warmup_frac", None)
     filled = {k: v for k, v in values.items() if getattr(cfg, k, 0) is None}

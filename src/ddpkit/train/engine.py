@@ -27,6 +27,7 @@ from ..data import DataSplits, ImageData
 from ..data.loader import EvalSource, Preprocess, make_train_source
 from ..dist.context import DistContext, on_rank0
 from ..errors import NonFiniteLoss, RunDirError, Stopped
+from ..models import uses_conv
 from ..run.checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
@@ -42,6 +43,8 @@ from .optim import (
     build_optimizer,
     build_scaler,
     build_schedule,
+    changes,
+    lr_policy,
     optimizer_state,
     user_optimizer,
     user_schedule,
@@ -122,6 +125,8 @@ class Engine:
             if scheduler is not None
             else build_schedule(self.opt, cfg, self.total_steps)
         )
+        self.lr_policy = lr_policy(cfg, self.opt, optimizer is not None, self.sched, scheduler is not None)
+        self.changes = changes(cfg, uses_conv(self.raw))
         self.scaler = build_scaler(cfg, ctx.device)
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
         self.autocast = autocast(cfg, ctx.device)
@@ -225,6 +230,8 @@ class Engine:
                 data_path=self.train_src.path,
                 data=self.data_note,
                 task=self.task.identity,
+                lr_policy=self.lr_policy,
+                changes=self.changes,
                 steps_per_epoch=self.steps_per_epoch,
                 per_rank_batch=self.per_rank_batch,
                 grad_accum=self.accum,

@@ -91,7 +91,7 @@ class ScheduleFactor:
 
     def __init__(self, kind: str, total_steps: int, warmup_frac: float):
         self.kind, self.total = kind, max(1, total_steps)
-        self.warmup = int(round(warmup_frac * self.total))
+        self.warmup = int(round((warmup_frac or 0.0) * self.total))
 
     def __call__(self, step: int) -> float:
         if self.kind == "constant":
@@ -107,6 +107,55 @@ class ScheduleFactor:
 
 def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, ScheduleFactor(cfg.schedule, total_steps, cfg.warmup_frac))
+
+
+def lr_policy(cfg: TrainConfig, opt: torch.optim.Optimizer, user_optimizer: bool, sched, user_scheduler: bool) -> str:
+    """The learning-rate policy in effect, in words, for the ``[start]`` line: whose optimizer at
+    which lr, and what (if anything) changes that lr over the run."""
+    # initial_lr: the lr before a scheduler's first factor (LRScheduler sets it on every group)
+    rates = sorted({float(g.get("initial_lr", g["lr"])) for g in opt.param_groups})
+    lr = "/".join(f"{r:g}" for r in rates)
+    if user_optimizer:
+        who = f"your {type(opt).__name__} at lr {lr}"
+    else:
+        beta = "momentum" if cfg.optimizer == "sgd" else "beta1"
+        extra = " nesterov" if cfg.optimizer == "sgd" and cfg.nesterov and cfg.momentum else ""
+        who = f"{cfg.optimizer} at lr {lr} ({beta} {cfg.momentum:g}{extra}, weight decay {cfg.weight_decay:g})"
+    if user_scheduler:
+        return f"{who}, your {type(sched).__name__} each step"
+    if cfg.schedule == "constant":
+        return f"{who}, constant"
+    warm = f"{cfg.warmup_frac:g} of the steps" if cfg.warmup_frac else "no"
+    shape = "then linear to 0" if cfg.schedule == "onecycle" else "then cosine to 0"
+    return f"{who} as the peak, {cfg.schedule}: {warm} warm-up {shape}"
+
+
+def changes(cfg: TrainConfig, applies_conv: bool) -> str:
+    """What ddpkit does to the model's maths or numerics on top of what was given, in words, for
+    the ``[start]`` line ("none" when nothing)."""
+    said = []
+    if cfg.dtype == "float64":
+        said.append("float64 weights and inputs")
+    if cfg.amp in ("bf16", "fp16"):
+        said.append(f"{cfg.amp} autocast" + (" with GradScaler" if cfg.amp == "fp16" else ""))
+    if cfg.sync_bn:
+        said.append("SyncBatchNorm")
+    if cfg.channels_last and applies_conv:
+        said.append("channels_last")
+    if cfg.clip_grad_norm:
+        said.append(f"grad norm clipped to {cfg.clip_grad_norm:g}")
+    if cfg.ema:
+        said.append(f"weight EMA {cfg.ema:g} (eval uses it)")
+    if cfg.task.startswith("classification"):
+        if cfg.label_smoothing:
+            said.append(f"label smoothing {cfg.label_smoothing:g}")
+        if cfg.tta:
+            said.append("flip TTA at eval")
+    if cfg.comm_hook != "none":
+        said.append(f"{cfg.comm_hook} gradient all-reduce")
+    if cfg.compile:
+        said.append("torch.compile")
+    return ", ".join(said) or "none"
 
 
 def autocast(cfg: TrainConfig, device: torch.device):

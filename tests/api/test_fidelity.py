@@ -1,0 +1,96 @@
+"""Your training, exactly as you wrote it: what ddpkit does and never does to code you pass in."""
+
+from __future__ import annotations
+
+import json
+
+import plain_ddp
+import pytest
+import torch
+from clirun import free_port
+
+from ddpkit import TrainConfig, Trainer
+
+
+@pytest.mark.multiprocess
+def test_a_plain_ddp_loop_ported_with_default_settings_gives_its_losses_step_for_step(tmp_path):
+    """Regression: the user's AdamW at a constant 1e-3 was driven by the default onecycle schedule
+    (a minGPT port reached test loss 2.16 where its own loop reached 0.048). The same model, data,
+    seeds, batch and clipping through ddpkit with nothing else set must give the plain loop's losses."""
+    world = 2
+    plain = plain_ddp.plain_losses(world, free_port(), str(tmp_path / "plain.pt"))
+    result = Trainer(
+        TrainConfig(
+            nproc=str(world),
+            device="cpu",
+            batch_size=plain_ddp.BATCH,
+            epochs=plain_ddp.EPOCHS,
+            clip_grad_norm=plain_ddp.CLIP,
+            log_every=1,
+            progress=False,
+            run_dir=str(tmp_path / "run"),
+        ),
+        model=plain_ddp.model(),
+        train_data=plain_ddp.data(),
+        test_data=plain_ddp.data(),
+        optimizer=plain_ddp.optimizer,
+    ).fit()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    assert start["lr_policy"] == "your AdamW at lr 0.001, constant"
+    assert start["changes"] == "grad norm clipped to 1"  # what was asked for, and nothing else
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["lr"] for r in steps] == [plain_ddp.LR] * len(plain)
+    ours = [r["loss"] for r in steps]
+    assert len(ours) == len(plain) == plain_ddp.EPOCHS * (200 // plain_ddp.BATCH)
+    # float32 reduction-order noise in a loss of ~1 is ~1e-7; a schedule or a changed step is ~1e-2
+    assert max(abs(a - b) for a, b in zip(ours, plain)) < 1e-5, list(zip(ours, plain))
+
+
+def test_a_model_you_pass_keeps_its_precision_and_memory_format_unless_you_ask():
+    """Regression: on a CPU with bf16 instructions, a user's model on MNIST got the recipe's bf16
+    autocast, and a user's conv model got channels_last, neither asked for nor stated."""
+    from ddpkit import recipes
+
+    bf16_cpu = frozenset({"avx512_bf16"})
+    builtin = recipes.apply(TrainConfig(dataset="mnist", device="cpu"), bf16_cpu)
+    assert builtin.amp == "bf16" and builtin.channels_last  # ddpkit's own ConvNet: the measured recipe
+    yours = recipes.apply(TrainConfig(dataset="mnist", device="cpu", model="custom:Net#1a2b3c4d"), bf16_cpu)
+    assert yours.amp == "none" and yours.channels_last is False
+    asked = recipes.apply(
+        TrainConfig(dataset="mnist", device="cpu", model="custom:Net#1a2b3c4d", amp="bf16", channels_last=True),
+        bf16_cpu,
+    )
+    assert asked.amp == "bf16" and asked.channels_last
+
+
+def test_your_optimizer_runs_at_its_own_lr_unless_a_schedule_is_asked_for():
+    own = dict(optimizer="custom:AdamW#1a2b3c4d", dataset="custom:TensorDataset#1a2b3c4d")
+    assert TrainConfig(**own).resolved().schedule == "constant"
+    assert TrainConfig(**own).resolved().warmup_frac is None  # nothing claims a warm-up that does not run
+    asked = TrainConfig(**own, schedule="cosine", warmup_frac=0.1).resolved()
+    assert (asked.schedule, asked.warmup_frac) == ("cosine", 0.1)
+    assert TrainConfig(dataset="synthetic").resolved().schedule == "onecycle"  # ddpkit's own optimizer: the recipe's
+
+
+def test_the_start_line_states_the_lr_policy_and_every_change_in_words():
+    from ddpkit.train.optim import changes, lr_policy
+
+    model = torch.nn.Linear(2, 1)
+    adamw = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    cfg = TrainConfig(optimizer="custom:AdamW#1a2b3c4d", dataset="custom:T#1a2b3c4d").resolved()
+    assert lr_policy(cfg, adamw, True, None, False) == "your AdamW at lr 0.0003, constant"
+    sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5)
+    assert lr_policy(cfg, adamw, True, sched, True) == "your AdamW at lr 0.0003, your LambdaLR each step"
+    built = TrainConfig(dataset="mnist", recipe="mnist").resolved()
+    sgd = torch.optim.SGD(model.parameters(), lr=built.lr)
+    assert lr_policy(built, sgd, False, None, False) == (
+        "sgd at lr 0.1 (momentum 0.9 nesterov, weight decay 0.0005) as the peak, onecycle: "
+        "0.15 of the steps warm-up then linear to 0"
+    )
+    assert changes(cfg, applies_conv=False) == "none"
+    many = TrainConfig(dataset="cifar10", sync_bn=True, clip_grad_norm=1.0, ema=0.99).resolved()
+    assert changes(many, applies_conv=True) == (
+        "SyncBatchNorm, channels_last, grad norm clipped to 1, weight EMA 0.99 (eval uses it), "
+        "label smoothing 0.2, flip TTA at eval"
+    )
