@@ -49,6 +49,12 @@ class TrainConfig:
     # [data]
     dataset: str = _f("mnist", "data", "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH")
     data_dir: str = _f("data", "data", "where torchvision datasets are read from / downloaded to")
+    data_digest: str = _f(
+        "",
+        "data",
+        "what the built-in or imagefolder data was read as, by content (ddpkit.identity): set by ddpkit",
+        cli=False,
+    )
     limit_train: int = _f(
         0,
         "data",
@@ -87,6 +93,7 @@ class TrainConfig:
         "start from these weights: a model.pt or a snapshot, for fine-tuning "
         "(a resumed run continues from its own snapshot instead)",
     )
+    init_digest: str = _f("", "model", "SHA-256 of the --init-from file (ddpkit.identity): set by ddpkit", cli=False)
     sync_bn: bool = _f(False, "model", "convert BatchNorm to SyncBatchNorm before the DDP wrap")
     channels_last: Optional[bool] = _f(
         None, "model", "NHWC activations and inputs for conv nets (default: on; faster with cuDNN and oneDNN)"
@@ -404,9 +411,14 @@ class TrainConfig:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
+    # Identity keys a run dir written before ddpkit 0.3 leaves empty: such a run is matched on the rest.
+    RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
+
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""
-        mine = self.identity()
+        unrecorded = {k for k in self.RECORDED_SINCE_0_3 if not other.get(k)}
+        mine = {k: v for k, v in self.identity().items() if k not in unrecorded}
+        other = {k: v for k, v in other.items() if k not in unrecorded}
         theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}
         return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
 

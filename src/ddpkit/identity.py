@@ -1,98 +1,428 @@
-"""Run identity for your own code: what makes a run "the same run" as one already in a run dir.
+"""Run identity for what you pass in: what makes a run "the same run" as one already in a run dir.
 
-    model_fingerprint(model)          # "MLP#1a2b3c4d": parameter layout, module structure, forward code
-    data_fingerprint(train, test)     # "TensorDataset#5e6f7a8b": lengths, first and last samples
-    code_digest(loss_fn)              # bytecode, constants and plain closure values
+    fp = model_fingerprint(model)        # Fingerprint("MLP", parts={"structure": ..., "code MLP.forward": ...})
+    fp.tag                               # "MLP#1a2b3c4d": goes into the config field (model, dataset, ...)
+    data_fingerprint(train, test)        # the data's content: tensors, arrays, files (size, mtime)
+    optimizer_fingerprint(opt_or_factory, model), scheduler_fingerprint(sched_or_factory, opt)
+    code_digest(loss_fn)                 # 8 hex digits of what a function runs
 
-These go into the config (``model``, ``dataset``, ``task``), whose hash names the default
-run dir and is checked against every snapshot, so editing your model, data, loss or
-metrics never returns a stale result. Initial weight values are left out on purpose: an
-unseeded script must still resume its own run after a kill.
+What is read (never values drawn through ``__getitem__`` or ``forward``, which may be random):
+
+- **code**: the bytecode and constants of each function of your own (not the standard library's or
+  an installed package's), and what it reaches: the module-level names it uses (values, functions,
+  classes), the values it closes over, its default arguments, a ``functools.partial``'s arguments,
+  a callable object's class and attributes, every method of your own classes;
+- **model**: parameter and buffer names, shapes and dtypes, ``repr`` (layer types and settings),
+  and the code and plain attributes of each of your own module classes;
+- **data**: each split's length, class code and attributes; tensors and arrays by content (SHA-256),
+  files and folders named by an attribute (an ImageFolder's images included) by relative path, size
+  and modification time, as ``make`` and ``rsync``'s quick check do;
+- **optimizer** and **scheduler**: class, each parameter group's settings and size, the scheduler's
+  state at step 0 (a factory is called once for this, a scheduler factory with a nominal 1000 steps).
+
+Initial weight values are left out on purpose: an unseeded script must still resume its own run.
+What cannot be read (an object with no readable state: an open file, a database handle) is listed
+in ``Fingerprint.unproven``; see :func:`ddpkit.run.rundir.check_run_dir` for what that changes.
+Each fingerprint's ``parts`` are kept in ``RUN_DIR/identity.json``, so a refusal can say in words
+which part differs.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Mapping
+import os
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
-from .data.batch import structure
+from .errors import ConfigError
+
+# Where the standard library, installed packages and ddpkit itself live: code there is named, not read.
+_LIBRARY_DIRS = tuple(
+    sorted(
+        {os.path.realpath(p) for k in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(k))}
+        | {os.path.dirname(os.path.realpath(__file__)) + os.sep}
+    )
+)
+_SCHEDULE_PROBE_STEPS = 1000  # the total_steps a scheduler factory is called with to read its settings
+_MAX_DEPTH = 5  # object attributes followed this deep
+_TEXT = 100  # part values longer than this (characters) are kept as a digest
+_DIR_FILES = 200_000  # a folder with more files than this is not listed (and said so)
 
 
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What was read of one thing you passed in: ``parts`` (a readable label -> a readable value or
+    a digest) and ``unproven`` (what could not be read). Two runs match when their parts match."""
+
+    name: str
+    parts: dict = field(default_factory=dict)
+    unproven: tuple = ()
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.parts)[:8]
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}#{self.digest}"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "parts": self.parts, "unproven": list(self.unproven)}
+
+
+def _in_library(filename: str) -> bool:
+    if filename.startswith("<"):  # "<string>" (python -c), "<stdin>", notebooks' "<ipython-input-..>" are yours
+        return filename.startswith("<frozen")
+    return os.path.realpath(filename).startswith(_LIBRARY_DIRS)
+
+
+def _module_in_library(name: str) -> bool:
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if path is None:  # __main__ of python -c or a notebook is yours; builtins are not
+        return name in sys.builtin_module_names or name == "builtins"
+    return _in_library(path)
+
+
+def _code(c: types.CodeType) -> list:
+    consts = [_code(k) if isinstance(k, types.CodeType) else repr(k) for k in c.co_consts]
+    return [c.co_code.hex(), consts, list(c.co_names), c.co_argcount, c.co_kwonlyargcount]
+
+
+def _names(c: types.CodeType) -> list[str]:
+    """The global and attribute names a code object and its nested functions use."""
+    out = list(c.co_names)
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            out += _names(k)
+    return list(dict.fromkeys(out))
+
+
+def _qualname(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+class _Reader:
+    """Reads code, objects and data into ``parts`` (label -> text), following references once each."""
+
+    def __init__(self):
+        self.parts: dict[str, str] = {}
+        self.unproven: list[str] = []
+        self._seen: set[int] = set()
+
+    def fingerprint(self, name: str) -> Fingerprint:
+        return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)))
+
+    def _once(self, obj: Any) -> bool:
+        if id(obj) in self._seen:
+            return False
+        self._seen.add(id(obj))
+        return True
+
+    # ---------------------------------------------------------------- code
+    def callable(self, obj: Any, label: str) -> str:
+        """Read what calling ``obj`` runs; returns a short description of it."""
+        if isinstance(obj, functools.partial):
+            self.parts[f"{label} arguments"] = self.value([obj.args, obj.keywords], f"{label} arguments", 1)
+            return f"partial({self.callable(obj.func, label)})"
+        if isinstance(obj, types.MethodType):
+            if not isinstance(obj.__self__, (nn.Module, type)):  # a model is read as a model, a class as a class
+                self.value(obj.__self__, f"{label} self", 1)
+            return self.callable(obj.__func__, label)
+        if isinstance(obj, types.FunctionType):
+            return self.function(obj)
+        if isinstance(obj, type):
+            return self.cls(obj)
+        # a callable object: its class's code and its attributes
+        self.parts[f"{label} object"] = self.value(obj, label, 1)
+        return type(obj).__qualname__
+
+    def function(self, fn: types.FunctionType) -> str:
+        code, name = fn.__code__, f"{fn.__module__}.{fn.__qualname__}"
+        if _in_library(code.co_filename) or not self._once(fn):
+            return name
+        self.parts[f"code {fn.__qualname__}"] = _digest(_code(code))[:16]
+        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            self.parts[f"{fn.__qualname__} closure {var}"] = self.value(contents, f"{fn.__qualname__} closure {var}", 1)
+        if fn.__defaults__ or fn.__kwdefaults__:
+            label = f"{fn.__qualname__} defaults"
+            self.parts[label] = self.value([fn.__defaults__, fn.__kwdefaults__], label, 1)
+        scope = fn.__globals__
+        for var in _names(code):
+            if var in scope and not isinstance(scope[var], types.ModuleType):
+                label = f"global {fn.__module__}.{var}"
+                if label not in self.parts:
+                    self.parts[label] = "..."  # taken before reading: a function that names itself stops here
+                    self.parts[label] = self.value(scope[var], label, 1)
+        return name
+
+    def cls(self, klass: type) -> str:
+        name = f"{klass.__module__}.{klass.__qualname__}"
+        if _module_in_library(klass.__module__) or not self._once(klass):
+            return name
+        for base in klass.__mro__[1:]:
+            if base is not object:
+                self.cls(base)
+        for attr, member in vars(klass).items():
+            if attr.startswith("__") and attr not in ("__init__", "__call__", "__getitem__", "__len__", "__iter__"):
+                continue
+            inner = getattr(member, "__func__", None) or getattr(member, "fget", None) or member
+            if isinstance(inner, types.FunctionType):
+                self.function(inner)
+            elif not callable(member) and not isinstance(member, (property, staticmethod, classmethod)):
+                label = f"class {klass.__qualname__}.{attr}"
+                self.parts[label] = self.value(member, label, 1)
+        return name
+
+    # ---------------------------------------------------------------- values
+    def value(self, v: Any, label: str, depth: int) -> str:
+        """A readable text for ``v`` (its content for data, its code for code); long texts as a digest."""
+        text = self._value(v, label, depth)
+        return text if len(text) <= _TEXT else f"{type(v).__name__} sha {_digest(text)[:16]}"
+
+    def _value(self, v: Any, label: str, depth: int) -> str:
+        if v is None or isinstance(v, (bool, int, float, complex, bytes, torch.dtype, torch.device)):
+            return repr(v)
+        if isinstance(v, str):
+            return self._path(v) if _looks_like_path(v) else repr(v)
+        if isinstance(v, torch.Tensor):
+            return _tensor(v)
+        if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
+            return f"array {list(getattr(v, 'shape', ()))} {v.dtype} sha {hashlib.sha256(v.tobytes()).hexdigest()[:16]}"
+        if isinstance(v, (list, tuple, set, frozenset)):
+            if len(v) > 64 and all(type(x) in (int, float, bool) for x in v):  # indices, labels: one digest
+                return f"{type(v).__name__} of {len(v)} sha {_digest(repr(v))[:16]}"
+            items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+            return f"{type(v).__name__}[{', '.join(self.value(x, label, depth) for x in items)}]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k!r}: {self.value(x, label, depth)}" for k, x in v.items()) + "}"
+        if isinstance(v, (types.FunctionType, types.MethodType, functools.partial, type)):
+            return self.callable(v, label)
+        if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
+            return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', v.__name__)}"
+        if isinstance(v, nn.Module):  # a module referenced by code: its structure (its weights are state)
+            if not _module_in_library(type(v).__module__):
+                self.cls(type(v))
+            return f"module sha {_digest(repr(v))[:16]}"
+        return self._object(v, label, depth)
+
+    def _object(self, v: Any, label: str, depth: int) -> str:
+        kind = type(v)
+        mine = not _module_in_library(kind.__module__)
+        if mine:
+            self.cls(kind)
+        state = getattr(v, "__dict__", None)
+        if state is not None and depth <= _MAX_DEPTH:
+            if not self._once(v):
+                return f"{kind.__qualname__} (again)"
+            attrs = {k: x for k, x in state.items() if not k.startswith("__")}
+            inner = ", ".join(f"{k}={self.value(x, label, depth + 1)}" for k, x in attrs.items())
+            return f"{kind.__qualname__}({inner})"
+        text = repr(v)
+        if " at 0x" not in text and not mine:  # a repr that describes its value (a transform, an Enum, a Path)
+            return text
+        self.unproven.append(f"{label}: a {kind.__qualname__} whose state ddpkit cannot read")
+        return kind.__qualname__
+
+    def _path(self, path: str) -> str:
+        """A path by what is there now: a file's size and mtime, a folder's files' (relative path, size, mtime)."""
+        try:
+            if os.path.isfile(path):
+                st = os.stat(path)
+                return f"{path!r} ({st.st_size} bytes, mtime {st.st_mtime_ns})"
+            rows = []
+            for root, _, names in sorted(os.walk(path, followlinks=True)):
+                for n in sorted(names):
+                    full = os.path.join(root, n)
+                    st = os.stat(full)
+                    rows.append([os.path.relpath(full, path), st.st_size, st.st_mtime_ns])
+                if len(rows) > _DIR_FILES:
+                    self.unproven.append(f"{path}: more than {_DIR_FILES} files, not listed")
+                    return repr(path)
+            return f"{path!r} ({len(rows)} files sha {_digest(rows)[:16]})"
+        except OSError as exc:
+            self.unproven.append(f"{path}: {exc.strerror}")
+            return repr(path)
+
+    # ---------------------------------------------------------------- data
+    def dataset(self, data: Any, label: str) -> None:
+        from torch.utils.data import ConcatDataset, Subset
+
+        if data is None:
+            self.parts[label] = "none"
+            return
+        self.parts[label] = f"{type(data).__qualname__}, {len(data)} samples"
+        if isinstance(data, Subset):
+            self.parts[f"{label} indices"] = self.value(list(data.indices), f"{label} indices", 1)
+            self.dataset(data.dataset, f"{label} of")
+            return
+        if isinstance(data, ConcatDataset):
+            for i, part in enumerate(data.datasets):
+                self.dataset(part, f"{label} part {i}")
+            return
+        samples = getattr(data, "samples", None)
+        if isinstance(samples, list) and samples and isinstance(samples[0], tuple) and hasattr(data, "root"):
+            self.parts[f"{label} files"] = _files(samples, str(data.root))  # torchvision's ImageFolder/DatasetFolder
+            rest = {k: x for k, x in vars(data).items() if k not in ("samples", "imgs", "targets")}
+        else:
+            rest = dict(getattr(data, "__dict__", {}))
+        if not _module_in_library(type(data).__module__):
+            self.cls(type(data))
+        for k, x in rest.items():
+            if not k.startswith("__"):
+                self.parts[f"{label}.{k}"] = self.value(x, f"{label}.{k}", 1)
+
+
+def _looks_like_path(text: str) -> bool:
+    return 0 < len(text) < 4096 and (os.sep in text or text.startswith(".")) and os.path.exists(text)
+
+
+def _tensor(t: torch.Tensor) -> str:
+    t = t.detach()
+    if t.is_sparse or t.layout != torch.strided:
+        t = t.to_dense()
+    data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} sha {hashlib.sha256(data).hexdigest()[:16]}"
+
+
+def _files(samples: list, root: str) -> str:
+    rows = []
+    for path, target in samples:
+        st = os.stat(path)
+        rows.append([os.path.relpath(path, root), target, st.st_size, st.st_mtime_ns])
+    return f"{len(rows)} files sha {_digest(rows)[:16]}"
+
+
+# ---------------------------------------------------------------------- what the Trainer calls
+def code_digest(fn: Any) -> str:
+    """8 hex digits of what calling ``fn`` runs (see the module docstring)."""
+    reader = _Reader()
+    reader.parts["fn"] = reader.callable(fn, "fn")
+    return _digest(reader.parts)[:8]
 
 
 def code_name(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or type(obj).__name__
+    return _qualname(obj)
 
 
-def code_digest(fn: Any) -> str:
-    """What a function does, as far as it can be read without running it: its bytecode, constants
-    and names (nested functions and lambdas included), and the plain values it closes over."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
-    if code is None:
-        return code_name(fn)
-
-    def describe(c):
-        consts = [describe(k) if hasattr(k, "co_code") else repr(k) for k in c.co_consts]
-        return [c.co_code.hex(), consts, list(c.co_names)]
-
-    cells = [
-        repr(cell.cell_contents)
-        for cell in (getattr(fn, "__closure__", None) or ())
-        if isinstance(getattr(cell, "cell_contents", None), (int, float, str, bool, type(None)))
-    ]
-    return _digest([describe(code), cells])
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """``ClassName#digest`` of what the model computes: its parameter and buffer names, shapes and
-    dtypes, its module structure (``repr``: layer types and settings) and the ``forward`` code of
-    your own module classes. An edited model is a new run. (Initial weight values are left out:
-    an unseeded script must still resume its own run.)"""
+def model_fingerprint(model: nn.Module) -> Fingerprint:
+    reader = _Reader()
     layout = [(k, list(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
-    own = sorted(
-        {type(m) for m in model.modules() if not type(m).__module__.startswith("torch.")}, key=lambda t: t.__qualname__
-    )
-    forwards = [(t.__qualname__, code_digest(t.forward)) for t in own]
-    return f"{type(model).__name__}#{_digest([type(model).__qualname__, layout, repr(model), forwards])}"
+    count = sum(v.numel() for v in model.parameters())
+    shape = _digest([layout, repr(model)])[:16]
+    reader.parts["structure"] = f"{count:,} parameters in {len(layout)} tensors, sha {shape}"
+    for path, module in model.named_modules():
+        kind = type(module)
+        if _module_in_library(kind.__module__):
+            continue
+        reader.cls(kind)
+        for k, x in vars(module).items():
+            if not k.startswith("_") and k != "training":
+                label = f"{path or type(model).__name__}.{k}"
+                reader.parts[label] = reader.value(x, label, 1)
+    return reader.fingerprint(type(model).__name__)
 
 
-def data_fingerprint(train: Dataset | None, test: Dataset | None) -> str:
-    """``ClassName#digest`` of each split's length, and the structure and values of its first and
-    last samples: other data is another run."""
-
-    def describe(data):
-        if data is None:
-            return None
-        ends = [data[0], data[len(data) - 1]] if len(data) else []
-        return [type(data).__qualname__, len(data), [structure(x) for x in ends], [value_digest(x) for x in ends]]
-
-    name = type(train if train is not None else test).__name__
-    return f"{name}#{_digest([describe(train), describe(test)])}"
+def data_fingerprint(train: Any, test: Any) -> Fingerprint:
+    reader = _Reader()
+    reader.dataset(train, "train")
+    reader.dataset(test, "test")
+    return reader.fingerprint(type(train if train is not None else test).__name__)
 
 
-def value_digest(sample: Any) -> str:
+def code_fingerprint(name: str, callables: dict) -> Fingerprint:
+    """What each of ``callables`` ({label: fn}, e.g. the loss and the metrics) runs."""
+    reader = _Reader()
+    for label, fn in callables.items():
+        reader.parts[label] = reader.callable(fn, label)
+    return reader.fingerprint(name)
+
+
+def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerprint, torch.optim.Optimizer | None]:
+    """An optimizer, or a factory ``fn(model)`` (called once on ``model`` to read what it builds);
+    returns the fingerprint and the optimizer read."""
+    reader = _Reader()
+    opt = spec
+    if not isinstance(spec, torch.optim.Optimizer):
+        reader.parts["factory"] = reader.callable(spec, "factory")
+        if model is None:
+            return reader.fingerprint(code_name(spec)), None
+        opt = spec(model)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer=... must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    reader.cls(type(opt))
+    index = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
+    for i, group in enumerate(opt.param_groups):
+        settings = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in group.items()}
+        params = settings.pop("params")
+        reader.parts[f"group {i}"] = f"{len(params)} tensors"
+        for k, v in sorted(settings.items()):
+            reader.parts[f"group {i} {k}"] = reader.value(v, f"group {i} {k}", 1)
+        reader.parts[f"group {i} params"] = _digest([index.get(id(p), -1) for p in params])[:16]
+    if opt.state:
+        reader.parts["state"] = reader.value(opt.state_dict()["state"], "state", 1)
+    return reader.fingerprint(type(opt).__name__), opt
+
+
+def scheduler_fingerprint(spec: Any, opt: torch.optim.Optimizer | None) -> Fingerprint:
+    """A scheduler, or a factory ``fn(optimizer[, total_steps])`` (called once, on a copy of ``opt``'s
+    parameter groups, with a nominal 1000 steps, to read its state at step 0)."""
+    reader = _Reader()
+    sched = spec
+    if not (hasattr(spec, "step") and hasattr(spec, "state_dict")):
+        reader.parts["factory"] = reader.callable(spec, "factory")
+        if opt is None:
+            return reader.fingerprint(code_name(spec))
+        import copy
+        import inspect
+        from collections import defaultdict
+
+        probe = copy.copy(opt)  # the scheduler sets lr and initial_lr on its optimizer: never on yours
+        probe.param_groups = [dict(g) for g in opt.param_groups]
+        probe.state = defaultdict(dict)
+        params = [
+            p
+            for p in inspect.signature(spec).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        sched = spec(probe, _SCHEDULE_PROBE_STEPS) if len(params) >= 2 else spec(probe)
+    reader.cls(type(sched))
+    for fn in list(getattr(sched, "lr_lambdas", None) or []) + [getattr(sched, "lr_lambda", None)]:
+        if fn is not None:
+            reader.callable(fn, "lr_lambda")
+    state = {k: v for k, v in sched.state_dict().items() if k not in ("lr_lambdas", "_get_lr_called_within_step")}
+    for k, v in sorted(state.items()):
+        reader.parts[f"state at step 0: {k}"] = reader.value(v, k, 1)
+    return reader.fingerprint(type(sched).__name__)
+
+
+def file_fingerprint(path: str) -> str:
+    """A file's SHA-256 (``--init-from``: the weights a run starts from)."""
     h = hashlib.sha256()
-
-    def feed(x):
-        if isinstance(x, torch.Tensor):
-            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, Mapping):
-            for k in x:
-                h.update(str(k).encode())
-                feed(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                feed(v)
-        else:
-            h.update(repr(x).encode())
-
-    feed(sample)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()[:16]
+
+
+def probe_optimizer(model: nn.Module | None) -> torch.optim.Optimizer:
+    """An optimizer to call a scheduler factory on when ddpkit builds the optimizer (lr 1: the
+    scheduler's own factors are what is read)."""
+    params = list(model.parameters()) if model is not None else []
+    return torch.optim.SGD(params or [torch.zeros(1, requires_grad=True)], lr=1.0)

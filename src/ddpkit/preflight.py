@@ -2,11 +2,12 @@
 batch divisibility, the loggers' packages, the dataset, one real batch through the model and the task,
 the run directory's state, and whether the node can hold the processes asked for.
 
-    cfg, spec, splits, task = preflight(config, splits, model, task_for, optimizer)
+    cfg, spec, splits, task, found = preflight(config, splits, model, task_for, optimizer)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from .dist import env
 from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
 from .errors import ConfigError, DataError, DdpkitError, RunDirError
+from .identity import Fingerprint, data_fingerprint, file_fingerprint
 from .models import model_for
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
@@ -34,7 +36,9 @@ from .train.task import Classification, Task
 def preflight(
     config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable, optimizer: Any = None
 ):
-    """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task)."""
+    """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task, found):
+    ``found`` holds the fingerprints of what was read here (the built-in data's content, the
+    --init-from file), by config field; ``cfg`` records them, and its run dir is named with them."""
     cfg = config.resolved()
     spec = LaunchSpec.from_config(cfg)
     world = spec.world_size
@@ -60,6 +64,10 @@ def preflight(
         )
     if splits is None:
         splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")
+    found = content_fingerprints(cfg, splits)
+    if found:  # the default run dir's name covers the data's content and the starting weights too
+        cfg = dataclasses.replace(config, **{k: fp.tag for k, fp in found.items()}).resolved()
+        spec = LaunchSpec.from_config(cfg)
     if splits.meta is None and model is None:
         raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
     if splits.test is None or len(splits.test) == 0:
@@ -90,7 +98,23 @@ def preflight(
             f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
         )
     check_processes(spec, splits, model)
-    return cfg, spec, splits, task
+    return cfg, spec, splits, task, found
+
+
+def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fingerprint]:
+    """What the run identity reads of content the config names by path: the built-in or imagefolder
+    data (tensors by content, image files by path, size and mtime), and the --init-from file (SHA-256).
+    Data passed from Python is read by the Trainer (config field ``dataset``)."""
+    found = {}
+    if not cfg.dataset.startswith("custom:"):
+        found["data_digest"] = data_fingerprint(splits.train, splits.test)
+    if cfg.init_from:
+        try:
+            digest = file_fingerprint(cfg.init_from)
+        except OSError as exc:
+            raise ConfigError(f"--init-from {cfg.init_from}: cannot read it ({exc.strerror})") from None
+        found["init_digest"] = Fingerprint(f"sha256:{digest}", {"sha256": digest})
+    return found
 
 
 def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> None:

@@ -36,8 +36,16 @@ from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
 from .dist import env
 from .dist.launcher import LaunchSpec, refuse_if_importing_main, run_workers
-from .errors import ConfigError, DataError
-from .identity import code_name, data_fingerprint, model_fingerprint
+from .errors import ConfigError, DataError, RunDirError
+from .identity import (
+    Fingerprint,
+    code_fingerprint,
+    data_fingerprint,
+    model_fingerprint,
+    optimizer_fingerprint,
+    probe_optimizer,
+    scheduler_fingerprint,
+)
 from .preflight import (
     available_memory_bytes,
     infer_classes,
@@ -48,7 +56,7 @@ from .preflight import (
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
 from .run.paths import RunFiles
-from .run.rundir import check_run_dir, owning_run_dir, record_teardown
+from .run.rundir import check_run_dir, matched_on, owning_run_dir, record_teardown, unproven
 from .train.task import Task, resolve_task
 from .train.workers import Job, eval_worker, train_worker
 
@@ -98,12 +106,16 @@ class Trainer:
         self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
         self.optimizer, self.scheduler = optimizer, scheduler
         self.splits = None
+        # What the run identity reads of each thing passed in, by config field (ddpkit.identity);
+        # kept in RUN_DIR/identity.json so a refusal can say which part differs.
+        prints: dict[str, Fingerprint] = {}
         if train_data is not None or test_data is not None:
             meta = meta or infer_meta(train_data if train_data is not None else test_data)
             self.splits = DataSplits(train_data, test_data, meta, collate_fn)
-            cfg = dataclasses.replace(cfg, dataset=f"custom:{data_fingerprint(train_data, test_data)}")
+            prints["dataset"] = data_fingerprint(train_data, test_data)
         if model is not None:
-            cfg = dataclasses.replace(cfg, model=f"custom:{model_fingerprint(model)}")
+            prints["model"] = model_fingerprint(model)
+        opt = None
         for given, what, unused in (
             (optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
             (scheduler, "schedule", ("schedule", "warmup_frac")),
@@ -116,7 +128,14 @@ class Trainer:
                     f"you pass your own {what}, so the config's {', '.join(clash)} would be ignored; "
                     f"leave {'it' if len(clash) == 1 else 'them'} unset"
                 )
-            cfg = dataclasses.replace(cfg, **{what: f"custom:{code_name(given)}"})
+            if what == "optimizer":
+                prints[what], opt = optimizer_fingerprint(given, model)
+            else:
+                prints[what] = scheduler_fingerprint(given, opt if opt is not None else probe_optimizer(model))
+        if loss_fn is not None or self.metrics:
+            prints["task"] = code_fingerprint("task", {"loss_fn": loss_fn, **self.metrics} if loss_fn else self.metrics)
+        cfg = dataclasses.replace(cfg, **{k: f"custom:{fp.tag}" for k, fp in prints.items() if k != "task"})
+        self.fingerprints = {k: fp.to_json() for k, fp in prints.items()}
         self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
 
     def _task(self, cfg: TrainConfig) -> Task:
@@ -136,11 +155,12 @@ class Trainer:
         t0 = float(os.environ.get(env.T0, time.time()))  # the CLI's launch time, or this call's
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
-        cfg, spec, splits, task = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
-        finished = check_run_dir(cfg)
+        cfg, spec, splits, task, found = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
+        identity = {**self.fingerprints, **{k: fp.to_json() for k, fp in found.items()}}
+        cfg, finished = self._existing(cfg, identity)
         if finished is not None:
             print(
-                f"ddpkit: {cfg.run_dir} already holds this finished run (the same settings, model code and data); "
+                f"ddpkit: {cfg.run_dir} already holds this finished run (matched on {matched_on(identity)}); "
                 f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
                 + (f". --log {cfg.log} applies to runs that train" if cfg.log else "")
             )
@@ -149,7 +169,8 @@ class Trainer:
         else:
             # The workers get the data loaded here (tensors travel through shared memory), never
             # loading it again per rank.
-            job = Job(cfg, task, self.model, splits, self.optimizer, self.scheduler, t0)
+            spec = LaunchSpec.from_config(cfg)  # the run dir may have moved on (see _existing)
+            job = Job(cfg, task, self.model, splits, self.optimizer, self.scheduler, t0, identity)
             home = None if spec.in_process else move_to_cpu(self.model)
             try:
                 with owning_run_dir(cfg, spec) as owner:
@@ -162,6 +183,43 @@ class Trainer:
         if self.model is not None:
             self.model.load_state_dict(read_weights(RunFiles(cfg.run_dir).model))
         return FitResult(summary, summary.get("per_rank", []), Path(cfg.run_dir))
+
+    def _existing(self, cfg: TrainConfig, identity: dict) -> tuple[TrainConfig, dict | None]:
+        """(the config to run, the finished run's summary to return or None).
+
+        A finished run is returned only when everything passed in could be read and matches. When
+        something could not be read (``unproven``), a finished run is never returned: with the
+        default run dir the run trains in the next one (``runs/NAME-2``, ...), where a rerun after a
+        kill resumes it; with a run dir you named, it is refused. An unfinished run resumes either
+        way: the config, the code and everything readable match, and a kill is why runs are rerun.
+        """
+        doubts = unproven(identity)
+        finished = check_run_dir(cfg, identity)
+        if finished is None or not doubts:
+            if doubts and RunFiles(cfg.run_dir).checkpoints.exists():
+                print(
+                    f"ddpkit: resuming {cfg.run_dir}, matched on everything but what cannot be read: "
+                    f"{'; '.join(doubts)}"
+                )
+            return cfg, finished
+        why = "; ".join(doubts)
+        if self.config.run_dir:
+            raise RunDirError(
+                f"{cfg.run_dir} holds a finished run, and ddpkit cannot tell whether this run is the same ({why}); "
+                f"pass a new run_dir, or delete {cfg.run_dir} to train again"
+            )
+        base = cfg.run_dir
+        for n in range(2, 1000):
+            cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
+            finished = check_run_dir(cfg, identity)
+            if finished is None:
+                doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
+                print(
+                    f"ddpkit: {base} holds a finished run that ddpkit cannot tell from this one ({why}); "
+                    f"{doing} {cfg.run_dir}"
+                )
+                return cfg, None
+        raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self) -> dict:

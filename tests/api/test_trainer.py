@@ -229,7 +229,7 @@ def test_optimizer_scheduler_and_clipping_come_from_the_user(tmp_path):
     groups = snap["trainer"]["optimizer"]["param_groups"]
     assert [g["initial_lr"] for g in groups] == [0.01, 0.003] and "exp_avg" in snap["trainer"]["optimizer"]["state"][0]
     cfg_text = (result.run_dir / "config.toml").read_text()
-    assert 'optimizer = "custom:AdamW"' in cfg_text and "lr =" not in cfg_text  # nothing claims an unused lr
+    assert 'optimizer = "custom:AdamW#' in cfg_text and "lr =" not in cfg_text  # nothing claims an unused lr
     steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["grad_norm"] > 0 for r in steps if r["event"] == "step")
 
@@ -252,7 +252,7 @@ def test_an_edited_model_is_a_new_run_never_a_stale_result(tmp_path):
     assert c.dataset != a.dataset  # a dataset of another size is another run too
     run = str(tmp_path / "r")
     Trainer(TrainConfig(nproc="1", run_dir=run, **SMALL), model=RegressionMLP(hidden=16), **data).fit()
-    with pytest.raises(RunDirError, match="different config \\(model: 'custom:RegressionMLP#"):
+    with pytest.raises(RunDirError, match="different config \\(model RegressionMLP: structure 97 parameters .* -> 193"):
         Trainer(TrainConfig(nproc="1", run_dir=run, **SMALL), model=RegressionMLP(hidden=32), **data).fit()
 
 

@@ -242,8 +242,9 @@ class Checkpointer:
                 f"snapshot {path} was written by another ddpkit version (snapshot format "
                 f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir"
             )
-        if snap["config_hash"] != self.cfg.hash():
-            keys = self.cfg.differing_keys(snap["config"])
+        # By key, not by hash alone: a snapshot from before a key was recorded matches on the rest
+        keys = self.cfg.differing_keys(snap["config"]) if snap["config_hash"] != self.cfg.hash() else []
+        if keys:
             raise RunDirError(
                 f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
                 f"pass a new --run-dir to start a new run"

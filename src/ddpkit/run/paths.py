@@ -4,6 +4,7 @@ files = RunFiles(run_dir)
 files.config, files.metrics, files.summary, files.model, files.checkpoints
 
 RUN_DIR/config.toml      the resolved config (identical keys on resume, or the run is refused)
+RUN_DIR/identity.json    what ddpkit read of the model, data, optimizer... passed in (ddpkit.identity), by config field
 RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
 RUN_DIR/summary.json     final figures
 RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
@@ -18,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIG, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = (
+CONFIG, IDENTITY, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = (
     "config.toml",
+    "identity.json",
     "metrics.jsonl",
     "summary.json",
     "model.pt",
@@ -27,7 +29,7 @@ CONFIG, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = (
     "plots",
 )
 # What ddpkit keeps in a run dir, each as a file or a directory; another kind of entry there is refused.
-EXPECTED = {CONFIG: "file", METRICS: "file", SUMMARY: "file", MODEL: "file", CHECKPOINTS: "directory"}
+EXPECTED = {CONFIG: "file", IDENTITY: "file", METRICS: "file", SUMMARY: "file", MODEL: "file", CHECKPOINTS: "directory"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class RunFiles:
     @property
     def config(self) -> Path:
         return self.root / CONFIG
+
+    @property
+    def identity(self) -> Path:
+        return self.root / IDENTITY
 
     @property
     def metrics(self) -> Path:

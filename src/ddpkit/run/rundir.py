@@ -54,13 +54,15 @@ def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
     return cfg
 
 
-def check_run_dir(cfg: TrainConfig) -> dict | None:
+def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None:
     """Refuse a run dir that cannot be used as asked; return its summary if that run already finished.
 
     Checked before any worker starts: the layout (each entry a file or a directory as ddpkit
     writes it), that it can be written, that it holds the same config. A finished run whose
     summary.json is unreadable is not "finished": it resumes from its last snapshot, which
-    writes model.pt and summary.json again.
+    writes model.pt and summary.json again. ``identity``: the fingerprints of what was passed in
+    (``Fingerprint.to_json()`` by config field), compared with the run dir's identity.json to say in
+    words what differs.
     """
     run_dir, files = Path(cfg.run_dir), RunFiles(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -82,7 +84,10 @@ def check_run_dir(cfg: TrainConfig) -> dict | None:
     differing = cfg.differing_keys(saved)
     trained = files.model.exists() or list(files.checkpoints.glob("snapshot-*.pt"))
     if differing and trained:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in differing)
+        before = read_identity(run_dir)
+        detail = "; ".join(
+            describe_difference(k, saved.get(k), getattr(cfg, k), before, identity or {}) for k in differing
+        )
         raise RunDirError(
             f"run dir {run_dir} holds a run with a different config ({detail}); "
             f"pass a new --run-dir, or delete {run_dir} to start over"
@@ -105,6 +110,51 @@ def check_run_dir(cfg: TrainConfig) -> dict | None:
             f"{summary} is unreadable (truncated?) and {run_dir} holds no snapshot to rebuild it "
             f"from; model.pt is intact. Evaluate it with `ddpkit eval {run_dir}`"
         ) from None
+
+
+def read_identity(run_dir: str | Path) -> dict:
+    """RUN_DIR/identity.json ({} where there is none, as in run dirs of ddpkit before 0.3)."""
+    try:
+        return json.loads(RunFiles(run_dir).identity.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_difference(key: str, old, new, before: dict, now: dict) -> str:
+    """One differing config key in words: for what was passed in, the parts that differ
+    (``optimizer AdamW: group 0 lr 0.001 -> 0.0005``), else the values."""
+    a, b = (before.get(key) or {}).get("parts"), (now.get(key) or {}).get("parts")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return f"{key}: {old!r} -> {new!r}"
+    said = []
+    for part in list(dict.fromkeys([*a, *b])):
+        if part not in a:
+            said.append(f"{part} added ({b[part]})")
+        elif part not in b:
+            said.append(f"{part} removed")
+        elif a[part] != b[part]:
+            said.append(f"{part} changed" if part.startswith("code ") else f"{part} {a[part]} -> {b[part]}")
+    name = (now.get(key) or {}).get("name", "")
+    return f"{key} {name}: {', '.join(said) or 'read differently by another ddpkit version'}"
+
+
+def unproven(identity: dict) -> list[str]:
+    """What ddpkit could not read of what was passed in (see ddpkit.identity)."""
+    return [item for fp in identity.values() for item in fp.get("unproven", [])]
+
+
+def matched_on(identity: dict) -> str:
+    """What a finished run returned from disk was matched on, in words."""
+    read = [
+        f"{key} {fp['name']} ({len(fp['parts'])} parts)"
+        for key, fp in identity.items()
+        if key not in ("data_digest", "init_digest")
+    ]
+    if "data_digest" in identity:
+        read.append(f"data by content ({identity['data_digest']['name']})")
+    if "init_digest" in identity:
+        read.append("the --init-from file by SHA-256")
+    return ", ".join(["the config", *read])
 
 
 def check_writable(run_dir: Path) -> None:
@@ -213,8 +263,16 @@ def read_fatal(run_dir: str | Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------- writers
-def write_config(cfg: TrainConfig, ctx: DistContext) -> None:
-    on_rank0(ctx, lambda: atomic_write(RunFiles(cfg.run_dir).config, cfg.to_toml().encode()))
+def write_config(cfg: TrainConfig, ctx: DistContext, identity: dict | None = None) -> None:
+    """config.toml, and identity.json (what was read of the things passed in) when there is one."""
+
+    def write():
+        files = RunFiles(cfg.run_dir)
+        if identity:
+            atomic_write(files.identity, (json.dumps(identity, indent=1, sort_keys=True) + "\n").encode())
+        atomic_write(files.config, cfg.to_toml().encode())
+
+    on_rank0(ctx, write)
 
 
 def summary_bytes(summary: dict) -> bytes:

@@ -96,8 +96,10 @@ class Engine:
         scheduler=None,
         static_graph: bool = False,
         t0: float | None = None,
+        identity: dict | None = None,
     ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
+        self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
         self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
@@ -221,7 +223,7 @@ class Engine:
                 self.load_state_dict(snap)
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
-            write_config(self.cfg, self.ctx)
+            write_config(self.cfg, self.ctx, self.identity)
             self.log.log(
                 "start",
                 world_size=self.ctx.world_size,

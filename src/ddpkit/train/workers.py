@@ -37,6 +37,7 @@ class Job:
     optimizer: Any = None  # None: built from the config; else a factory or an optimizer on ``model``
     scheduler: Any = None
     t0: float | None = None  # when the user launched the run (wall clock), for summary.json's startup_s
+    identity: Optional[dict] = None  # what was read of what was passed in, for RUN_DIR/identity.json
 
 
 def train_worker(job: Job) -> dict:
@@ -67,7 +68,16 @@ def _train(job: Job, ctx: DistContext) -> dict:
         model = model_for(cfg, splits.meta)
     # Registry models use every parameter every step, so DDP may assume a static graph.
     return Engine(
-        cfg, ctx, model, splits, job.task, optimizer, scheduler, static_graph=job.model is None, t0=job.t0
+        cfg,
+        ctx,
+        model,
+        splits,
+        job.task,
+        optimizer,
+        scheduler,
+        static_graph=job.model is None,
+        t0=job.t0,
+        identity=job.identity,
     ).fit()
 
 

@@ -1,0 +1,220 @@
+"""The run identity: every edit to what you pass in is a new run, and what cannot be read is never a stale result.
+
+Each test reproduces a case where ddpkit returned a stale result or resumed on changed inputs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import identity_code
+import pytest
+import torch
+from user_code import RegressionMLP, mse, regression_data
+
+from ddpkit import TrainConfig, Trainer
+from ddpkit.errors import RunDirError
+from ddpkit.identity import data_fingerprint, model_fingerprint, optimizer_fingerprint, scheduler_fingerprint
+
+SMALL = dict(batch_size=16, epochs=1, progress=False, device="cpu", num_workers=0, log_every=2, nproc="1")
+
+
+def adamw(lr):
+    return lambda model: torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def kill_after_last_snapshot(run_dir):
+    """What a kill after the last snapshot leaves: no model.pt and no summary.json."""
+    (run_dir / "model.pt").unlink()
+    (run_dir / "summary.json").unlink()
+
+
+def fit(run_dir=None, model=None, optimizer=None, train=None, **kw):
+    cfg = TrainConfig(**SMALL, **({"run_dir": str(run_dir)} if run_dir else {}))
+    return Trainer(
+        cfg,
+        model=model or RegressionMLP(),
+        train_data=train if train is not None else regression_data(64, 0),
+        test_data=regression_data(16, 1),
+        loss_fn=mse,
+        optimizer=optimizer,
+        **kw,
+    ).fit()
+
+
+# ---------------------------------------------------------------- case 3: optimizer and scheduler settings
+def test_an_lr_changed_inside_the_optimizer_factory_is_another_run(tmp_path, capsys):
+    """Regression: the optimizer was identified by its name, so the rerun printed "already holds this
+    finished run" with the old figures, and a resumed run kept the old lr."""
+    first = fit(tmp_path / "r", optimizer=adamw(1e-3))
+    kill_after_last_snapshot(first.run_dir)
+    with pytest.raises(RunDirError, match=r"optimizer AdamW: .*group 0 lr 0.001 -> 0.0005"):
+        fit(tmp_path / "r", optimizer=adamw(5e-4))
+    again = fit(tmp_path / "r", optimizer=adamw(1e-3))  # the same settings resume
+    assert again["steps"] == first["steps"]
+    assert "resumed_at_step" in (first.run_dir / "metrics.jsonl").read_text()
+
+
+def test_optimizer_objects_and_scheduler_settings_are_read_not_named():
+    model = RegressionMLP()
+    a, _ = optimizer_fingerprint(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    b, _ = optimizer_fingerprint(torch.optim.AdamW(model.parameters(), lr=2e-3), model)
+    assert a.name == b.name == "AdamW" and a.tag != b.tag
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=5)
+    assert (
+        scheduler_fingerprint(step, opt).tag
+        != scheduler_fingerprint(functools.partial(torch.optim.lr_scheduler.StepLR, step_size=6), opt).tag
+    )
+    assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]  # the probe left it alone
+    one = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    two = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1), lambda s: 0.9**s)
+    assert scheduler_fingerprint(one, None).tag != scheduler_fingerprint(two, None).tag
+
+
+# ---------------------------------------------------------------- case 5: code the fingerprint missed
+def test_edits_to_helpers_globals_partials_and_callable_objects_are_new_runs(monkeypatch):
+    """Regression: each of these kept the fingerprint, and the rerun returned "the same model code"."""
+    from ddpkit.identity import code_digest
+
+    base = model_fingerprint(identity_code.HelperNet())
+    monkeypatch.setattr(identity_code, "SCALE", 2.0)  # a module-level name the forward reaches
+    assert model_fingerprint(identity_code.HelperNet()).tag != base.tag
+    monkeypatch.setattr(identity_code, "SCALE", 1.0)
+    assert model_fingerprint(identity_code.HelperNet()).tag == base.tag  # and nothing else moves it
+
+    def scaled(self, x):  # a helper method the forward calls, edited
+        return x * identity_code.SCALE + 0
+
+    monkeypatch.setattr(identity_code.HelperNet, "scaled", scaled)
+    assert model_fingerprint(identity_code.HelperNet()).tag != base.tag
+
+    assert code_digest(functools.partial(mse_scaled, k=1.0)) != code_digest(functools.partial(mse_scaled, k=2.0))
+    assert code_digest(identity_code.Weighted(1.0)) != code_digest(identity_code.Weighted(2.0))
+
+    net = RegressionMLP()
+    net.temperature = 1.0  # a plain attribute the forward may read
+    other = RegressionMLP()
+    other.temperature = 2.0
+    assert model_fingerprint(net).tag != model_fingerprint(other).tag
+
+
+def mse_scaled(model, batch, k):
+    return k * mse(model, batch)[0]
+
+
+def test_a_sample_changed_in_the_middle_of_the_dataset_is_new_data():
+    """Regression: only the first and last samples were read."""
+    data = regression_data(64, 0)
+    x, y = data.tensors
+    edited = torch.utils.data.TensorDataset(x.clone(), y.clone())
+    edited.tensors[0][32, 1] += 1
+    assert data_fingerprint(data, None).tag != data_fingerprint(edited, None).tag
+    assert data_fingerprint(data, None).tag == data_fingerprint(regression_data(64, 0), None).tag
+
+
+# ---------------------------------------------------------------- case 6: random __getitem__
+def test_an_unseeded_random_augmentation_still_resumes_its_own_run(tmp_path):
+    """Regression: the data fingerprint hashed values drawn through __getitem__, which differ in every
+    process, so a killed run could never resume (refused with a fixed run dir, from step 0 with the default)."""
+    a, b = identity_code.Augmented(64), identity_code.Augmented(64)
+    assert data_fingerprint(a, None).tag == data_fingerprint(b, None).tag  # read from storage, not __getitem__
+    first = fit(tmp_path / "r", train=identity_code.Augmented(64))
+    kill_after_last_snapshot(first.run_dir)
+    fit(tmp_path / "r", train=identity_code.Augmented(64))
+    starts = [json.loads(line) for line in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("resumed_at_step") for r in starts if r["event"] == "start"] == [None, first["steps"]]
+
+
+# ---------------------------------------------------------------- what cannot be read
+def test_what_cannot_be_read_resumes_after_a_kill_but_is_never_returned_finished(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    fp = data_fingerprint(identity_code.Streamed(32), None)
+    assert fp.unproven == ("train.handle: a lock whose state ddpkit cannot read",)
+    first = fit(train=identity_code.Streamed(64))  # the default run dir
+    capsys.readouterr()
+    second = fit(train=identity_code.Streamed(64))
+    out = capsys.readouterr().out
+    assert second.run_dir == first.run_dir.with_name(first.run_dir.name + "-2")
+    assert "cannot tell from this one" in out and "train.handle: a lock" in out and "already holds" not in out
+    kill_after_last_snapshot(second.run_dir)
+    third = fit(train=identity_code.Streamed(64))  # a kill: resumes its own run
+    assert third.run_dir == second.run_dir and "resuming" in capsys.readouterr().out
+    with pytest.raises(RunDirError, match="cannot tell whether this run is the same .*train.handle: a lock"):
+        fit(first.run_dir, train=identity_code.Streamed(64))  # a run dir you name: refused, never returned
+
+
+def test_a_finished_run_returned_says_what_it_matched_on(tmp_path, capsys):
+    fit(tmp_path / "r", optimizer=adamw(1e-3))
+    capsys.readouterr()
+    fit(tmp_path / "r", optimizer=adamw(1e-3))
+    out = capsys.readouterr().out
+    assert "already holds this finished run (matched on the config, dataset TensorDataset" in out
+    assert "model RegressionMLP" in out and "optimizer AdamW" in out
+    saved = json.loads((tmp_path / "r" / "identity.json").read_text())
+    assert saved["optimizer"]["parts"]["group 0 lr"] == "0.001"
+
+
+# ---------------------------------------------------------------- case 4: data and weights named by path
+@pytest.fixture
+def images(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split, n in (("train", 8), ("val", 2)):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(root / split / cls / f"{i}.png")
+    return root
+
+
+def image_run(root, run_dir):
+    cfg = TrainConfig(
+        dataset=f"imagefolder:{root}",
+        image_size=8,
+        model="mlp",
+        **dict(SMALL, batch_size=4),
+        **({"run_dir": str(run_dir)} if run_dir else {}),
+    )
+    return Trainer(cfg).fit()
+
+
+def test_images_added_or_removed_are_new_data(tmp_path, images, monkeypatch, capsys):
+    """Regression: imagefolder:PATH was identified by its path: 40 images added gave the stale result,
+    90 removed after a kill resumed on the new data and reported itself finished."""
+    monkeypatch.chdir(tmp_path)
+    first = image_run(images, None)
+    shutil.copy(images / "train" / "a" / "0.png", images / "train" / "a" / "new.png")
+    capsys.readouterr()
+    added = image_run(images, None)
+    assert added.run_dir != first.run_dir and "already holds" not in capsys.readouterr().out
+    kill_after_last_snapshot(added.run_dir)
+    (images / "train" / "b" / "3.png").unlink()
+    said = r"data_digest ImageFiles: train ImageFiles, 17 samples -> ImageFiles, 16 samples, train files 17 files sha"
+    with pytest.raises(RunDirError, match=said):
+        image_run(images, added.run_dir)
+
+
+def test_data_dir_files_and_init_from_weights_are_read_by_content(tmp_path):
+    """--data-dir and --init-from were identified by path: other files there were the same run."""
+    import numpy as np
+    from formats import write_cifar10
+
+    from ddpkit.data import load_dataset
+    from ddpkit.preflight import content_fingerprints
+
+    cfg = TrainConfig(dataset="cifar10", data_dir=str(tmp_path / "d")).resolved()
+    write_cifar10(tmp_path / "d", np.random.default_rng(0))
+    before = content_fingerprints(cfg, load_dataset(cfg, download=False))["data_digest"]
+    shutil.rmtree(tmp_path / "d")
+    write_cifar10(tmp_path / "d", np.random.default_rng(1))  # other files at the same --data-dir
+    after = content_fingerprints(cfg, load_dataset(cfg, download=False))["data_digest"]
+    assert before.tag != after.tag
+    weights = tmp_path / "w.pt"
+    torch.save(RegressionMLP().state_dict(), weights)
+    init = TrainConfig(dataset="cifar10", data_dir=str(tmp_path / "d"), init_from=str(weights)).resolved()
+    one = content_fingerprints(init, load_dataset(cfg, download=False))["init_digest"]
+    torch.save(RegressionMLP(hidden=16).state_dict(), weights)
+    assert content_fingerprints(init, load_dataset(cfg, download=False))["init_digest"].tag != one.tag

@@ -1,0 +1,63 @@
+"""User code whose edits the run identity must see (tests/api/test_identity.py edits it in place)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+SCALE = 1.0  # a module-level name the model's forward reaches through a helper
+
+
+class HelperNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def scaled(self, x):
+        return x * SCALE
+
+    def forward(self, x):
+        return self.scaled(self.fc(x))
+
+
+class Weighted:
+    """A callable object used as a loss: its attribute is part of what it computes."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+
+    def __call__(self, model, batch):
+        return self.weight * nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+class Augmented(Dataset):
+    """Stored samples, drawn through a random augmentation on every read (an unseeded script's data)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=gen)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(4), self.y[i]
+
+
+class Streamed(Dataset):
+    """Samples read from a handle ddpkit cannot look into (here a lock stands in for a database client)."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.handle = threading.Lock()
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 4, generator=gen)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.x[i].sum(0, keepdim=True)
