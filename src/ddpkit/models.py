@@ -36,7 +36,8 @@ class ConvNet(nn.Module):
 
 
 class SimpleCNN(nn.Module):
-    """A small CIFAR CNN (SimpleCNN): three conv+BN blocks, fc 4096->512->classes, dropout 0.5."""
+    """A small CIFAR CNN (SimpleCNN): three conv+BN blocks, fc 4096->512->classes, dropout 0.5; larger
+    images are average-pooled to the 4x4 feature map of a 32x32 one first."""
 
     def __init__(self, channels: int = 3, height: int = 32, width: int = 32, classes: int = 10):
         super().__init__()
@@ -48,13 +49,23 @@ class SimpleCNN(nn.Module):
             conv_bn(128, 256),
             nn.MaxPool2d(2),
         )
-        flat = 256 * (height // 8) * (width // 8)  # 4096 for 32x32 inputs
+        # Larger images are average-pooled to the 4x4 map a 32x32 image gives, so the classifier
+        # is 4096 -> 512 at every --image-size: flattened unpooled, 224 px made it 200,704 -> 512
+        # (100M weights), which diverged at the recipe's lr 0.1. At 32 px nothing is pooled.
+        h, w = height // 8, width // 8
+        if h <= 4 and w <= 4:
+            self.pool, flat = nn.Identity(), 256 * h * w
+        else:
+            th, tw = min(h, 4), min(w, 4)
+            exact = h % th == 0 and w % tw == 0  # plain windows: a deterministic backward on CUDA
+            self.pool = nn.AvgPool2d((h // th, w // tw)) if exact else nn.AdaptiveAvgPool2d((th, tw))
+            flat = 256 * th * tw
         self.classifier = nn.Sequential(
             nn.Dropout(0.5), nn.Linear(flat, 512), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(512, classes)
         )
 
     def forward(self, x):
-        return self.classifier(self.features(x).flatten(1))
+        return self.classifier(self.pool(self.features(x)).flatten(1))
 
 
 class GlobalPool(nn.Module):

@@ -36,7 +36,7 @@ from ..run.recorder import MetricLogger
 from ..run.rundir import write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
-from .metrics import Accumulator, means, peak_memory_mb
+from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
 from .optim import (
     EMA,
     autocast,
@@ -148,6 +148,7 @@ class Engine:
             metric_names=task.names,
         )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
+        self.watch = DivergenceWatch()  # in every snapshot as "divergence"
         self._epoch_t0 = 0.0
         self.final_train: dict = {}
         self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
@@ -176,6 +177,7 @@ class Engine:
             **state,
             "position": dataclasses.asdict(self.pos),
             "timing": dataclasses.asdict(dataclasses.replace(self.timing, epoch_elapsed_s=elapsed)),
+            "divergence": dataclasses.asdict(self.watch),
             "final_train": self.final_train,
             # Plain floats: this travels through all_gather_object, which would rebuild a
             # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
@@ -188,6 +190,7 @@ class Engine:
             if part is not None:
                 part.load_state_dict(state[key])
         self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
+        self.watch = DivergenceWatch(**state.get("divergence", {}))  # snapshots before 0.3 have none
         self.final_train = state["final_train"]
         mine = snap["ranks"][self.ctx.rank]
         self.acc.load(mine["rank_state"]["acc"])
@@ -395,6 +398,15 @@ class Engine:
             f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless."
         )
 
+    def _divergence(self, loss: float) -> str:
+        """The diverging run in one line, with the likely cause."""
+        return (
+            f"training is diverging: loss {loss:.4g} at step {self.pos.global_step}, over "
+            f"{DIVERGED_RATIO:g}x its first logged {self.watch.first_loss:.4g}. The likely cause is the learning "
+            f"rate ({self.lr_policy}) for a global batch of {self.cfg.batch_size}: try a lr several times lower"
+            f" (--lr, or your optimizer's), or a longer warm-up (--warmup-frac)"
+        )
+
     def _checked_state(self) -> dict:
         """The state to snapshot, after checking (on every rank: a collective) there is nothing non-finite in it."""
         totals, _, bad = self._sync(check_weights=True)
@@ -419,6 +431,8 @@ class Engine:
         self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)
         self._check_finite(totals[0])
+        if self.watch.check(means.get("loss"), self.pos.global_step):
+            self.log.print(f"ddpkit: warning: {self._divergence(means['loss'])}")
         if stop:
             path = self.ckpt.save(self._checked_state(), self.pos.global_step)
             name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
@@ -518,9 +532,15 @@ class Engine:
             "finished_at": round(time.time(), 3),
             "per_rank": per_rank,
             "ddp_timers": ddp_timers(self.ddp),
+            "diverged_at_step": self.watch.diverged_at_step,
         }
         write_summary(cfg.run_dir, summary, ctx)
         self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
+        if self.watch.diverged_at_step is not None:
+            self.log.print(
+                f"ddpkit: warning: this run diverged at step {self.watch.diverged_at_step} (its loss rose over "
+                f"{DIVERGED_RATIO:g}x its start); its figures are not those of a converged model"
+            )
         if ctx.is_main and cfg.plots:
             self._plot()
         return summary

@@ -7,7 +7,10 @@ pairs, so the cross-rank reduction is exact by construction.
 
 from __future__ import annotations
 
+import math
 import resource
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -91,3 +94,33 @@ def peak_memory_mb(ctx: DistContext) -> float:
         mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     t = torch.tensor([mine], dtype=torch.float64, device=ctx.device)
     return ctx.all_reduce(t, op=torch.distributed.ReduceOp.MAX).item()
+
+
+# A loss this many times its first logged value, and this much above it (loss units: a loss near 0
+# that rises tenfold is usually noise), is diverging.
+DIVERGED_RATIO, DIVERGED_MARGIN = 10.0, 1.0
+
+
+@dataclass
+class DivergenceWatch:
+    """Watches the loss at log intervals (values every rank already holds: the same verdict on every
+    rank, no extra sync); saved in every snapshot as ``divergence``."""
+
+    first_loss: Optional[float] = None  # the first logged interval's mean loss
+    diverged_at_step: Optional[int] = None
+
+    def check(self, loss: Optional[float], step: int) -> bool:
+        """True the first time ``loss`` (finite) is far above the first logged loss."""
+        if loss is None or not math.isfinite(loss):
+            return False  # non-finite: --on-nan's business
+        if self.first_loss is None:
+            self.first_loss = loss
+            return False
+        if self.diverged_at_step is None and self.diverged(loss):
+            self.diverged_at_step = step
+            return True
+        return False
+
+    def diverged(self, loss: float) -> bool:
+        first = self.first_loss
+        return first is not None and first > 0 and loss > DIVERGED_RATIO * first and loss > first + DIVERGED_MARGIN
