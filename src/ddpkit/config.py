@@ -36,6 +36,11 @@ except ModuleNotFoundError:  # Python < 3.11
 DATASET_NAMES = ("mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic")
 MODEL_NAMES = ("convnet", "cnn", "resnet9", "resnet18", "mlp")
 LOGGER_NAMES = ("tensorboard", "wandb", "csv")
+# Said before launch (run/rundir.py) and by a worker that finds a snapshot (train/engine.py); why: train/ddp.py.
+POWERSGD_NO_RESUME = (
+    "--comm-hook powersgd keeps its error feedback per rank in DDP's gradient buckets, which a new "
+    "process lays out anew, so a PowerSGD run cannot resume exactly and ddpkit does not resume it"
+)
 
 
 def _f(default: Any, section: str, help: str, choices: tuple | None = None, cli: bool = True) -> Any:
@@ -116,7 +121,7 @@ class TrainConfig:
         "none",
         "model",
         "DDP communication hook: gradients all-reduced as bf16 or fp16 (half the "
-        "bytes), or PowerSGD rank-1 compressed (its error-feedback state is not saved in snapshots)",
+        "bytes), or PowerSGD rank-1 compressed (its error feedback is not in snapshots: such a run never resumes)",
         ("none", "bf16", "fp16", "powersgd"),
     )
     zero: bool = _f(False, "model", "ZeroRedundancyOptimizer: each rank holds 1/world_size of the optimizer state")
@@ -352,6 +357,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--momentum is Adam's beta1 with --optimizer {self.optimizer}, and must be in [0, 1); "
                 f"got {self.momentum}"
+            )
+        if self.comm_hook == "powersgd" and self.max_restarts:
+            raise ConfigError(
+                f"--max-restarts {self.max_restarts} resumes from snapshots, and a --comm-hook powersgd run "
+                f"cannot resume exactly (its error feedback is not in snapshots); drop one of them"
             )
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(

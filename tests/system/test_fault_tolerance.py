@@ -235,3 +235,24 @@ def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     assert "rank 0: a collective did not complete within --timeout-s 5 s" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 5 + 12 + 30, elapsed  # timeout + the stall + process start, not a hang
+
+
+
+def test_a_killed_powersgd_run_is_refused_in_one_line_not_resumed_inexactly(tmp_path):
+    """Regression: the PowerSGD hook's error feedback was not in snapshots, so a resumed run was
+    neither exact nor refused (14 of 16 tensors differed from the uninterrupted run)."""
+    from ddpkit import TrainConfig
+    from ddpkit.errors import ConfigError
+
+    run_dir = tmp_path / "r"
+    done = run(spec(run_dir, comm_hook="powersgd", save_every_steps=15, log_every=5))
+    assert done.returncode == 0, done.stderr
+    for name in ("model.pt", "summary.json"):  # what a kill after the last snapshot leaves
+        (run_dir / name).unlink()
+    again = run(spec(run_dir, comm_hook="powersgd", save_every_steps=15, log_every=5))
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+    said = [line for line in again.stderr.splitlines() if "powersgd" in line]
+    assert len(said) == 1 and "cannot resume exactly" in said[0] and f"Delete {run_dir}" in said[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))  # nothing deleted
+    with pytest.raises(ConfigError, match="--max-restarts 2 resumes from snapshots"):
+        TrainConfig(comm_hook="powersgd", max_restarts=2).resolved()

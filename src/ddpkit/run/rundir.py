@@ -21,7 +21,7 @@ from typing import Iterator
 
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import POWERSGD_NO_RESUME, TrainConfig
 from ..data.types import Meta
 from ..dist import env
 from ..dist.context import DistContext, agree, on_rank0
@@ -100,6 +100,11 @@ def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None
         return None
     summary = files.summary
     if not (summary.exists() and files.model.exists()):
+        if cfg.comm_hook == "powersgd" and list(files.checkpoints.glob("snapshot-*.pt")):
+            raise RunDirError(
+                f"{run_dir} holds an unfinished --comm-hook powersgd run: {POWERSGD_NO_RESUME}. "
+                f"Delete {run_dir} to train again from the start, or pass a new --run-dir"
+            )
         return None
     try:
         return json.loads(summary.read_text())

@@ -66,8 +66,11 @@ def register_comm_hook(ddp: DDP, name: str) -> None:
     """``--comm-hook``: all-reduce gradients as bf16/fp16 (cast back after), or PowerSGD rank-1.
 
     PowerSGD all-reduces plainly for its first 10 steps, then compresses each gradient matrix
-    to rank 1 with error feedback; that feedback state lives in the hook and is not part of
-    snapshots, so a resumed PowerSGD run restarts it (not bitwise-exact).
+    to rank 1 with error feedback. That feedback (and its warm-start factors) is kept per DDP
+    gradient bucket, as flat buffers in the bucket's layout; a new DDP wrapper starts with another
+    layout (DDP rebuilds its buckets in gradient-ready order after the first step), so saved
+    feedback would land on other parameters. A PowerSGD run therefore never resumes: see
+    :data:`ddpkit.config.POWERSGD_NO_RESUME`, said before launch and by a worker that finds a snapshot.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 

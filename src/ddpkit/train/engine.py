@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import TrainConfig, parse_loggers
+from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits, ImageData
 from ..data.loader import EvalSource, Preprocess, make_train_source
 from ..dist.context import DistContext, on_rank0
@@ -222,6 +222,8 @@ class Engine:
         ok = False
         try:  # from here the --log loggers may be open and the bar running: both are closed however it ends
             snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
+            if snap is not None and self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent
+                raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
             if snap is not None:
                 self.load_state_dict(snap)
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
