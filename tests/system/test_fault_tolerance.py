@@ -237,7 +237,6 @@ def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     assert elapsed < 5 + 12 + 30, elapsed  # timeout + the stall + process start, not a hang
 
 
-
 def test_a_killed_powersgd_run_is_refused_in_one_line_not_resumed_inexactly(tmp_path):
     """Regression: the PowerSGD hook's error feedback was not in snapshots, so a resumed run was
     neither exact nor refused (14 of 16 tensors differed from the uninterrupted run)."""
