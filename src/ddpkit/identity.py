@@ -15,12 +15,16 @@ What is read (never values drawn through ``__getitem__`` or ``forward``, which m
 - **model**: parameter and buffer names, shapes and dtypes, ``repr`` (layer types and settings),
   and the code and plain attributes of each of your own module classes;
 - **data**: each split's length, class code and attributes; tensors and arrays by content (SHA-256),
-  files and folders named by an attribute (an ImageFolder's images included) by relative path, size
-  and modification time, as ``make`` and ``rsync``'s quick check do;
+  files a dataset names (an ImageFolder's images included) by relative path, size and modification
+  time, as ``make`` and ``rsync``'s quick check do. A folder named by a dataset is not listed (it may
+  hold logs, caches or the run dir itself, which change with every run): the list a dataset keeps
+  is read instead;
 - **optimizer** and **scheduler**: class, each parameter group's settings and size, the scheduler's
   state at step 0 (a factory is called once for this, a scheduler factory with a nominal 1000 steps).
 
-Initial weight values are left out on purpose: an unseeded script must still resume its own run.
+Initial weight values are left out on purpose (parameters and tensors that require grad are read by
+shape and dtype only), and a device by its type only (a rank's ``cuda:3`` is not the run's identity):
+an unseeded script must still resume its own run, and every rank must compute the same identity.
 What cannot be read (an object with no readable state: an open file, a database handle) is listed
 in ``Fingerprint.unproven``; see :func:`ddpkit.run.rundir.check_run_dir` for what that changes.
 Each fingerprint's ``parts`` are kept in ``RUN_DIR/identity.json``, so a refusal can say in words
@@ -42,8 +46,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
-
 # Where the standard library, installed packages and ddpkit itself live: code there is named, not read.
 _LIBRARY_DIRS = tuple(
     sorted(
@@ -54,7 +56,6 @@ _LIBRARY_DIRS = tuple(
 _SCHEDULE_PROBE_STEPS = 1000  # the total_steps a scheduler factory is called with to read its settings
 _MAX_DEPTH = 5  # object attributes followed this deep
 _TEXT = 100  # part values longer than this (characters) are kept as a digest
-_DIR_FILES = 200_000  # a folder with more files than this is not listed (and said so)
 
 
 def _digest(obj: Any) -> str:
@@ -96,8 +97,20 @@ def _module_in_library(name: str) -> bool:
     return _in_library(path)
 
 
+def _const(k: Any) -> Any:
+    """A code constant as the same text in every process: ``x in {"a", "b"}`` compiles to a frozenset,
+    whose repr order follows the string hash seed (PYTHONHASHSEED), so its items are sorted."""
+    if isinstance(k, types.CodeType):
+        return _code(k)
+    if isinstance(k, frozenset):
+        return ["frozenset", sorted(repr(x) for x in k)]
+    if isinstance(k, tuple):
+        return ["tuple", [_const(x) for x in k]]
+    return repr(k)
+
+
 def _code(c: types.CodeType) -> list:
-    consts = [_code(k) if isinstance(k, types.CodeType) else repr(k) for k in c.co_consts]
+    consts = [_const(k) for k in c.co_consts]
     return [c.co_code.hex(), consts, list(c.co_names), c.co_argcount, c.co_kwonlyargcount]
 
 
@@ -121,6 +134,8 @@ class _Reader:
         self.parts: dict[str, str] = {}
         self.unproven: list[str] = []
         self._seen: set[int] = set()
+        self._open: set[int] = set()  # containers being read: one that holds itself stops there
+        self.data = False  # reading a dataset: its file paths are read by size and mtime
 
     def fingerprint(self, name: str) -> Fingerprint:
         return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)))
@@ -153,7 +168,10 @@ class _Reader:
         code, name = fn.__code__, f"{fn.__module__}.{fn.__qualname__}"
         if _in_library(code.co_filename) or not self._once(fn):
             return name
-        self.parts[f"code {fn.__qualname__}"] = _digest(_code(code))[:16]
+        label = f"code {fn.__qualname__}"
+        if label in self.parts:  # another function of that name (two module-level lambdas): keep both
+            label = f"code {fn.__qualname__} (line {code.co_firstlineno})"
+        self.parts[label] = _digest(_code(code))[:16]
         for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 contents = cell.cell_contents
@@ -193,25 +211,49 @@ class _Reader:
     # ---------------------------------------------------------------- values
     def value(self, v: Any, label: str, depth: int) -> str:
         """A readable text for ``v`` (its content for data, its code for code); long texts as a digest."""
-        text = self._value(v, label, depth)
+        if depth > 4 * _MAX_DEPTH or id(v) in self._open:
+            self.unproven.append(f"{label}: nested too deep (or holds itself) to read")
+            return type(v).__name__
+        self._open.add(id(v))
+        try:
+            text = self._value(v, label, depth)
+        except Exception as exc:  # noqa: BLE001 - a user object's repr or attribute may raise anything
+            self.unproven.append(f"{label}: a {type(v).__qualname__} that could not be read ({type(exc).__name__})")
+            text = type(v).__qualname__
+        finally:
+            self._open.discard(id(v))
         return text if len(text) <= _TEXT else f"{type(v).__name__} sha {_digest(text)[:16]}"
 
     def _value(self, v: Any, label: str, depth: int) -> str:
-        if v is None or isinstance(v, (bool, int, float, complex, bytes, torch.dtype, torch.device)):
+        if isinstance(v, torch.device):  # its type only: a rank's own index (cuda:3) is not the run's identity
+            return f"device {v.type}"
+        if v is None or isinstance(v, (bool, int, float, complex, bytes, range, torch.dtype)):
             return repr(v)
         if isinstance(v, str):
-            return self._path(v) if _looks_like_path(v) else repr(v)
+            return self._file(v) if self.data and _is_file(v) else repr(v)
         if isinstance(v, torch.Tensor):
+            if isinstance(v, nn.Parameter) or v.requires_grad:  # weights: their layout, never their values
+                return f"parameter {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
             return _tensor(v)
         if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
+            if getattr(v, "dtype", None) is not None and v.dtype.kind == "O":  # objects: their values, not pointers
+                return f"array {list(v.shape)} of objects [{self.value(v.tolist(), label, depth + 1)}]"
             return f"array {list(getattr(v, 'shape', ()))} {v.dtype} sha {hashlib.sha256(v.tobytes()).hexdigest()[:16]}"
         if isinstance(v, (list, tuple, set, frozenset)):
+            unordered = isinstance(v, (set, frozenset))
             if len(v) > 64 and all(type(x) in (int, float, bool) for x in v):  # indices, labels: one digest
-                return f"{type(v).__name__} of {len(v)} sha {_digest(repr(v))[:16]}"
-            items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-            return f"{type(v).__name__}[{', '.join(self.value(x, label, depth) for x in items)}]"
+                items = sorted(v) if unordered else list(v)
+                return f"{type(v).__name__} of {len(v)} sha {_digest(repr(items))[:16]}"
+            texts = [self.value(x, label, depth + 1) for x in v]
+            return f"{type(v).__name__}[{', '.join(sorted(texts) if unordered else texts)}]"
         if isinstance(v, dict):
-            return "{" + ", ".join(f"{k!r}: {self.value(x, label, depth)}" for k, x in v.items()) + "}"
+            return (
+                "{"
+                + ", ".join(
+                    f"{self.value(k, label, depth + 1)}: {self.value(x, label, depth + 1)}" for k, x in v.items()
+                )
+                + "}"
+            )
         if isinstance(v, (types.FunctionType, types.MethodType, functools.partial, type)):
             return self.callable(v, label)
         if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
@@ -220,6 +262,8 @@ class _Reader:
             if not _module_in_library(type(v).__module__):
                 self.cls(type(v))
             return f"module sha {_digest(repr(v))[:16]}"
+        if isinstance(v, torch.optim.lr_scheduler.LRScheduler):  # a scheduler's own schedulers (SequentialLR)
+            self.scheduler(v, label)
         return self._object(v, label, depth)
 
     def _object(self, v: Any, label: str, depth: int) -> str:
@@ -240,25 +284,22 @@ class _Reader:
         self.unproven.append(f"{label}: a {kind.__qualname__} whose state ddpkit cannot read")
         return kind.__qualname__
 
-    def _path(self, path: str) -> str:
-        """A path by what is there now: a file's size and mtime, a folder's files' (relative path, size, mtime)."""
-        try:
-            if os.path.isfile(path):
-                st = os.stat(path)
-                return f"{path!r} ({st.st_size} bytes, mtime {st.st_mtime_ns})"
-            rows = []
-            for root, _, names in sorted(os.walk(path, followlinks=True)):
-                for n in sorted(names):
-                    full = os.path.join(root, n)
-                    st = os.stat(full)
-                    rows.append([os.path.relpath(full, path), st.st_size, st.st_mtime_ns])
-                if len(rows) > _DIR_FILES:
-                    self.unproven.append(f"{path}: more than {_DIR_FILES} files, not listed")
-                    return repr(path)
-            return f"{path!r} ({len(rows)} files sha {_digest(rows)[:16]})"
-        except OSError as exc:
-            self.unproven.append(f"{path}: {exc.strerror}")
-            return repr(path)
+    def _file(self, path: str) -> str:
+        """A file named by a dataset, by what is there now: its size and modification time. Folders are
+        not listed (one may hold logs, caches or the run dir itself): a dataset that lists a folder keeps
+        the list (as ImageFolder's ``samples``), and that is read."""
+        st = os.stat(path)
+        return f"{path!r} ({st.st_size} bytes, mtime {st.st_mtime_ns})"
+
+    def scheduler(self, sched: Any, label: str) -> None:
+        """A scheduler's code: its class, its lr lambdas, and the schedulers it runs (SequentialLR...)."""
+        self.cls(type(sched))
+        for fn in list(getattr(sched, "lr_lambdas", None) or []) + [getattr(sched, "lr_lambda", None)]:
+            if fn is not None:
+                self.parts.setdefault(f"{label} lr_lambda", self.callable(fn, f"{label} lr_lambda"))
+        for i, inner in enumerate(getattr(sched, "_schedulers", None) or []):
+            self.parts[f"{label} scheduler {i}"] = type(inner).__name__
+            self.scheduler(inner, f"{label} scheduler {i}")
 
     # ---------------------------------------------------------------- data
     def dataset(self, data: Any, label: str) -> None:
@@ -267,6 +308,7 @@ class _Reader:
         if data is None:
             self.parts[label] = "none"
             return
+        self.data = True
         self.parts[label] = f"{type(data).__qualname__}, {len(data)} samples"
         if isinstance(data, Subset):
             self.parts[f"{label} indices"] = self.value(list(data.indices), f"{label} indices", 1)
@@ -278,7 +320,10 @@ class _Reader:
             return
         samples = getattr(data, "samples", None)
         if isinstance(samples, list) and samples and isinstance(samples[0], tuple) and hasattr(data, "root"):
-            self.parts[f"{label} files"] = _files(samples, str(data.root))  # torchvision's ImageFolder/DatasetFolder
+            try:  # torchvision's ImageFolder/DatasetFolder, ddpkit's image folders
+                self.parts[f"{label} files"] = _files(samples, str(data.root))
+            except OSError as exc:
+                self.unproven.append(f"{label} files: {exc.filename}: {exc.strerror}")
             rest = {k: x for k, x in vars(data).items() if k not in ("samples", "imgs", "targets")}
         else:
             rest = dict(getattr(data, "__dict__", {}))
@@ -289,8 +334,8 @@ class _Reader:
                 self.parts[f"{label}.{k}"] = self.value(x, f"{label}.{k}", 1)
 
 
-def _looks_like_path(text: str) -> bool:
-    return 0 < len(text) < 4096 and (os.sep in text or text.startswith(".")) and os.path.exists(text)
+def _is_file(text: str) -> bool:
+    return 0 < len(text) < 4096 and "\0" not in text and os.path.isfile(text)
 
 
 def _tensor(t: torch.Tensor) -> str:
@@ -357,15 +402,20 @@ def code_fingerprint(name: str, callables: dict) -> Fingerprint:
 def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerprint, torch.optim.Optimizer | None]:
     """An optimizer, or a factory ``fn(model)`` (called once on ``model`` to read what it builds);
     returns the fingerprint and the optimizer read."""
+    import copy
+
     reader = _Reader()
     opt = spec
     if not isinstance(spec, torch.optim.Optimizer):
         reader.parts["factory"] = reader.callable(spec, "factory")
         if model is None:
             return reader.fingerprint(code_name(spec)), None
-        opt = spec(model)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer=... must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        model = copy.deepcopy(model)  # a factory may move or freeze what it is given: never yours
+        try:
+            opt = spec(model)
+        except Exception as exc:  # noqa: BLE001 - e.g. ZeroRedundancyOptimizer needs the process group
+            reader.unproven.append(f"the optimizer factory could not be called before launch ({type(exc).__name__})")
+            return reader.fingerprint(code_name(spec)), None
     reader.cls(type(opt))
     index = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
     for i, group in enumerate(opt.param_groups):
@@ -394,7 +444,10 @@ def scheduler_fingerprint(spec: Any, opt: torch.optim.Optimizer | None) -> Finge
         from collections import defaultdict
 
         probe = copy.copy(opt)  # the scheduler sets lr and initial_lr on its optimizer: never on yours
-        probe.param_groups = [dict(g) for g in opt.param_groups]
+        # the group values copied too: a tensor lr is changed in place (fill_) by the scheduler
+        probe.param_groups = [
+            {k: v if k == "params" else copy.deepcopy(v) for k, v in g.items()} for g in opt.param_groups
+        ]
         probe.state = defaultdict(dict)
         params = [
             p
@@ -402,11 +455,12 @@ def scheduler_fingerprint(spec: Any, opt: torch.optim.Optimizer | None) -> Finge
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
         sched = spec(probe, _SCHEDULE_PROBE_STEPS) if len(params) >= 2 else spec(probe)
-    reader.cls(type(sched))
-    for fn in list(getattr(sched, "lr_lambdas", None) or []) + [getattr(sched, "lr_lambda", None)]:
-        if fn is not None:
-            reader.callable(fn, "lr_lambda")
-    state = {k: v for k, v in sched.state_dict().items() if k not in ("lr_lambdas", "_get_lr_called_within_step")}
+    reader.scheduler(sched, "scheduler")
+    state = {
+        k: v
+        for k, v in sched.state_dict().items()
+        if k not in ("lr_lambdas", "_get_lr_called_within_step", "_schedulers")
+    }
     for k, v in sorted(state.items()):
         reader.parts[f"state at step 0: {k}"] = reader.value(v, k, 1)
     return reader.fingerprint(type(sched).__name__)

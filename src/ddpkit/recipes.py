@@ -156,7 +156,7 @@ def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
             values.pop("warmup_frac", None)
     if str(cfg.schedule).startswith("custom:"):
         values.pop("warmup_frac", None)
-    if cfg.model in BY_MODEL and cfg.model != values.get("model"):
+    if cfg.model in BY_MODEL and cfg.model != values.get("model") and not str(cfg.optimizer).startswith("custom:"):
         values.update(BY_MODEL[cfg.model])
     filled = {k: v for k, v in values.items() if getattr(cfg, k, 0) is None}
     return dataclasses.replace(cfg, recipe=name, **filled)

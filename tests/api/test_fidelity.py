@@ -180,3 +180,12 @@ def test_the_cnn_converges_on_an_image_folder_with_the_recipe_defaults(tmp_path,
     assert result["diverged_at_step"] is None and "diverging" not in capsys.readouterr().out
     assert max(losses) < 2 * losses[0] and losses[-1] < 0.2 * losses[0]
     assert result["test_accuracy"] > 0.9
+
+
+def test_a_model_specific_lr_never_lands_on_your_own_optimizer():
+    """Review: BY_MODEL put lr 0.02 back into a config whose optimizer is yours, recording an lr nobody used."""
+    from ddpkit import recipes
+
+    yours = recipes.apply(TrainConfig(dataset="synthetic", model="cnn", optimizer="custom:AdamW#1a2b3c4d"))
+    assert yours.lr is None and yours.schedule == "constant"
+    assert recipes.apply(TrainConfig(dataset="synthetic", model="cnn")).lr == 0.02

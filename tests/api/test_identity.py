@@ -218,3 +218,138 @@ def test_data_dir_files_and_init_from_weights_are_read_by_content(tmp_path):
     one = content_fingerprints(init, load_dataset(cfg, download=False))["init_digest"]
     torch.save(RegressionMLP(hidden=16).state_dict(), weights)
     assert content_fingerprints(init, load_dataset(cfg, download=False))["init_digest"].tag != one.tag
+
+
+# ---------------------------------------------------------------- found in review: an identity that moved by itself
+@pytest.mark.multiprocess
+def test_the_code_digest_is_the_same_under_every_hash_seed():
+    """A set literal compiles to a frozenset constant whose repr order follows PYTHONHASHSEED: the same
+    loss had another digest in every process, so no run could resume or be returned."""
+    import subprocess
+    import sys
+
+    from clirun import cli_env
+
+    script = (
+        "from identity_code import set_literal_loss; from ddpkit.identity import code_digest; "
+        "print(code_digest(set_literal_loss))"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", script], env=cli_env(PYTHONHASHSEED=seed), capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(seen) == 1, seen
+
+
+def test_what_changes_by_itself_stays_out_of_the_identity(tmp_path):
+    """Folders named by code (an output dir, '/'), weights reached by a closure, a rank's device index
+    and object arrays' pointers changed the identity between two runs of one script (or hung)."""
+    import numpy as np
+
+    from ddpkit.identity import code_digest
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def make_loss(folder, root="/"):
+        def loss(model, batch):
+            print(folder, root)
+            return mse(model, batch)
+
+        return loss
+
+    before = code_digest(make_loss(str(out)))
+    (out / "log.txt").write_text("written by the run")
+    assert code_digest(make_loss(str(out))) == before  # and "/" was not walked
+
+    def with_weight(w):
+        return lambda model, batch: (model(batch[0]) * w).mean()
+
+    assert code_digest(with_weight(torch.nn.Parameter(torch.randn(3)))) == code_digest(
+        with_weight(torch.nn.Parameter(torch.randn(3)))
+    )
+    a, b = RegressionMLP(), RegressionMLP()
+    a.device, b.device = torch.device("cuda", 0), torch.device("cuda", 3)
+    assert model_fingerprint(a).tag == model_fingerprint(b).tag
+
+    class Words(torch.utils.data.Dataset):
+        def __init__(self):
+            self.words = np.array(["alpha", "beta", "gamma"], dtype=object)
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return torch.tensor([len(self.words[i])], dtype=torch.float32), torch.zeros(1)
+
+    assert data_fingerprint(Words(), None).tag == data_fingerprint(Words(), None).tag
+
+
+def test_two_lambdas_of_one_name_are_both_read():
+    """Two module-level lambdas shared one label, so an edit to the first read was overwritten."""
+    from ddpkit.identity import code_digest
+
+    def loss_of(first):
+        scope = {}
+        exec(f"A = lambda x: x * {first}\nB = lambda x: x + 1\ndef loss(model, batch): return A(B(batch))", scope)
+        return scope["loss"]
+
+    assert code_digest(loss_of(2)) != code_digest(loss_of(3))
+
+
+def test_reading_never_changes_or_breaks_what_you_pass(tmp_path):
+    from ddpkit.identity import code_digest
+
+    model = RegressionMLP()
+    lr = torch.tensor(1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler_fingerprint(lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1), opt)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3)  # a tensor lr, not filled in place
+
+    def freezing(m):
+        m.net[0].weight.requires_grad_(False)
+        return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+
+    Trainer(TrainConfig(**SMALL), model=model, train_data=regression_data(64, 0), loss_fn=mse, optimizer=freezing)
+    assert model.net[0].weight.requires_grad  # the factory ran on a copy
+
+    def needs_a_process_group(m):
+        raise ValueError("Default process group has not been initialized")
+
+    fp, _ = optimizer_fingerprint(needs_a_process_group, model)
+    assert fp.unproven == ("the optimizer factory could not be called before launch (ValueError)",)
+
+    loop = [1]
+    loop.append(loop)
+    odd = identity_code.Unreadable()
+    digest = code_digest(lambda model, batch: (loop, odd))
+    assert digest == code_digest(lambda model, batch: (loop, odd))  # no crash, no recursion error
+
+
+def test_schedulers_inside_a_sequential_scheduler_are_read():
+    """The lr lambdas of the schedulers a SequentialLR runs were not read: an edit to one was the same run."""
+    model = RegressionMLP()
+
+    def sequential(warm_up):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, warm_up)
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [warm, torch.optim.lr_scheduler.ConstantLR(opt, 1.0, 1)], milestones=[5]
+        )
+
+    one = scheduler_fingerprint(sequential(lambda step: 0.1 * step), None)
+    two = scheduler_fingerprint(sequential(lambda step: 0.2 * step), None)
+    assert one.tag != two.tag
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_compute_another_identity_are_refused_on_every_rank():
+    """Under torchrun each rank reads its own inputs; ranks that disagree named different run dirs."""
+    from workers import identity_per_rank
+
+    from ddpkit import launch
+
+    results = launch(identity_per_rank, nproc=2)
+    assert results == "refused: rank 1 computed another run identity than rank 0 (differs in data_digest) (on 2 ranks)"

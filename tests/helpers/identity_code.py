@@ -61,3 +61,18 @@ class Streamed(Dataset):
 
     def __getitem__(self, i):
         return self.x[i], self.x[i].sum(0, keepdim=True)
+
+
+def set_literal_loss(model, batch):
+    """Compiles to a frozenset constant, whose repr order follows PYTHONHASHSEED."""
+    kind = "mse" if "mse" in {"mse", "l2", "squared", "quadratic"} else "l1"
+    return nn.functional.mse_loss(model(batch[0]), batch[1]) if kind == "mse" else None
+
+
+class Unreadable:
+    """An object whose repr raises, as some C-extension handles do."""
+
+    __slots__ = ("x",)
+
+    def __repr__(self):
+        raise RuntimeError("no repr")

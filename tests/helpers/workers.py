@@ -163,3 +163,21 @@ def precision_matrix(run_dir: str) -> dict:
                 "bn": sorted({type(m).__name__ for m in bn}),
             }
     return results
+
+
+def identity_per_rank(ctx) -> str:
+    """Each rank with another data digest, as per-node copies with other mtimes give (test_identity.py)."""
+    import torch
+
+    from ddpkit.config import TrainConfig
+    from ddpkit.errors import ConfigError
+    from ddpkit.train.workers import same_identity
+
+    cfg = TrainConfig(data_digest=f"ImageFiles#{ctx.rank:08d}", run_dir="runs/same").resolved()
+    said = "agreed"
+    try:
+        same_identity(cfg, ctx)
+    except ConfigError as exc:
+        said = "refused: " + str(exc).split(":")[0]
+    refused = ctx.all_reduce(torch.tensor([float(said != "agreed")])).item()  # how many ranks refused
+    return f"{said} (on {refused:.0f} ranks)"

@@ -439,9 +439,13 @@ class Engine:
             path = self.ckpt.save(self._checked_state(), self.pos.global_step)
             name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
             self.log.log("stopped", reason="signal", signal=name, step=self.pos.global_step)
+            again = (
+                "a --comm-hook powersgd run cannot resume (see docs/fault-tolerance.md)"
+                if self.cfg.comm_hook == "powersgd"
+                else "run the same command again to resume from it"
+            )
             raise Stopped(
-                f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; "
-                f"run the same command again to resume from it",
+                f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; {again}",
                 name,
             )
 

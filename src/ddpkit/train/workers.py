@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainConfig
@@ -18,7 +19,7 @@ from ..data import DataSplits, load_dataset
 from ..data.loader import EvalSource, Preprocess
 from ..dist import env
 from ..dist.context import DistContext, distributed
-from ..errors import AlreadyReported, DataError, TaskError
+from ..errors import AlreadyReported, ConfigError, DataError, TaskError
 from ..models import model_for
 from ..run.rundir import load_trained_model, rank0_owns, read_fatal, record_fatal
 from .engine import Engine
@@ -43,16 +44,39 @@ class Job:
 def train_worker(job: Job) -> dict:
     """One rank, start to finish; the process group is destroyed even on error."""
     cfg = job.cfg
-    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx, rank0_owns(cfg, ctx):
-        fatal = read_fatal(cfg.run_dir) if env.restart_count() > 0 else None
-        if fatal is not None:  # the last attempt met an error a restart cannot fix; it was reported then
-            raise AlreadyReported(fatal["message"], fatal["exit_code"])
-        try:
-            return _train(job, ctx)
-        except (DataError, TaskError) as exc:  # deterministic: every restart would meet it again
-            if env.restarts_left():
-                record_fatal(cfg.run_dir, exc)
-            raise
+    with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
+        same_identity(cfg, ctx)  # before anything uses the run dir, which the identity may name
+        with rank0_owns(cfg, ctx):
+            fatal = read_fatal(cfg.run_dir) if env.restart_count() > 0 else None
+            if fatal is not None:  # the last attempt met an error a restart cannot fix; it was reported then
+                raise AlreadyReported(fatal["message"], fatal["exit_code"])
+            try:
+                return _train(job, ctx)
+            except (DataError, TaskError) as exc:  # deterministic: every restart would meet it again
+                if env.restarts_left():
+                    record_fatal(cfg.run_dir, exc)
+                raise
+
+
+def same_identity(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Raise on every rank unless every rank computed the same run identity. Under torchrun each rank
+    reads its own inputs (a copy of the data per node, say, whose files' mtimes differ), and ranks that
+    disagree would name different run dirs or refuse each other's snapshots. One all_gather_object."""
+    if ctx.world_size == 1:
+        return
+    mine = (cfg.hash(), cfg.run_dir, cfg.identity())
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)  # a collective: on every rank
+    first = gathered[0]
+    for rank, other in enumerate(gathered):
+        if other[:2] != first[:2]:
+            keys = sorted(k for k in first[2].keys() | other[2].keys() if first[2].get(k) != other[2].get(k))
+            raise ConfigError(
+                f"rank {rank} computed another run identity than rank 0 (differs in "
+                f"{', '.join(keys) or 'run_dir'}): every rank must see the same data, weights and code. "
+                f"Copies of the data on each node must be identical, modification times included "
+                f"(rsync -a, cp -p), or keep one copy on a filesystem every node sees"
+            )
 
 
 def _train(job: Job, ctx: DistContext) -> dict:
