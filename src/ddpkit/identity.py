@@ -211,10 +211,17 @@ class _Reader:
     # ---------------------------------------------------------------- values
     def value(self, v: Any, label: str, depth: int) -> str:
         """A readable text for ``v`` (its content for data, its code for code); long texts as a digest."""
-        if depth > 4 * _MAX_DEPTH or id(v) in self._open:
+        # Containers and objects being read are "open": one that holds itself stops there. Classes and
+        # functions are not: each is read once (_once), and a class's method naming the class
+        # (super()'s __class__ cell, a global) is a reference, not a loop.
+        container = isinstance(v, (list, tuple, set, frozenset, dict)) or (
+            hasattr(v, "__dict__") and not isinstance(v, (type, types.FunctionType, types.MethodType, types.ModuleType))
+        )
+        if depth > 4 * _MAX_DEPTH or (container and id(v) in self._open):
             self.unproven.append(f"{label}: nested too deep (or holds itself) to read")
             return type(v).__name__
-        self._open.add(id(v))
+        if container:
+            self._open.add(id(v))
         try:
             text = self._value(v, label, depth)
         except Exception as exc:  # noqa: BLE001 - a user object's repr or attribute may raise anything

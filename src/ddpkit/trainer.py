@@ -194,6 +194,11 @@ class Trainer:
         way: the config, the code and everything readable match, and a kill is why runs are rerun.
         """
         doubts = unproven(identity)
+        if doubts:
+            print(
+                f"ddpkit: note: ddpkit cannot read {'; '.join(doubts)}. This run resumes after a kill, but once "
+                f"finished it is never returned for a rerun (it cannot be told from another): see README, Run identity"
+            )
         finished = check_run_dir(cfg, identity)
         if finished is None or not doubts:
             if doubts and RunFiles(cfg.run_dir).checkpoints.exists():

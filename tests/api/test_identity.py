@@ -133,7 +133,8 @@ def test_what_cannot_be_read_resumes_after_a_kill_but_is_never_returned_finished
     fp = data_fingerprint(identity_code.Streamed(32), None)
     assert fp.unproven == ("train.handle: a lock whose state ddpkit cannot read",)
     first = fit(train=identity_code.Streamed(64))  # the default run dir
-    capsys.readouterr()
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ddpkit: note:")]
+    assert len(note) == 1 and "cannot read train.handle: a lock" in note[0]  # said on the first run already
     second = fit(train=identity_code.Streamed(64))
     out = capsys.readouterr().out
     assert second.run_dir == first.run_dir.with_name(first.run_dir.name + "-2")
@@ -150,8 +151,11 @@ def test_a_finished_run_returned_says_what_it_matched_on(tmp_path, capsys):
     capsys.readouterr()
     fit(tmp_path / "r", optimizer=adamw(1e-3))
     out = capsys.readouterr().out
-    assert "already holds this finished run (matched on the config, dataset TensorDataset" in out
-    assert "model RegressionMLP" in out and "optimizer AdamW" in out
+    assert "already holds this finished run (matched on the config, dataset TensorDataset (content)" in out
+    assert (
+        "model RegressionMLP (structure, code and attributes)" in out and "optimizer AdamW (class and settings)" in out
+    )
+    assert "cannot read" not in out
     saved = json.loads((tmp_path / "r" / "identity.json").read_text())
     assert saved["optimizer"]["parts"]["group 0 lr"] == "0.001"
 
@@ -353,3 +357,16 @@ def test_ranks_that_compute_another_identity_are_refused_on_every_rank():
 
     results = launch(identity_per_rank, nproc=2)
     assert results == "refused: rank 1 computed another run identity than rank 0 (differs in data_digest) (on 2 ranks)"
+
+
+def test_modules_that_build_modules_of_their_own_are_read_whole(tmp_path, capsys):
+    """Regression (a newcomer's minGPT port): a block class reached by name from another class's
+    __init__, whose own __init__ calls super(), was "nested too deep (or holds itself) to read", so
+    every rerun trained again in a new run dir."""
+    fp = model_fingerprint(identity_code.Stack())
+    assert fp.unproven == () and "code Block.forward" in fp.parts and "code Stack.forward" in fp.parts
+    run = tmp_path / "r"
+    fit(run, model=identity_code.Stack())
+    capsys.readouterr()
+    fit(run, model=identity_code.Stack())
+    assert "already holds this finished run" in capsys.readouterr().out

@@ -150,8 +150,15 @@ def unproven(identity: dict) -> list[str]:
 
 def matched_on(identity: dict) -> str:
     """What a finished run returned from disk was matched on, in words."""
+    what = {
+        "model": "structure, code and attributes",
+        "dataset": "content",
+        "optimizer": "class and settings",
+        "schedule": "class and state at step 0",
+        "task": "code of the loss and metrics",
+    }
     read = [
-        f"{key} {fp['name']} ({len(fp['parts'])} parts)"
+        f"{key} {fp['name']} ({what.get(key, 'read')})"
         for key, fp in identity.items()
         if key not in ("data_digest", "init_digest")
     ]
