@@ -117,6 +117,12 @@ class TrainConfig:
         "model",
         "wrap in DistributedDataParallel (default: when world size > 1; --ddp at world size 1 to measure the wrapper)",
     )
+    find_unused_parameters: Optional[bool] = _f(
+        None,
+        "model",
+        "DDP's find_unused_parameters: search the autograd graph every step for parameters the loss does not "
+        "reach (default: on when one training step before launch finds such parameters, and says which)",
+    )
     comm_hook: str = _f(
         "none",
         "model",
@@ -409,6 +415,7 @@ class TrainConfig:
             "local_addr",
             "max_restarts",
             "ddp",
+            "find_unused_parameters",
             "log",
             "plots",
         }

@@ -93,6 +93,22 @@ def preflight(
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
+    if (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True:
+        unused = unused_parameters(model, splits, task, cfg)
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        if unused and cfg.find_unused_parameters is False:
+            raise ConfigError(
+                f"{len(unused)} parameter(s) get no gradient from the loss ({shown}), and DDP fails on them with "
+                f"--no-find-unused-parameters; drop that flag (DDP then searches for them each step), or remove "
+                f"or freeze them (requires_grad_(False))"
+            )
+        if unused:
+            print(
+                f"ddpkit: {len(unused)} parameter(s) get no gradient from the loss ({shown}): DDP will look for "
+                f"unused parameters every step (find_unused_parameters, one extra walk of the autograd graph per "
+                f"step); freeze them (requires_grad_(False)) to save it"
+            )
+        cfg = dataclasses.replace(cfg, find_unused_parameters=bool(unused))
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
         raise RunDirError(
             f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
@@ -182,6 +198,32 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         ) from None
     finally:
         model.train(was_training)
+
+
+def unused_parameters(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig) -> list[str]:
+    """The names of the parameters that get no gradient from one training step of the task on the
+    preflight batch (a copy of the model, in training mode: BatchNorm statistics and the caller's
+    model are untouched). DDP at world > 1 fails on them unless it searches for them each step.
+    [] for a model on a GPU (not copied there from the launcher)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return []
+    import copy
+
+    trial = copy.deepcopy(model)
+    trial.train()
+    try:
+        with torch.random.fork_rng(devices=[]):  # dropout's draws here leave your script's RNG as it was
+            loss, _ = task.loss(trial, sample_batch(splits))
+            loss.backward()
+    except DdpkitError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ConfigError(
+            f"one training step of model {cfg.model} fails on a batch of {cfg.dataset} (in training mode, with "
+            f"gradients): {type(exc).__name__}: {first}"
+        ) from None
+    return [name for name, p in trial.named_parameters() if p.requires_grad and p.grad is None]
 
 
 def infer_classes(data: Dataset | None) -> int | None:

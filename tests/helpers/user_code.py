@@ -194,3 +194,49 @@ def uneven_data(n: int) -> TensorDataset:
     x, y = regression_data(n, 0).tensors
     scale = 1 + 3 * (torch.arange(n) % 2).float()[:, None]
     return TensorDataset(x * scale, y)
+
+
+class ManyTensors(nn.Module):
+    """500 Linear(2, 2) layers in a chain: 1,000 parameter tensors (test_real_models.py)."""
+
+    def __init__(self, n: int = 500):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(n))
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + 0.01 * layer(x)
+        return self.head(x)
+
+
+class ListData(Dataset):
+    """Samples held as a list of separate tensors (300 of them), not one stacked tensor."""
+
+    def __init__(self, n: int = 300):
+        gen = torch.Generator().manual_seed(5)
+        self.items = [torch.randn(2, generator=gen) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], int(self.items[i].sum() > 0)
+
+
+class UnusedBranch(nn.Module):
+    """A model with a head its forward never calls (an auxiliary head left from another task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux_head = nn.Linear(8, 5)  # never used
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def tensor_count(ctx, tensors) -> int:
+    """launch() with a list of tensors as its argument: how many arrived (test_real_models.py)."""
+    return len(tensors)

@@ -172,7 +172,7 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
     config, env = _launch_config(spec, start, log_dir)
     try:
-        with _environ(env), _quiet_agent_tracebacks():
+        with _environ(env), _quiet_agent_tracebacks(), _tensors_shared_by_name():
             # A forkserver's children have its environment, not this one's: the workers' variables travel along.
             results = elastic_launch(config, worker_entry)(env, fn, *args)
     except ChildFailedError as exc:
@@ -206,6 +206,29 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def _tensors_shared_by_name() -> Iterator[None]:
+    """Hand the arguments' tensors to the workers as named shared memory, for the whole launch
+    (restarts included), then restore the caller's strategy.
+
+    torch's default ``file_descriptor`` strategy passes one file descriptor per tensor storage,
+    and a forkserver child takes at most 256 (``multiprocessing.forkserver.MAXFDS_TO_SEND``):
+    torchvision's resnet50 holds 320 tensors, and it failed with "ValueError: too many fds".
+    ``file_system`` names each storage's shared memory instead (torch's own remedy for "too many
+    open files"), still without a copy; torch's ``torch_shm_manager`` unlinks the names when the
+    last process holding them exits, however it exits.
+    """
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    if "file_system" in tmp.get_all_sharing_strategies():
+        tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(before)
 
 
 @contextmanager

@@ -51,6 +51,7 @@ def wrap(
             gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
             **{SYNC_BUFFERS: sync_buffers},
             static_graph=static_graph,
+            find_unused_parameters=bool(cfg.find_unused_parameters),  # set by preflight, which says why
         )
         if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
             for buf in raw.buffers():

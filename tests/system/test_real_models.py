@@ -1,0 +1,87 @@
+"""Models and data ddpkit does not ship, at world 2 through the Python API (issue: real models at world >= 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+from user_code import ListData, ManyTensors, UnusedBranch, tensor_count
+
+from ddpkit import TrainConfig, Trainer, launch
+from ddpkit.errors import ConfigError
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+TWO = dict(nproc="2", device="cpu", epochs=1, progress=False, log_every=1)
+
+
+def blobs(n: int, features: int = 2, classes: int = 3, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=gen)
+    return TensorDataset(x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long())
+
+
+def test_torchvision_resnet50_trains_at_world_2(tmp_path):
+    """Regression: "ValueError: too many fds" (a 65-line traceback): its 320 tensors each went to the
+    workers as a file descriptor, and a forkserver child takes at most 256."""
+    import torchvision
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+    model = torchvision.models.resnet50(num_classes=10)
+    assert len(model.state_dict()) > 256
+    result = Trainer(
+        TrainConfig(**TWO, batch_size=8, run_dir=str(tmp_path / "r")), model=model, train_data=data, test_data=data
+    ).fit()
+    assert result["world_size"] == 2 and result["steps"] == 2
+
+
+def test_a_thousand_tensor_model_a_list_dataset_and_launch_arguments_reach_the_workers(tmp_path):
+    result = Trainer(
+        TrainConfig(**TWO, batch_size=20, run_dir=str(tmp_path / "r")),
+        model=ManyTensors(),
+        train_data=ListData(300),
+        test_data=ListData(40),
+    ).fit()
+    assert result["world_size"] == 2 and result["steps"] == 15
+    assert launch(tensor_count, [torch.full((3,), float(i)) for i in range(300)], nproc=2) == 300
+
+
+def test_a_model_with_an_unused_branch_trains_at_world_2_and_says_why_it_is_slower(tmp_path, capsys):
+    """Regression: it trained at nproc 1 and crashed at nproc 2 with DDP's 83-line traceback ending in
+    "pass find_unused_parameters=True", which ddpkit offered no way to do."""
+    result = Trainer(
+        TrainConfig(**TWO, batch_size=16, run_dir=str(tmp_path / "r")),
+        model=UnusedBranch(),
+        train_data=blobs(64),
+        test_data=blobs(16, seed=1),
+    ).fit()
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "get no gradient" in line]
+    assert len(said) == 1 and "aux_head.weight, aux_head.bias" in said[0] and "find_unused_parameters" in said[0]
+    assert result["steps"] == 4
+    config = (result.run_dir / "config.toml").read_text()
+    assert "find_unused_parameters = true" in config
+    with pytest.raises(ConfigError, match="2 parameter\\(s\\) get no gradient .*--no-find-unused-parameters"):
+        Trainer(
+            TrainConfig(**TWO, batch_size=16, find_unused_parameters=False, run_dir=str(tmp_path / "s")),
+            model=UnusedBranch(),
+            train_data=blobs(64),
+            test_data=blobs(16, seed=1),
+        ).fit()
+    assert not (tmp_path / "s").exists()  # refused before launch
+
+
+def test_a_model_that_uses_every_parameter_keeps_ddps_fast_path(tmp_path, capsys):
+    result = Trainer(
+        TrainConfig(**TWO, batch_size=16, run_dir=str(tmp_path / "r")),
+        model=torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)),
+        train_data=blobs(64),
+        test_data=blobs(16, seed=1),
+    ).fit()
+    assert "get no gradient" not in capsys.readouterr().out
+    assert "find_unused_parameters = false" in (result.run_dir / "config.toml").read_text()
+    starts = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert starts[0]["event"] == "start"
