@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
@@ -103,6 +103,7 @@ class Trainer:
         collate_fn: Callable | None = None,
     ):
         cfg = config or TrainConfig()
+        train_data, test_data, cfg, collate_fn = from_loaders(train_data, test_data, cfg, collate_fn)
         self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
         self.optimizer, self.scheduler = optimizer, scheduler
         self.splits = None
@@ -242,6 +243,43 @@ class Trainer:
             raise DataError("evaluate() needs a non-empty test_data")
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
+
+
+def from_loaders(train, test, cfg: TrainConfig, collate_fn):
+    """``train_data``/``test_data`` as the map-style datasets ddpkit shards by index. A DataLoader gives its
+    dataset, its ``collate_fn``, its ``num_workers`` and (for train, when ``batch_size`` is unset) its
+    batch size as the global batch, so a ported single-process script keeps its maths; its sampler and
+    shuffling are replaced by DistributedSampler's order, and that is said in one line. An
+    IterableDataset, or anything without ``__len__`` and ``__getitem__``, is a one-line DataError."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    out = []
+    for data, which in ((train, "train_data"), (test, "test_data")):
+        if isinstance(data, DataLoader):
+            loader, data = data, data.dataset
+            kept = ["its dataset"]
+            if loader.collate_fn is not default_collate and collate_fn is None:
+                collate_fn, kept = loader.collate_fn, [*kept, "collate_fn"]
+            if which == "train_data" and cfg.num_workers is None and loader.num_workers:
+                cfg, kept = dataclasses.replace(cfg, num_workers=loader.num_workers), [*kept, "num_workers"]
+            if which == "train_data" and cfg.batch_size is None and loader.batch_size:
+                cfg = dataclasses.replace(cfg, batch_size=loader.batch_size)
+                kept.append(f"batch_size {loader.batch_size} as the global batch (split over the ranks)")
+            print(
+                f"ddpkit: {which} is a DataLoader: ddpkit uses {', '.join(kept)}; its sampler "
+                f"({type(loader.sampler).__name__}) is replaced by DistributedSampler's order (seeded with --seed)"
+            )
+        if data is None:
+            out.append(None)
+            continue
+        if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            kind = "an IterableDataset" if isinstance(data, IterableDataset) else f"a {type(data).__name__}"
+            raise DataError(
+                f"{which} is {kind}, which ddpkit cannot split among ranks by index: pass a map-style dataset "
+                f"(with __len__ and __getitem__), e.g. your samples in a list or a TensorDataset"
+            )
+        out.append(data)
+    return out[0], out[1], cfg, collate_fn
 
 
 def run_evaluation(cfg: TrainConfig, task: Task, splits: DataSplits, model: nn.Module | None = None) -> dict:

@@ -530,3 +530,40 @@ def test_max_steps_stops_mid_epoch_and_float64_reaches_the_model_and_its_batches
     assert [r["step"] for r in records if r["event"] == "step"] == [3]  # the last step always logs
     assert len([r for r in records if r["event"] == "epoch"]) == 1
     assert "[epoch]" not in capsys.readouterr().out  # quiet
+
+
+def test_a_dataloader_is_taken_as_users_hold_their_data(tmp_path, capsys):
+    """Regression: a DataLoader as train_data died with "'DataLoader' object is not subscriptable"."""
+    from torch.utils.data import DataLoader
+
+    seen = []
+
+    def collate(items):
+        seen.append(len(items))
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+    loader = DataLoader(regression_data(64, 0), batch_size=16, shuffle=True, collate_fn=collate)
+    cfg = TrainConfig(nproc="1", device="cpu", epochs=1, progress=False, num_workers=0, run_dir=str(tmp_path / "r"))
+    result = Trainer(cfg, model=RegressionMLP(), train_data=loader, test_data=regression_data(16, 1), loss_fn=mse).fit()
+    said = [line for line in capsys.readouterr().out.splitlines() if "is a DataLoader" in line]
+    assert len(said) == 1
+    assert "its dataset, collate_fn, batch_size 16 as the global batch" in said[0] and "RandomSampler" in said[0]
+    assert result["steps"] == 4 and result["global_batch_size"] == 16 and seen  # its collate_fn made the batches
+
+
+@pytest.mark.parametrize("kind", ["iterable", "no length"])
+def test_data_ddpkit_cannot_shard_by_index_is_one_line(kind):
+    """Regression: an IterableDataset gave "object of type ... has no len()" from deep inside."""
+    from ddpkit.errors import DataError
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from regression_data(8, 0)
+
+    class NoLength:
+        def __getitem__(self, i):
+            return regression_data(8, 0)[i]
+
+    data = Stream() if kind == "iterable" else NoLength()
+    with pytest.raises(DataError, match="train_data is (an IterableDataset|a NoLength), which ddpkit cannot split"):
+        Trainer(TrainConfig(nproc="1"), model=RegressionMLP(), train_data=data, loss_fn=mse)
