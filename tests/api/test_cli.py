@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -189,3 +191,44 @@ def test_the_cli_surface_changes_only_on_purpose():
         assert not added and not removed, f"ddpkit {command}: flags added {sorted(added)}, removed {sorted(removed)}"
         for flag, spec in now[command].items():
             assert spec == frozen[command][flag], f"ddpkit {command} {flag}: {frozen[command][flag]} -> {spec}"
+
+
+@pytest.mark.parametrize(
+    "env,said",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK, WORLD_SIZE set without LOCAL_RANK"),  # trained at world 1
+        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT are not"),  # 47 lines
+        (
+            {"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            "RANK=3, LOCAL_RANK=0, WORLD_SIZE=2: a rank must be in 0..WORLD_SIZE-1",  # waited until the timeout
+        ),
+        ({"RANK": "a", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "must be integers"),
+    ],
+)
+def test_launcher_variables_set_by_hand_or_half_way_are_one_line(env, said):
+    """Regression: RANK and WORLD_SIZE without LOCAL_RANK trained silently at world 1; without MASTER_ADDR a
+    47-line traceback; RANK >= WORLD_SIZE waited at the rendezvous for --timeout-s."""
+    from ddpkit.dist.env import check_launcher_env
+    from ddpkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check_launcher_env(env)
+    check_launcher_env({})  # nothing set: ddpkit launches
+    check_launcher_env({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+@pytest.mark.multiprocess
+def test_half_set_launcher_variables_stop_the_cli_before_anything_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--run-dir", str(tmp_path / "r")],
+        env=cli_env(RANK="0", WORLD_SIZE="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "ddpkit: error: RANK, WORLD_SIZE set without LOCAL_RANK: start the job with torchrun (which sets them all), "
+        "or unset them to let ddpkit launch"
+    ]
+    assert not (tmp_path / "r").exists()

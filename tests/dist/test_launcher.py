@@ -42,12 +42,16 @@ def test_under_torchrun_nothing_is_relaunched(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # torchrun sets these too
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert launcher.resolve_nproc("auto", "cpu") == 2 and launcher.LaunchSpec(nproc=2).world_size == 4
     assert launcher.run_workers(lambda x: x + 1, (1,), 2) == 2  # ran here, in this process
 
 
 def test_under_torchrun_launch_flags_belong_to_torchrun(monkeypatch):
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+    for k, v in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+    ).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ConfigError, match="started by torchrun, which owns --max-restarts"):
         launcher.LaunchSpec.from_config(TrainConfig(max_restarts=2))

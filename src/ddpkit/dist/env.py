@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from ..errors import ConfigError
+
 # torchrun / the elastic agent
 RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK = (
     "RANK",
@@ -52,6 +54,38 @@ SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
     """True inside torchrun / an elastic agent's worker (the ranks come from the env)."""
     return all(k in env for k in LAUNCH_VARS)
+
+
+MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT")  # where torchrun's workers find the rendezvous (env://)
+
+
+def check_launcher_env(env: Mapping[str, str] = os.environ) -> None:
+    """One line for launcher variables set by hand and set half-way, before anything starts: without it,
+    RANK and WORLD_SIZE without LOCAL_RANK trained silently at world 1, a missing MASTER_ADDR was a
+    47-line traceback, and RANK >= WORLD_SIZE waited at the rendezvous until the timeout."""
+    present = [k for k in LAUNCH_VARS if k in env]
+    if not present:
+        return
+    fix = "start the job with torchrun (which sets them all), or unset them to let ddpkit launch"
+    if len(present) < len(LAUNCH_VARS):
+        missing = [k for k in LAUNCH_VARS if k not in env]
+        raise ConfigError(f"{', '.join(present)} set without {', '.join(missing)}: {fix}")
+    try:
+        rank, local, world = (int(env[k]) for k in LAUNCH_VARS)
+    except ValueError:
+        raise ConfigError(
+            f"RANK={env[RANK]!r}, LOCAL_RANK={env[LOCAL_RANK]!r}, WORLD_SIZE={env[WORLD_SIZE]!r} must be "
+            f"integers; {fix}"
+        ) from None
+    if not (world > 0 and 0 <= rank < world and 0 <= local <= rank):
+        raise ConfigError(
+            f"RANK={rank}, LOCAL_RANK={local}, WORLD_SIZE={world}: a rank must be in 0..WORLD_SIZE-1 "
+            f"(and LOCAL_RANK at most RANK); {fix}"
+        )
+    unset = [k for k in MASTER_VARS if not env.get(k)]
+    if unset and world > 1:
+        verb = "is" if len(unset) == 1 else "are"
+        raise ConfigError(f"RANK, LOCAL_RANK and WORLD_SIZE are set but {' and '.join(unset)} {verb} not: {fix}")
 
 
 def env_rank(env: Mapping[str, str] = os.environ) -> int:

@@ -49,7 +49,7 @@ from ..errors import ConfigError, PeerLost
 from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
-from .env import under_launcher
+from .env import check_launcher_env, under_launcher
 from .failures import Failure, interrupted, launch_failure, returned_failure
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 from .prestart import forkserver_available, prestart_workers
@@ -69,6 +69,7 @@ class LaunchSpec:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, resumable: bool = True) -> "LaunchSpec":
+        check_launcher_env()
         if under_launcher():
             defaults = type(cfg)()
             set_here = [
@@ -157,6 +158,7 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     """Run ``fn(*args)`` on every rank; return global rank 0's result (on another node, that
     node's lowest rank's). An int ``spec`` is ``nproc``."""
     refuse_if_importing_main()
+    check_launcher_env()
     if isinstance(spec, int):
         spec = LaunchSpec(nproc=spec)
     if spec.in_process:
