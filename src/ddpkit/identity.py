@@ -123,10 +123,6 @@ def _names(c: types.CodeType) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _qualname(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
-
-
 class _Reader:
     """Reads code, objects and data into ``parts`` (label -> text), following references once each."""
 
@@ -370,7 +366,8 @@ def code_digest(fn: Any) -> str:
 
 
 def code_name(obj: Any) -> str:
-    return _qualname(obj)
+    """A function's or class's qualified name, or a callable object's class name."""
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
 
 
 def model_fingerprint(model: nn.Module) -> Fingerprint:

@@ -88,12 +88,13 @@ def preflight(
             f"({splits.note}); use --data-path loader or auto"
         )
     task = task_for(cfg)
+    own_model = model is not None  # the registry models use every parameter in every step (DDP's static graph)
     if model is None:
         model = model_for(cfg, splits.meta)
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
-    if (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True:
+    if own_model and (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True:
         unused = unused_parameters(model, splits, task, cfg)
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         if unused and cfg.find_unused_parameters is False:

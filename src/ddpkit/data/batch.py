@@ -3,7 +3,6 @@
 batch = to_device(batch, device)     # every tensor moved (non-blocking), structure kept
 tree_map(fn, batch), tensor_leaves(batch)
 leading_size(batch)                  # samples in it: the first tensor's first dimension
-structure(sample)                    # types, shapes and dtypes, for a dataset's fingerprint
 """
 
 from __future__ import annotations
@@ -49,16 +48,3 @@ def leading_size(batch: Any) -> int:
     """How many samples ``batch`` holds: the first tensor's first dimension (1 for a scalar)."""
     t = first_tensor(batch)
     return 1 if t is None or t.dim() == 0 else t.shape[0]
-
-
-def structure(sample: Any) -> Any:
-    """A JSON-able description of ``sample``: tensor shapes and dtypes, container types, leaf types."""
-    if isinstance(sample, torch.Tensor):
-        return {"shape": list(sample.shape), "dtype": str(sample.dtype).replace("torch.", "")}
-    if isinstance(sample, Mapping):
-        return {str(k): structure(v) for k, v in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return [structure(v) for v in sample]
-    if hasattr(sample, "shape") and hasattr(sample, "dtype"):  # numpy arrays
-        return {"shape": list(sample.shape), "dtype": str(sample.dtype)}
-    return type(sample).__name__

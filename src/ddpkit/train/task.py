@@ -37,14 +37,10 @@ from torch import nn
 from ..config import TrainConfig
 from ..data.batch import leading_size
 from ..errors import TaskError
-from ..identity import code_digest
+from ..identity import code_digest, code_name
 
 MetricFn = Callable[[Any, Any], tuple]
 RESERVED = {"samples"}  # test_samples is the evaluated sample count
-
-
-def _qualname(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 class Task:
@@ -248,7 +244,7 @@ class UserLoss(Task):
 
     @property
     def identity(self) -> str:
-        return f"custom:{_qualname(self.loss_fn)}#{code_digest(self.loss_fn)}{self._metric_part()}"
+        return f"custom:{code_name(self.loss_fn)}#{code_digest(self.loss_fn)}{self._metric_part()}"
 
     def loss(self, model, batch):
         result = self.loss_fn(model, batch)
