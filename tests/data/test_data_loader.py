@@ -172,3 +172,27 @@ def test_a_user_dataset_held_in_memory_gives_the_dataloader_paths_batches(world,
                 leaves_a = list(a.values()) if isinstance(a, dict) else list(a)
                 leaves_b = list(b.values()) if isinstance(b, dict) else list(b)
                 assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(leaves_a, leaves_b))
+
+
+@pytest.mark.parametrize(
+    "source", [lambda *a, **kw: ResidentSource(*a, **kw, on_device=True), LoaderSource], ids=["resident", "loader"]
+)
+def test_a_global_batch_is_the_same_samples_at_every_world_size_from_any_step(source):
+    """What a resume at another world size relies on (elastic resume): with the global batch fixed,
+    step s takes the same samples whether 1, 2 or 4 ranks share it, from a mid-epoch start too."""
+    d = ImageData(torch.zeros(103, 3, 8, 8, dtype=torch.uint8), torch.arange(103))  # label = index
+
+    def global_batches(world: int, epoch: int, start: int) -> list[set[int]]:
+        per_rank = [
+            [
+                set(y.tolist())
+                for _, y in source(d, META, cfg(), ctx(r, world), per_rank_batch=24 // world).batches(epoch, start)
+            ]
+            for r in range(world)
+        ]
+        return [set().union(*step) for step in zip(*per_rank)]
+
+    for epoch, start in ((0, 0), (1, 2)):
+        one = global_batches(1, epoch, start)
+        assert len(one) == 103 // 24 - start and all(len(b) == 24 for b in one)
+        assert global_batches(2, epoch, start) == one and global_batches(4, epoch, start) == one

@@ -93,3 +93,19 @@ def test_per_rank_state_must_be_host_data_before_it_is_gathered(tmp_path):
     with pytest.raises(ValueError, match="per-rank snapshot state holds a tensor on meta"):
         ckpt.save({"rank_state": {"acc": torch.zeros(2, device="meta")}}, 1)
     assert not ckpt.snapshots()
+
+
+def test_another_world_size_is_taken_but_not_for_a_join_run(tmp_path):
+    """Elastic resume loads a snapshot made at another world size; --join weights an epoch's last,
+    uneven batch per rank, so a --join run is refused in one line instead."""
+    for join, expect in ((False, None), (True, "made at world size 2 with --join, this run has 1")):
+        ckpt, _ = make(tmp_path / str(join), join=join)
+        ckpt.save({"x": 1}, 3)
+        path = ckpt.snapshots()[0]
+        snap = torch.load(path, weights_only=True)
+        torch.save({**snap, "world_size": 2, "ranks": snap["ranks"] * 2}, path)  # as 2 ranks write it
+        if expect is None:
+            assert ckpt.load_latest()["world_size"] == 2
+        else:
+            with pytest.raises(RunDirError, match=expect):
+                ckpt.load_latest()

@@ -1,4 +1,4 @@
-"""Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall.
+"""Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall, resume at another world size.
 
 Every run goes through the public API in its own process (tests/helpers/custom_train.py), with
 the seed ConvNet wrapped to inject one fault at a chosen step.
@@ -255,3 +255,77 @@ def test_a_killed_powersgd_run_is_refused_in_one_line_not_resumed_inexactly(tmp_
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))  # nothing deleted
     with pytest.raises(ConfigError, match="--max-restarts 2 resumes from snapshots"):
         TrainConfig(comm_hook="powersgd", max_restarts=2).resolved()
+
+
+def stop_after(s: dict, run_dir: Path, pred) -> int:
+    """Start ``s``, SIGTERM its launcher (a preempted or lost node) once a step record satisfies
+    ``pred``; the step of the snapshot it saved."""
+    proc = start(s)
+    try:
+        wait_for_step(run_dir, proc, pred)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"][-1]["step"]
+
+
+def test_a_run_resumes_at_another_world_size_2_1_2_with_the_same_samples_and_weights(tmp_path):
+    """Elastic resume: 2 processes, then 1 (a node lost), then 2 again, against an uninterrupted
+    run at 2. float64 makes the only difference, the order of float reductions, ~1e-16 per step."""
+    # SyncBatchNorm: plain BatchNorm normalises each rank's share, which the world size changes.
+    common = dict(seconds=0.03, dtype="float64", sync_bn=True, save_every_steps=5, log_every=1)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = run(spec(ref_dir, "slow", **common))
+    assert ref.returncode == 0, ref.stderr
+
+    first = stop_after(spec(run_dir, "slow", **common), run_dir, lambda step: step >= 6)
+    second = stop_after(spec(run_dir, "slow", **common, nproc="1"), run_dir, lambda step: step >= 24)
+    last = run(spec(run_dir, "slow", **common))
+    assert last.returncode == 0, last.stderr
+    assert first < 20 < second < 40  # the world-1 leg crosses an epoch end (an evaluation)
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    starts = [r for r in records if r["event"] == "start"]
+    assert [(r["world_size"], r["resumed_at_step"], r["resumed_from_world"]) for r in starts] == [
+        (2, None, None),
+        (1, first, 2),
+        (2, second, 1),
+    ]
+    said = [line for line in last.stdout.splitlines() if "of a run made at world size 1 at world size 2" in line]
+    assert len(said) == 1 and "the same global batch of 100" in said[0], last.stdout
+    # The same samples at every step: each step's loss is the reference's, to float64 rounding.
+    ref_records = read_jsonl(ref_dir / "metrics.jsonl")
+    for kind, key, loss in (("step", "step", "loss"), ("epoch", "epoch", "train_loss")):
+        mine = {r[key]: r for r in records if r["event"] == kind}
+        theirs = {r[key]: r for r in ref_records if r["event"] == kind}
+        assert mine.keys() == theirs.keys()
+        for k, r in theirs.items():
+            assert mine[k][loss] == pytest.approx(r[loss], rel=1e-9), (kind, k)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_accuracy"] == json.loads((ref_dir / "summary.json").read_text())["test_accuracy"]
+    a, b = load(run_dir / "model.pt"), load(ref_dir / "model.pt")
+    for name, tensor in b.items():
+        assert torch.allclose(a[name], tensor, rtol=1e-9, atol=1e-12), name
+
+
+def test_a_zero_run_is_resharded_when_it_resumes_at_another_world_size(tmp_path):
+    """ZeRO's optimizer state is saved whole (gathered to rank 0) and each rank of the new world
+    takes its own shard of it: a world-2 run continued at world 1 from step 25 ends where it did."""
+    common = dict(dtype="float64", sync_bn=True, zero=True, save_every_steps=5, keep_snapshots=10)
+    run_dir = tmp_path / "run"
+    done = run(spec(run_dir, **common))
+    assert done.returncode == 0, done.stderr
+    reference = {k: v.clone() for k, v in load(run_dir / "model.pt").items()}
+    for path in [run_dir / "model.pt", run_dir / "summary.json"] + [
+        p for p in (run_dir / "checkpoints").glob("snapshot-*.pt") if int(p.stem.split("-")[1]) > 25
+    ]:
+        path.unlink()  # as if the job had been killed right after step 25's snapshot
+    again = run(spec(run_dir, **common, nproc="1"))
+    assert again.returncode == 0, again.stderr
+    assert "resuming step 25 (epoch 1) of a run made at world size 2 at world size 1" in again.stdout
+    final = load(run_dir / "model.pt")
+    for name, tensor in reference.items():
+        assert torch.allclose(final[name], tensor, rtol=1e-9, atol=1e-12), name

@@ -75,6 +75,16 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+def reseed(seed: int, global_step: int, rank: int) -> None:
+    """Fresh random streams for ``rank`` after a resume at another world size, where the saved
+    per-rank streams cannot be continued (there is no rank 2 to take over from a world of 2).
+    A function of (seed, step, rank): distinct per rank, the same on every rerun."""
+    mixed = int(np.random.SeedSequence([seed, global_step, rank, 0xE1A5]).generate_state(1, np.uint64)[0])
+    torch.manual_seed(mixed)  # also every CUDA device's generator
+    np.random.seed(mixed % 2**32)
+    random.seed(mixed)
+
+
 def check_host_only(tree, what: str) -> None:
     """Raise unless every tensor in ``tree`` (dicts, lists, tuples) is on the CPU."""
     if isinstance(tree, torch.Tensor):
@@ -249,10 +259,12 @@ class Checkpointer:
                 f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
                 f"pass a new --run-dir to start a new run"
             )
-        if snap["world_size"] != self.ctx.world_size:
+        if snap["world_size"] != self.ctx.world_size and self.cfg.join:
+            # Under --join the last, uneven batch of an epoch is averaged per rank (each rank's
+            # mean, then DDP's mean over ranks), so its gradient depends on the world size.
             raise RunDirError(
-                f"snapshot {path} was made with world size {snap['world_size']}, this run has "
-                f"{self.ctx.world_size}; resume with the same number of processes for an exact continuation"
+                f"snapshot {path} was made at world size {snap['world_size']} with --join, this run has "
+                f"{self.ctx.world_size}; a --join run resumes only at the world size it was made with"
             )
 
 

@@ -28,7 +28,7 @@ from ..data.loader import EvalSource, Preprocess, make_train_source
 from ..dist.context import DistContext, on_rank0
 from ..errors import NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
-from ..run.checkpoint import Checkpointer, read_weights, set_rng_state, weights_mismatch
+from ..run.checkpoint import Checkpointer, read_weights, reseed, set_rng_state, weights_mismatch
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import training_plots
@@ -192,9 +192,18 @@ class Engine:
         self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
         self.watch = DivergenceWatch(**state.get("divergence", {}))  # snapshots before 0.3 have none
         self.final_train = state["final_train"]
-        mine = snap["ranks"][self.ctx.rank]
-        self.acc.load(mine["rank_state"]["acc"])
-        set_rng_state(mine["rng"], self.ctx.device)
+        ranks = snap["ranks"]
+        if len(ranks) == self.ctx.world_size:
+            self.acc.load(ranks[self.ctx.rank]["rank_state"]["acc"])
+            set_rng_state(ranks[self.ctx.rank]["rng"], self.ctx.device)
+            return
+        # Another world size (elastic resume). The position is in optimizer steps of a fixed global
+        # batch, and the epoch order is a function of (seed, epoch), so the next step takes the same
+        # samples. The epoch's metric sums so far are only ever summed over ranks: rank 0 takes all
+        # of them. Per-rank random streams (dropout) cannot be continued, so they start afresh.
+        merged = torch.tensor([r["rank_state"]["acc"] for r in ranks], dtype=torch.float64).sum(0)
+        self.acc.load(merged if self.ctx.rank == 0 else torch.zeros_like(merged))
+        reseed(self.cfg.seed, self.pos.global_step, self.ctx.rank)
 
     # ------------------------------------------------------------------ loop
     def _fits(self, snap: dict) -> None:
@@ -212,11 +221,8 @@ class Engine:
                 raise ValueError(f"it has no {key!r}")
         if self.ema and set(state["ema"] or {}) != set(self.ema.state_dict()):
             raise ValueError("its EMA weights are not this model's")
-        ranks = snap["ranks"]
-        if len(ranks) != self.ctx.world_size or any(
-            len(r["rank_state"]["acc"]) != 2 * len(self.acc.names) for r in ranks
-        ):
-            raise ValueError("its per-rank state does not match this run's ranks and metrics")
+        if any(len(r["rank_state"]["acc"]) != 2 * len(self.acc.names) for r in snap["ranks"]):
+            raise ValueError("its per-rank state does not match this run's metrics")
 
     def fit(self) -> dict:
         ok = False
@@ -226,6 +232,8 @@ class Engine:
                 raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
             if snap is not None:
                 self.load_state_dict(snap)
+                if snap["world_size"] != self.ctx.world_size:
+                    self.log.print(self._elastic_line(snap["world_size"]))
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
             write_config(self.cfg, self.ctx, self.identity)
@@ -243,6 +251,7 @@ class Engine:
                 per_rank_batch=self.per_rank_batch,
                 grad_accum=self.accum,
                 resumed_at_step=self.pos.global_step if snap else None,
+                resumed_from_world=snap["world_size"] if snap else None,
             )
             with self._stop:
                 while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
@@ -252,6 +261,24 @@ class Engine:
             return summary
         finally:
             self.log.close(ok)
+
+    def _elastic_line(self, old_world: int) -> str:
+        """What a resume at another world size keeps exact, and what it does not (said once)."""
+        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.raw.modules())
+        bn = (
+            ""
+            if self.cfg.sync_bn or not batchnorm
+            else (
+                "; BatchNorm without --sync-bn normalises each rank's share of the batch, which is now "
+                f"{self.per_rank_batch} samples"
+            )
+        )
+        return (
+            f"ddpkit: resuming step {self.pos.global_step} (epoch {self.pos.epoch}) of a run made at world size "
+            f"{old_world} at world size {self.ctx.world_size}: the same global batch of {self.cfg.batch_size} "
+            f"and the same samples at every step; only the order of float reductions differs, and each "
+            f"rank's random stream (dropout) starts afresh{bn}"
+        )
 
     def _run_epoch(self) -> None:
         cfg = self.cfg
