@@ -1,4 +1,5 @@
-"""Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall, resume at another world size.
+"""Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall,
+resume at another world size.
 
 Every run goes through the public API in its own process (tests/helpers/custom_train.py), with
 the seed ConvNet wrapped to inject one fault at a chosen step.
