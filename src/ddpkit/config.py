@@ -24,6 +24,7 @@ import tomli_w
 
 from . import recipes
 from .errors import ConfigError
+from .importpath import is_import_path, is_own, keyword_args
 
 try:
     import tomllib
@@ -52,7 +53,15 @@ def _f(default: Any, section: str, help: str, choices: tuple | None = None, cli:
 @dataclass(frozen=True)
 class TrainConfig:
     # [data]
-    dataset: str = _f("mnist", "data", "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH")
+    dataset: str = _f(
+        "mnist",
+        "data",
+        "mnist | fashion-mnist | cifar10 | cifar100 | synthetic | imagefolder:PATH | pkg.module:function "
+        "(your function returning (train, test) datasets, or a dict with train, test and collate_fn)",
+    )
+    dataset_args: str = _f(
+        "", "data", 'keyword arguments for --dataset pkg.module:function, as a JSON object: \'{"root": "data"}\''
+    )
     data_dir: str = _f("data", "data", "where torchvision datasets are read from / downloaded to")
     data_digest: str = _f(
         "",
@@ -85,7 +94,21 @@ class TrainConfig:
     )
     device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
     # [model]
-    model: Optional[str] = _f(None, "model", "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's)")
+    model: Optional[str] = _f(
+        None,
+        "model",
+        "convnet | cnn | resnet9 | resnet18 | mlp (default: the recipe's), or pkg.module:function "
+        "returning your nn.Module",
+    )
+    model_args: str = _f(
+        "", "model", "keyword arguments for --model pkg.module:function, as a JSON object: '{\"num_classes\": 10}'"
+    )
+    model_digest: str = _f(
+        "",
+        "model",
+        "what --model pkg.module:function built, by structure and code (ddpkit.identity): set by ddpkit",
+        cli=False,
+    )
     task: str = _f(
         "classification",
         "model",
@@ -282,8 +305,17 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name))
         check_dataset_name(self.dataset)
-        if self.model not in MODEL_NAMES and not str(self.model).startswith("custom:"):
-            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        if self.model not in MODEL_NAMES and not is_own(self.model):
+            raise ConfigError(
+                f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}, "
+                f"or pkg.module:function (a function returning your nn.Module)"
+            )
+        for name, target in (("model_args", self.model), ("dataset_args", self.dataset)):
+            if getattr(self, name):
+                keyword_args(getattr(self, name), f"--{_flag(name)}")
+                if not is_import_path(target):
+                    what = _flag(name.removesuffix("_args"))
+                    raise ConfigError(f"--{_flag(name)} is for --{what} pkg.module:function, not --{what} {target}")
         if self.task != "classification" and not self.task.startswith(("custom:", "model-loss", "classification+")):
             raise ConfigError(f"--task {self.task!r}: the CLI trains classification; a loss_fn is given from Python")
         for f in dataclasses.fields(self):
@@ -429,7 +461,7 @@ class TrainConfig:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # Identity keys a run dir written before ddpkit 0.3 leaves empty: such a run is matched on the rest.
-    RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
+    RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest", "model_digest", "model_args", "dataset_args"})
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""
@@ -544,9 +576,12 @@ def _example(name: str, typ: type) -> str:
 
 
 def check_dataset_name(name: str) -> None:
-    if name in DATASET_NAMES or name.startswith(("imagefolder:", "custom:")):
+    if name in DATASET_NAMES or name.startswith(("imagefolder:", "custom:")) or is_import_path(name):
         return
-    raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}, imagefolder:PATH")
+    raise ConfigError(
+        f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}, imagefolder:PATH, or "
+        f"pkg.module:function (a function returning your train and test datasets)"
+    )
 
 
 def parse_loggers(text: str) -> tuple[str, ...]:
@@ -587,6 +622,8 @@ def _slug(name: str) -> str:
     """A dataset or model name as a directory-name part: ``custom:MLP#1a2b3c4d`` -> ``MLP-1a2b3c4d``."""
     if name.startswith("imagefolder:"):
         return "imagefolder-" + (Path(name.split(":", 1)[1]).name or "data")
+    if is_import_path(name):
+        return name.rsplit(":", 1)[1].rsplit(".", 1)[-1]  # the function's name
     return name.removeprefix("custom:").replace("#", "-")
 
 

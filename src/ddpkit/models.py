@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
+from .errors import ConfigError
+from .importpath import call, is_import_path
 
 
 def conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
@@ -162,8 +164,22 @@ def build_model(name: str, channels: int, height: int, width: int, classes: int)
 
 
 def model_for(cfg: TrainConfig, meta) -> nn.Module:
-    """The config's registry model, shaped for a dataset's ``Meta`` (channels, size, classes)."""
+    """The config's model: a registry model shaped for a dataset's ``Meta`` (channels, size, classes),
+    or yours, built by ``--model pkg.module:function`` with ``--model-args``."""
+    if is_import_path(cfg.model):
+        return own_model(cfg)
     return build_model(cfg.model, meta.channels, meta.height, meta.width, meta.classes)
+
+
+def own_model(cfg: TrainConfig) -> nn.Module:
+    """Your model from its import path, its weights drawn with ``--seed`` (as the registry models'
+    are), so every command that builds it again starts from the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = call(cfg.model, cfg.model_args, "--model")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def uses_conv(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from .config import TrainConfig, parse_loggers
-from .data import DataSplits, ImageData, Meta, TensorData, load_dataset
+from .data import DataSplits, ImageData, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.loader import Preprocess
 from .data.materialize import materialize
@@ -233,18 +233,6 @@ def infer_classes(data: Dataset | None) -> int | None:
     if labels is None or labels.is_floating_point() or labels.dim() != 1 or not len(labels):
         return None
     return int(labels.max()) + 1
-
-
-def infer_meta(data: Dataset | None) -> Meta | None:
-    """Meta for an in-memory ImageData passed without one: shape, class count, and channel statistics."""
-    if not isinstance(data, ImageData):
-        return None
-    x = data.images[:10000].float() / 255
-    dims = (0, 2, 3)
-    _, c, h, w = data.images.shape
-    return Meta(
-        c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist())
-    )
 
 
 def move_to_cpu(model: nn.Module | None) -> torch.device | None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from .device import resolve_device_type
 from .errors import ConfigError
+from .importpath import is_own
 
 if TYPE_CHECKING:  # config.py imports this module: the type only, for readers and type checkers
     from .config import TrainConfig
@@ -90,7 +91,7 @@ def pick(cfg: TrainConfig, flags: frozenset[str] | None = None) -> str:
         return "imagefolder"
     name = AUTO.get(cfg.dataset, "none")
     # bf16 autocast is the recipe's choice for its own ConvNet, never for a model you pass in.
-    own_model = str(cfg.model).startswith("custom:")
+    own_model = is_own(cfg.model)
     if name == "mnist" and not own_model and cfg.dtype != "float64" and native_cpu_bf16(cfg.device, flags):
         return "mnist-cpu-bf16"
     return name
@@ -138,7 +139,7 @@ def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; choose one of: auto, {', '.join(RECIPES)}")
     values = {**BASE, **RECIPES[name]}
-    own_model = str(cfg.model).startswith("custom:")
+    own_model = is_own(cfg.model)
     if cfg.channels_last is None:
         # NHWC pays off on both engines: cuDNN/tensor cores on CUDA, and oneDNN's NHWC kernels on
         # CPU (seed ConvNet fwd+bwd+step, batch 100, one thread: 29.3 ms NCHW vs 23.2 ms NHWC;

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset, default_collate
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
+from .data.types import infer_meta
 from .dist import env
 from .dist.launcher import LaunchSpec, refuse_if_importing_main, run_workers
 from .errors import ConfigError, DataError, RunDirError
@@ -46,10 +47,11 @@ from .identity import (
     probe_optimizer,
     scheduler_fingerprint,
 )
+from .importpath import is_import_path
+from .models import own_model
 from .preflight import (
     available_memory_bytes,
     infer_classes,
-    infer_meta,
     move_to_cpu,
     preflight,
 )
@@ -103,6 +105,9 @@ class Trainer:
         collate_fn: Callable | None = None,
     ):
         cfg = config or TrainConfig()
+        model, train_data, test_data, meta, collate_fn = by_import_path(
+            cfg, model, train_data, test_data, meta, collate_fn
+        )
         train_data, test_data, cfg, collate_fn = from_loaders(train_data, test_data, cfg, collate_fn)
         self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -113,9 +118,12 @@ class Trainer:
         if train_data is not None or test_data is not None:
             meta = meta or infer_meta(train_data if train_data is not None else test_data)
             self.splits = DataSplits(train_data, test_data, meta, collate_fn)
-            prints["dataset"] = data_fingerprint(train_data, test_data)
+            if not is_import_path(cfg.dataset):  # by import path: read as data_digest, as the built-in data
+                prints["dataset"] = data_fingerprint(train_data, test_data)
         if model is not None:
-            prints["model"] = model_fingerprint(model)
+            # By import path the config keeps the path (so every command can build it again) and the
+            # fingerprint goes to model_digest; a model passed in is named by its fingerprint.
+            prints["model_digest" if is_import_path(cfg.model) else "model"] = model_fingerprint(model)
         opt = None
         for given, what, unused in (
             (optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
@@ -135,7 +143,10 @@ class Trainer:
                 prints[what] = scheduler_fingerprint(given, opt if opt is not None else probe_optimizer(model))
         if loss_fn is not None or self.metrics:
             prints["task"] = code_fingerprint("task", {"loss_fn": loss_fn, **self.metrics} if loss_fn else self.metrics)
-        cfg = dataclasses.replace(cfg, **{k: f"custom:{fp.tag}" for k, fp in prints.items() if k != "task"})
+        cfg = dataclasses.replace(
+            cfg,
+            **{k: fp.tag if k.endswith("_digest") else f"custom:{fp.tag}" for k, fp in prints.items() if k != "task"},
+        )
         self.fingerprints = {k: fp.to_json() for k, fp in prints.items()}
         self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
 
@@ -243,6 +254,38 @@ class Trainer:
             raise DataError("evaluate() needs a non-empty test_data")
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
+
+
+def by_import_path(cfg: TrainConfig, model, train, test, meta, collate_fn):
+    """The model and data a config names by import path (``model="pkg.module:function"``), built
+    here as if passed in: the same checks, fingerprints and hand-off to the workers. Naming one both
+    ways is a one-line ConfigError."""
+    if is_import_path(cfg.dataset):
+        if train is not None or test is not None:
+            raise ConfigError(
+                f"the config's dataset is {cfg.dataset} and train_data/test_data are passed too; give one of them"
+            )
+        own = load_dataset(cfg)
+        train, test, meta, collate_fn = own.train, own.test, meta or own.meta, collate_fn or own.collate_fn
+    if is_import_path(cfg.model):
+        if model is not None:
+            raise ConfigError(f"the config's model is {cfg.model} and model=... is passed too; give one of them")
+        model = own_model(cfg)
+    return model, train, test, meta, collate_fn
+
+
+def as_objects(cfg: TrainConfig, model=None, train=None, test=None, meta=None, collate_fn=None):
+    """:func:`by_import_path` for a tool that runs the workload several times (``ddpkit check``): the
+    objects built once, and a config that names them as passed in (``custom:``), not by path."""
+    model, train, test, meta, collate_fn = by_import_path(cfg, model, train, test, meta, collate_fn)
+    named = {
+        field: f"custom:{getattr(cfg, field).rpartition(':')[2]}"
+        for field in ("model", "dataset")
+        if is_import_path(getattr(cfg, field))
+    }
+    if named:
+        cfg = dataclasses.replace(cfg, **named, model_args="", dataset_args="", model_digest="", data_digest="")
+    return cfg, model, train, test, meta, collate_fn
 
 
 def from_loaders(train, test, cfg: TrainConfig, collate_fn):

@@ -28,7 +28,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Bottom first. A name stands for that module, or for every module of that package.
 LAYERS = (
-    ("ddpkit.errors", "ddpkit.version", "ddpkit.files"),  # no ddpkit imports but errors
+    ("ddpkit.errors", "ddpkit.version", "ddpkit.files", "ddpkit.importpath"),  # no ddpkit imports but errors
     ("ddpkit.config", "ddpkit.recipes", "ddpkit.device"),  # what a run is: plain data, no torch
     ("ddpkit.dist",),  # processes and the process group
     ("ddpkit.data", "ddpkit.models", "ddpkit.identity"),  # what it trains on, and what

@@ -85,3 +85,92 @@ def test_a_model_that_uses_every_parameter_keeps_ddps_fast_path(tmp_path, capsys
     assert "find_unused_parameters = false" in (result.run_dir / "config.toml").read_text()
     starts = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert starts[0]["event"] == "start"
+
+
+USER_NETS = """
+import torch
+from torch import nn
+
+
+def small_cnn(classes=3, width=8):
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)
+    )
+"""
+USER_DATA = '''
+import torch
+from torch.utils.data import TensorDataset
+
+
+def pictures(n=96, size=8):
+    """Float images whose class is their brightest channel; drawn at random (ddpkit seeds the call)."""
+    x = torch.rand(n, 3, size, size)
+    y = x.mean((2, 3)).argmax(1)
+    cut = n * 3 // 4
+    return {"train": TensorDataset(x[:cut], y[:cut]), "test": TensorDataset(x[cut:], y[cut:])}
+'''
+
+
+def test_a_model_and_data_named_by_import_path_train_evaluate_show_check_and_bench_from_the_cli(tmp_path):
+    """Regression: --model took 5 names and --dataset 5 plus imagefolder:, so a model of your own could
+    not be trained, evaluated, shown, checked or benchmarked from the CLI. The console script, run
+    from the folder that holds the user's modules (which is not on its sys.path by itself)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from clirun import cli_env
+
+    (tmp_path / "mynets.py").write_text(USER_NETS)
+    (tmp_path / "mydata.py").write_text(USER_DATA)
+    script = Path(sys.executable).with_name("ddpkit")
+
+    def ddpkit(*args):
+        env = cli_env()
+        env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(tmp_path), "")
+        return subprocess.run([str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    workload = ["--model", "mynets:small_cnn", "--model-args", '{"width": 12}', "--dataset", "mydata:pictures"]
+    train = ddpkit(
+        "train",
+        *workload,
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--run-dir",
+        "r",
+        "--no-progress",
+    )
+    assert train.returncode == 0, train.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    config = (tmp_path / "r" / "config.toml").read_text()
+    assert 'model = "mynets:small_cnn"' in config and 'dataset = "mydata:pictures"' in config
+    assert 'model_args = "{\\"width\\": 12}"' in config and 'model_digest = "Sequential#' in config
+
+    evaluated = ddpkit("eval", "r", "--nproc", "2")
+    assert evaluated.returncode == 0, evaluated.stderr
+    again = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert again["test_accuracy"] == summary["test_accuracy"] and again["test_samples"] == 24
+
+    shown = ddpkit("show-data", "--predictions", "r", "--out", "grid.png", "--n", "24")
+    assert shown.returncode == 0, shown.stderr
+    assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{round(24 * summary['test_accuracy'])} of 24 predicted right" in shown.stdout  # the run's model.pt
+
+    checked = ddpkit("check", *workload, "--nproc", "2", "--device", "cpu", "--batch-size", "16", "--json", "c.json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "PASSED" in checked.stdout and json.loads((tmp_path / "c.json").read_text())["passed"]
+
+    bench = ddpkit(
+        "bench", *workload, "--nproc", "1,2", "--device", "cpu", "--batch-size", "8", "--steps", "20", "--out", "b"
+    )
+    assert bench.returncode == 0, bench.stderr
+    assert "mynets:small_cnn on mydata:pictures" in (tmp_path / "b" / "bench.md").read_text()
+
+    rerun = ddpkit("train", "--config", "r/config.toml")  # the same run, rebuilt from its config: returned
+    assert rerun.returncode == 0 and "already holds this finished run" in rerun.stdout, rerun.stderr

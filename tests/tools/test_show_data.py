@@ -223,3 +223,24 @@ def test_cli_errors_are_one_line(trained_run, tmp_path):
         assert "Traceback" not in stderr
         assert len(stderr.strip().splitlines()) == 1 and words in stderr, stderr
     assert not (tmp_path / "a.png").exists() and not (tmp_path / "b.png").exists()
+
+
+def test_a_model_passed_from_python_marks_the_grid_and_is_left_as_it_was(tmp_path):
+    """Regression: show_data took no model, so a model trained from Python could not be shown."""
+    from ddpkit.models import ConvNet
+
+    torch.manual_seed(0)
+    model = ConvNet().train()
+    result = show_data("mnist", tmp_path / "mine.png", n=16, seed=2, model=model)
+    read_png(tmp_path / "mine.png")
+    assert model.training  # its mode restored
+    from ddpkit.config import TrainConfig
+    from ddpkit.data import load_dataset
+
+    test = load_dataset(TrainConfig(dataset="mnist")).test
+    x = (test.images[torch.tensor(result["indices"])].float() / 255 - 0.1307) / 0.3081
+    with torch.no_grad():
+        expected = model.eval()(x).argmax(1).tolist()
+    assert result["predictions"] == expected and "run_dir" not in result
+    with pytest.raises(ConfigError, match="needs a dataset"):
+        show_data(None, tmp_path / "x.png", model=model)

@@ -22,7 +22,7 @@ def run(args) -> int:
     prestart_if_workers(args.nproc)  # before torch is imported below
     from ..data import load_dataset
     from ..run.rundir import finished_cli_run, load_trained_model
-    from ..train.task import Classification
+    from ..train.task import Classification, ModelLoss
     from ..trainer import run_evaluation
 
     run_dir = Path(args.run_dir)
@@ -47,6 +47,10 @@ def run(args) -> int:
     # Everything that can fail, checked here once, not on every rank: the data, and the weights.
     splits = load_dataset(cfg)
     load_trained_model(cfg, splits.meta, run_dir)
-    result = run_evaluation(cfg, Classification(cfg.label_smoothing or 0.0, bool(cfg.tta)), splits)
+    # The CLI trains classification, or a model's own loss on dict samples (--dataset pkg.module:function)
+    task = (
+        ModelLoss() if cfg.task.startswith("model-loss") else Classification(cfg.label_smoothing or 0.0, bool(cfg.tta))
+    )
+    result = run_evaluation(cfg, task, splits)
     print(json.dumps(result))
     return 0

@@ -11,19 +11,24 @@ attribution) and never needs the network. Fashion-MNIST and CIFAR-10/100 are rea
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from ..config import TrainConfig, check_dataset_name
 from ..errors import DataError
+from ..importpath import call, is_import_path
 from .cifar import LAYOUTS as CIFAR_LAYOUTS
 from .cifar import read_cifar_split
 from .folder import load_imagefolder
 from .idx import read_idx_pair
-from .types import DataSplits, ImageData, Meta
+from .types import DataSplits, ImageData, Meta, infer_meta
 
 MNIST_DIR = Path(__file__).parent / "mnist"
 IDX_FILES = {
@@ -131,9 +136,70 @@ DATASETS: dict[str, Callable[..., DataSplits]] = {
 
 
 def load_dataset(cfg: TrainConfig, download: bool = True) -> DataSplits:
-    """Load ``cfg.dataset`` (trimmed by ``--limit-train/--limit-test``)."""
+    """Load ``cfg.dataset`` (trimmed by ``--limit-train/--limit-test``): a built-in one, an image
+    folder, or yours by ``--dataset pkg.module:function``."""
     check_dataset_name(cfg.dataset)
+    if is_import_path(cfg.dataset):
+        return own_dataset(cfg)
     if cfg.dataset.startswith("imagefolder:"):
         return load_imagefolder(cfg.dataset.split(":", 1)[1], cfg.image_size, cfg.limit_train, cfg.limit_test)
     splits = DATASETS[cfg.dataset](cfg, download)
     return replace(splits, train=splits.train.head(cfg.limit_train), test=splits.test.head(cfg.limit_test))
+
+
+def own_dataset(cfg: TrainConfig) -> DataSplits:
+    """Your datasets from ``--dataset pkg.module:function`` with ``--dataset-args``. The function
+    returns ``(train, test)`` map-style datasets, or ``{"train": ..., "test": ..., "collate_fn": ...}``.
+    It is called with torch's, numpy's and Python's random generators seeded with ``--seed``, so
+    data drawn at random is the same at every call (the run identity reads it by content)."""
+    flag = f"--dataset {cfg.dataset}"
+    with _seeded(cfg.seed):
+        made = call(cfg.dataset, cfg.dataset_args, "--dataset")
+    collate_fn = None
+    if isinstance(made, dict):
+        unknown = sorted(set(made) - {"train", "test", "collate_fn"})
+        if unknown or "train" not in made or "test" not in made:
+            raise DataError(
+                f"{flag} returned a dict with keys {sorted(made)}; it needs train and test (and may hold collate_fn)"
+            )
+        train, test, collate_fn = made["train"], made["test"], made.get("collate_fn")
+    elif isinstance(made, (tuple, list)) and len(made) == 2:
+        train, test = made
+    else:
+        raise DataError(
+            f"{flag} returned a {type(made).__name__}; return (train, test) datasets, or a dict with "
+            f"train, test and collate_fn"
+        )
+    for data, which in ((train, "train"), (test, "test")):
+        if isinstance(data, (DataLoader, IterableDataset)) or not (
+            hasattr(data, "__len__") and hasattr(data, "__getitem__")
+        ):
+            raise DataError(
+                f"{flag} returned a {type(data).__name__} as {which}: return map-style datasets (with __len__ and "
+                f"__getitem__; ddpkit makes the DataLoader and splits them among ranks), and a collate_fn in a dict"
+            )
+    if collate_fn is not None and not callable(collate_fn):
+        raise DataError(f"{flag} returned a collate_fn that is a {type(collate_fn).__name__}, not a function")
+    return DataSplits(_first(train, cfg.limit_train), _first(test, cfg.limit_test), infer_meta(train), collate_fn)
+
+
+def _first(data, limit: int):
+    """The first ``limit`` samples (all when 0), as --limit-train/--limit-test take them."""
+    if not limit or limit >= len(data):
+        return data
+    return data.head(limit) if isinstance(data, ImageData) else Subset(data, range(limit))
+
+
+@contextmanager
+def _seeded(seed: int):
+    """torch's (CPU), numpy's and Python's global generators seeded with ``seed``; restored after."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)

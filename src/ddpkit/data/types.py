@@ -97,3 +97,15 @@ class DataSplits:
     meta: Meta | None  # None: a user dataset whose batches go to the model as they come
     collate_fn: Callable | None = None  # the user's, for DataLoader-path datasets
     note: str = ""  # how the data is held, and why (materialised, cached, streamed): logged at start
+
+
+def infer_meta(data: Dataset | None) -> Meta | None:
+    """Meta for an in-memory ImageData passed without one: shape, class count, and channel statistics."""
+    if not isinstance(data, ImageData):
+        return None
+    x = data.images[:10000].float() / 255
+    dims = (0, 2, 3)
+    _, c, h, w = data.images.shape
+    return Meta(
+        c, h, w, int(data.labels.max()) + 1, tuple(x.mean(dims).tolist()), tuple(x.std(dims).clamp_min(1e-3).tolist())
+    )

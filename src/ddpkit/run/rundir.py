@@ -28,6 +28,7 @@ from ..dist.context import DistContext, agree, on_rank0
 from ..dist.launcher import LaunchSpec
 from ..errors import ConfigError, DdpkitError, RunDirError
 from ..files import atomic_write, describe_io_error, torch_bytes
+from ..importpath import is_import_path
 from ..models import model_for
 from .checkpoint import check_weights_fit, read_weights
 from .paths import EXPECTED, RunFiles
@@ -42,11 +43,12 @@ def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
         if not path.exists():
             raise RunDirError(f"{path} not found; is {run_dir} a finished ddpkit run?")
     cfg = TrainConfig.from_toml(files.config)
+    # A model-loss task needs nothing from Python when its model and data are named by import path.
     custom = [
-        f"{k} {getattr(cfg, k)}"
-        for k in ("model", "dataset", "task")
-        if str(getattr(cfg, k)).startswith(("custom:", "model-loss"))
+        f"{k} {getattr(cfg, k)}" for k in ("model", "dataset", "task") if str(getattr(cfg, k)).startswith("custom:")
     ]
+    if cfg.task.startswith("model-loss") and not (is_import_path(cfg.model) and is_import_path(cfg.dataset)):
+        custom.append(f"task {cfg.task}")
     if custom:
         raise RunDirError(
             f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; {from_python}"
@@ -157,8 +159,9 @@ def matched_on(identity: dict) -> str:
         "schedule": "class and state at step 0",
         "task": "code of the loss and metrics",
     }
+    what["model_digest"] = what["model"]  # --model pkg.module:function: the model it built
     read = [
-        f"{key} {fp['name']} ({what.get(key, 'read')})"
+        f"{key.removesuffix('_digest')} {fp['name']} ({what.get(key, 'read')})"
         for key, fp in identity.items()
         if key not in ("data_digest", "init_digest")
     ]

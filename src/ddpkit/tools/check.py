@@ -61,7 +61,7 @@ from ..run.checkpoint import read_weights
 from ..run.paths import RunFiles
 from ..train.engine import make_sources
 from ..train.workers import Job
-from ..trainer import Trainer
+from ..trainer import Trainer, as_objects
 
 NOISE_FACTOR = 10.0
 FLOOR = {"float64": 1e-12, "float32": 1e-5}  # relative: ~4500 and ~80 ulps of the tensor's largest value
@@ -205,6 +205,12 @@ def check(
     base = config or TrainConfig()
     overrides = {k: v for k, v in (("batch_size", batch_size), ("device", device)) if v is not None}
     base = dataclasses.replace(base, **overrides)
+    if callable(model) and not isinstance(model, nn.Module):
+        model = model()
+    # --model/--dataset pkg.module:function: built once here, every run below starts from the same objects
+    base, model, train_data, test_data, meta, collate_fn = as_objects(
+        base, model, train_data, test_data, meta, collate_fn
+    )
     batch = base.resolved().batch_size
     if batch % nproc:
         raise ConfigError(
@@ -213,8 +219,6 @@ def check(
         )
     if test_data is None and train_data is not None:
         test_data = train_data
-    if callable(model) and not isinstance(model, nn.Module):
-        model = model()
     notes: list[str] = []
     probe = Trainer(
         dataclasses.replace(base, nproc="1"),

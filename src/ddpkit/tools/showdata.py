@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import TrainConfig, check_dataset_name
-from ..errors import ConfigError, RunDirError
+from ..errors import ConfigError, DataError, RunDirError
 from ..files import atomic_write
 
 # torch and the modules that load it are imported where used: `ddpkit show-data` parses its flags and
@@ -151,18 +151,49 @@ def take(data, indices: list[int]):
         idx = torch.tensor(indices, dtype=torch.long)
         return data.images[idx], data.labels[idx]
     items = [data[i] for i in indices]
+    first = items[0]
+    if not (
+        isinstance(first, (tuple, list))
+        and len(first) == 2
+        and isinstance(first[0], torch.Tensor)
+        and first[0].dim() == 3
+        and first[0].shape[0] in (1, 3)
+    ):
+        raise DataError(
+            f"show-data draws images: samples as (image [C, H, W] with 1 or 3 channels, class); this "
+            f"dataset's sample {indices[0]} is {_describe(first)}"
+        )
     return torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.long)
 
 
-def predict(cfg: TrainConfig, meta, run_dir: str | Path, images, batch: int = 64):
-    """The run's model.pt's predicted classes for uint8 ``images``, on the CPU, in eval mode, preprocessed
-    as ``ddpkit eval`` does (normalisation, --dtype, --tta)."""
+def _describe(sample) -> str:
+    import torch
+
+    if isinstance(sample, torch.Tensor):
+        return f"a tensor of shape {list(sample.shape)}"
+    if isinstance(sample, (tuple, list)):
+        return f"a {type(sample).__name__} of {', '.join(_describe(x) for x in sample[:3])}"
+    return f"a {type(sample).__name__}"
+
+
+def displayable(images):
+    """uint8 images for the grid: float images (a dataset of your own) scaled from their own range."""
+    import torch
+
+    if images.dtype == torch.uint8:
+        return images
+    x = images.float()
+    lo, hi = x.amin(dim=(1, 2, 3), keepdim=True), x.amax(dim=(1, 2, 3), keepdim=True)
+    return ((x - lo) / (hi - lo).clamp_min(1e-12) * 255).round().to(torch.uint8)
+
+
+def predict(cfg: TrainConfig, meta, model, images, batch: int = 64):
+    """``model``'s predicted classes for ``images`` (uint8, or your dataset's own), on the CPU, in eval
+    mode, preprocessed as ``ddpkit eval`` does (normalisation, --dtype, --tta)."""
     import torch
 
     from ..data.loader import Preprocess
-    from ..run.rundir import load_trained_model
 
-    model = load_trained_model(cfg, meta, run_dir)
     model.eval()
     pre = Preprocess.for_config(meta, torch.device("cpu"), cfg)
     preds = []
@@ -174,6 +205,20 @@ def predict(cfg: TrainConfig, meta, run_dir: str | Path, images, batch: int = 64
                 logits = (logits.float() + model(x.flip(3)).float()) / 2
             preds.append(logits.argmax(1))
     return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+
+
+def predict_on_cpu(cfg: TrainConfig, meta, model, images):
+    """:func:`predict` with a model of yours, wherever it is: moved to the CPU and back, mode restored."""
+    import torch
+
+    home = next((p.device for p in model.parameters()), torch.device("cpu"))
+    training = model.training
+    model.to("cpu")
+    try:
+        return predict(cfg, meta, model, images)
+    finally:
+        model.to(home)
+        model.train(training)
 
 
 def check_out(out: str | Path) -> Path:
@@ -207,6 +252,7 @@ def show_data(
     seed: int = 0,
     data_dir: str | None = None,
     predictions: str | Path | None = None,
+    model=None,
 ) -> dict:
     """Write a PNG grid of ``n`` images of ``dataset``'s ``split``, each labelled with its class.
 
@@ -214,7 +260,8 @@ def show_data(
     imagefolder:PATH); with ``predictions`` it may be None (the run's own) and must otherwise
     name the run's dataset. ``data_dir``: where torchvision datasets live ("data"; with
     ``predictions`` the run's). ``predictions``: a ddpkit run directory whose model.pt marks
-    each image right or wrong.
+    each image right or wrong. ``model``: an ``nn.Module`` (from Python) whose predictions mark
+    them instead; ``dataset`` is then required.
 
     Returns {"path", "dataset", "split", "count", "indices", "labels"} and, with predictions,
     {"run_dir", "predictions", "right", "accuracy"} (accuracy on the shown images).
@@ -228,7 +275,14 @@ def show_data(
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ConfigError(f"--seed {seed}: give a whole number >= 0")
     if dataset is not None and dataset.startswith("custom:"):
-        raise ConfigError(f"{dataset}: a dataset given from Python cannot be shown from the CLI")
+        raise ConfigError(
+            f"{dataset}: a dataset given from Python cannot be shown by name; name it by import path "
+            f"(pkg.module:function, as --dataset takes it)"
+        )
+    if model is not None and predictions is not None:
+        raise ConfigError("give --predictions RUN_DIR or model=..., not both")
+    if model is not None and dataset is None:
+        raise ConfigError("model=... needs a dataset to predict on")
     out = check_out(out)
 
     if predictions is not None:
@@ -270,9 +324,16 @@ def show_data(
 
     preds = None
     if predictions is not None:
-        preds = predict(cfg, meta, predictions, images)
+        from ..run.rundir import load_trained_model
+
+        preds = predict(cfg, meta, load_trained_model(cfg, meta, predictions), images)
+        result["run_dir"] = str(predictions)
+        whose = f"{cfg.model} from {predictions}"
+    elif model is not None:
+        preds, whose = predict_on_cpu(cfg, meta, model, images), type(model).__name__
+    if preds is not None:
         right = int((preds == labels).sum())
-        result.update(run_dir=str(predictions), predictions=preds.tolist(), right=right, accuracy=right / len(indices))
+        result.update(predictions=preds.tolist(), right=right, accuracy=right / len(indices))
 
     count = f"{len(indices)} random image{'s' if len(indices) != 1 else ''}"
     # A no-break space: never "(seed" and "0)" on two lines.
@@ -280,11 +341,12 @@ def show_data(
     subtitles = []
     if preds is not None:
         subtitles.append(
-            f"Predictions of {cfg.model} from {predictions}: {result['right']} of {len(indices)} "
-            f"right ({100 * result['accuracy']:.1f}%)"
+            f"Predictions of {whose}: {result['right']} of {len(indices)} right ({100 * result['accuracy']:.1f}%)"
         )
         subtitles.append(f"{RIGHT_MARK} right    {WRONG_MARK} wrong (framed, bold, with the true class)")
-    fig = grid_figure(images, labels.tolist(), names, None if preds is None else preds.tolist(), title, subtitles)
+    fig = grid_figure(
+        displayable(images), labels.tolist(), names, None if preds is None else preds.tolist(), title, subtitles
+    )
     _save(fig, out)
     return result
 
