@@ -39,12 +39,15 @@ import json
 import os
 import sys
 import sysconfig
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from .errors import ConfigError
 
 # Where the standard library, installed packages and ddpkit itself live: code there is named, not read.
 _LIBRARY_DIRS = tuple(
@@ -417,9 +420,21 @@ def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerpri
         model = copy.deepcopy(model)  # a factory may move or freeze what it is given: never yours
         try:
             opt = spec(model)
-        except Exception as exc:  # noqa: BLE001 - e.g. ZeroRedundancyOptimizer needs the process group
+        except Exception as exc:  # noqa: BLE001 - your factory's own code
+            if "process group" not in str(exc):  # e.g. ZeroRedundancyOptimizer needs it: only the workers can tell
+                frames = traceback.extract_tb(exc.__traceback__)
+                at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+                raise ConfigError(
+                    f"the optimizer factory {code_name(spec)} raised {type(exc).__name__}: {str(exc).strip()[:300]}{at}"
+                ) from None
             reader.unproven.append(f"the optimizer factory could not be called before launch ({type(exc).__name__})")
             return reader.fingerprint(code_name(spec)), None
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(
+                f"the optimizer factory {code_name(spec)} returned {type(opt).__name__}; it must return a "
+                f"torch.optim.Optimizer built on the model it is given: optimizer=lambda model: "
+                f"torch.optim.AdamW(model.parameters(), lr=3e-4)"
+            )
     reader.cls(type(opt))
     index = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
     for i, group in enumerate(opt.param_groups):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from .data.materialize import materialize
 from .dist import env
 from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
-from .errors import ConfigError, DataError, DdpkitError, RunDirError
+from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError
 from .identity import Fingerprint, data_fingerprint, file_fingerprint
 from .models import model_for
 from .run.checkpoint import check_weights_fit
@@ -94,8 +95,10 @@ def preflight(
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
-    if own_model and (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True:
-        unused = unused_parameters(model, splits, task, cfg)
+    # Your model or loss: one training step here says what would fail only in the workers. The
+    # registry models with the built-in task are known: every parameter used (DDP's static graph).
+    unused = trial_step(model, splits, task, cfg) if own_model or not isinstance(task, Classification) else None
+    if own_model and (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True and unused is not None:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         if unused and cfg.find_unused_parameters is False:
             raise ConfigError(
@@ -201,25 +204,67 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         model.train(was_training)
 
 
-def unused_parameters(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig) -> list[str]:
-    """The names of the parameters that get no gradient from one training step of the task on the
-    preflight batch (a copy of the model, in training mode: BatchNorm statistics and the caller's
-    model are untouched). DDP at world > 1 fails on them unless it searches for them each step.
-    [] for a model on a GPU (not copied there from the launcher), and where the step cannot run
-    outside the workers (SyncBatchNorm, a forward that asks for its rank)."""
+def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig) -> list[str] | None:
+    """One training step of the task on the preflight batch, as the workers will run it: a copy of the
+    model in training mode, with gradients (BatchNorm statistics and the caller's model untouched).
+
+    What only training mode shows is one line here, before launch: a loss_fn that fails, or returns a
+    non-scalar, or a loss cut off from the model (``.item()``, ``.detach()``, ``torch.tensor(...)``),
+    and a backward that fails. Returns the names of the parameters that get no gradient (DDP at world
+    > 1 fails on them unless it searches for them each step); None where the step cannot run outside
+    the workers (SyncBatchNorm, a forward that asks for its rank) or the model is on a GPU: the
+    workers' own checks stand.
+    """
     if any(p.device.type != "cpu" for p in model.parameters()):
-        return []
+        return None
     import copy
 
     trial = copy.deepcopy(model)
     trial.train()
-    try:
-        with torch.random.fork_rng(devices=[]):  # dropout's draws here leave your script's RNG as it was
-            loss, _ = task.loss(trial, sample_batch(splits))
+    try:  # a loss object with state of its own (a step counter) keeps it: the trial runs on a copy
+        task = copy.deepcopy(task)
+    except Exception:  # noqa: BLE001 - an uncopyable closure: the step runs on it as it is
+        pass
+    where = f"a training step of {task.identity} with model {cfg.model} on a batch of {cfg.dataset}"
+    with torch.random.fork_rng(devices=[]):  # dropout's draws here leave your script's RNG as it was
+        try:
+            loss, outputs = task.loss(trial, sample_batch(splits))
+        except DdpkitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's forward or loss; said in one line
+            if _needs_the_workers(exc, trial):
+                return None
+            raise ConfigError(f"{where} fails: {_exception_line(exc)}") from None
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TaskError(
+                f"in training mode the loss is {what}; it must be a scalar float tensor (reduce it: .mean())"
+            )
+        if not loss.requires_grad:
+            raise TaskError(
+                "in training mode the loss does not depend on the model's parameters: something cut it off "
+                "the autograd graph (.item(), .detach(), float(...), torch.tensor(...) or a torch.no_grad() "
+                "block); return the tensor the model's output gave"
+            )
+        task.measure(loss, outputs, sample_batch(splits))  # the metric contract, on training-mode outputs
+        try:
             loss.backward()
-    except Exception:  # noqa: BLE001 - e.g. SyncBatchNorm, or a forward that asks for its rank, needs the process group
-        return []  # not known here: DDP's own check at the first step stands
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"{where}: backward fails: {_exception_line(exc)}") from None
     return [name for name, p in trial.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def _needs_the_workers(exc: Exception, model: nn.Module) -> bool:
+    """An error of a step that runs only inside the workers: it asks for the process group."""
+    return "process group" in str(exc) or any("SyncBatchNorm" in type(m).__name__ for m in model.modules())
+
+
+def _exception_line(exc: BaseException) -> str:
+    """``Type: first line (file:line)``: where your code raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {text}{at}"
 
 
 def infer_classes(data: Dataset | None) -> int | None:

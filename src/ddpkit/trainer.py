@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
@@ -36,7 +37,7 @@ from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
 from .data.types import infer_meta
 from .dist import env
-from .dist.launcher import LaunchSpec, refuse_if_importing_main, run_workers
+from .dist.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
 from .errors import ConfigError, DataError, RunDirError
 from .identity import (
     Fingerprint,
@@ -59,6 +60,7 @@ from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
 from .run.paths import RunFiles
 from .run.rundir import check_run_dir, matched_on, owning_run_dir, record_teardown, unproven
+from .train.optim import check_owned
 from .train.task import Task, resolve_task
 from .train.workers import Job, eval_worker, train_worker
 
@@ -138,6 +140,8 @@ class Trainer:
                     f"leave {'it' if len(clash) == 1 else 'them'} unset"
                 )
             if what == "optimizer":
+                if isinstance(given, torch.optim.Optimizer) and model is not None:
+                    check_owned(given, model)  # here, once, not in every worker
                 prints[what], opt = optimizer_fingerprint(given, model)
             else:
                 prints[what] = scheduler_fingerprint(given, opt if opt is not None else probe_optimizer(model))
@@ -156,7 +160,10 @@ class Trainer:
             data = self.splits.train if self.splits.train is not None else self.splits.test
             sample = data[0] if data is not None and len(data) else None
         classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
-        least = infer_classes(self.splits.train) if self.splits is not None and classes is None else None
+        least = None
+        if self.splits is not None and classes is None:  # test labels too: a class seen only there fails at evaluation
+            found = [n for n in (infer_classes(self.splits.train), infer_classes(self.splits.test)) if n is not None]
+            least = max(found) if found else None
         return resolve_task(cfg, self.loss_fn, self.metrics, sample, classes, least)
 
     # ------------------------------------------------------------------ fit
@@ -168,6 +175,8 @@ class Trainer:
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
         cfg, spec, splits, task, found = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
+        if not spec.in_process:
+            refuse_unguarded_main()  # before the run dir is touched
         identity = {**self.fingerprints, **{k: fp.to_json() for k, fp in found.items()}}
         cfg, finished = self._existing(cfg, identity)
         if finished is not None:

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from clirun import cli_env, free_port, read_jsonl, worker_pids
@@ -681,3 +682,133 @@ def test_any_unicode_run_dir_trains_resumes_and_evaluates(tmp_path, capsys):
     code, out, err = run_main(capsys, "eval", str(run), "--nproc", "1")
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["test_samples"] == 200
+
+
+# ---------------------------------------------------------------------- your code's mistakes, before launch
+# Each of these used to surface only inside the workers at world 2: printed once per rank, and again on
+# every restart (issue: real models at world >= 2, case 6). Now each is one line before any process starts.
+class RaisesAt37(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == 37:
+            raise ValueError("corrupt record 37")
+        return self.data[i]
+
+
+def _blobs(n: int, classes: int = 2) -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 2, generator=gen)
+    return torch.utils.data.TensorDataset(x, torch.arange(n) % classes)
+
+
+def _detached(model, batch):
+    return torch.tensor(torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).item())
+
+
+def _per_sample_in_training(model, batch):
+    losses = torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    return losses if model.training else losses.mean()  # the preflight batch runs in eval mode
+
+
+def _factory_raises(model):
+    raise RuntimeError("no such optimizer setting")
+
+
+PYTHON_CASES = {
+    "detached loss": (dict(loss_fn=_detached), "TaskError", "does not depend on the model's parameters"),
+    "non-scalar loss in training mode": (
+        dict(loss_fn=_per_sample_in_training),
+        "TaskError",
+        "in training mode the loss is a tensor of shape [2]",
+    ),
+    "metric part None": (
+        dict(metrics={"m": lambda out, b: (None, len(b[1]))}),
+        "TaskError",
+        "metric 'm' returned a sum that is None",
+    ),
+    "metric part numpy": (
+        dict(metrics={"m": lambda out, b: (np.array(1.0), len(b[1]))}),
+        "TaskError",
+        "a numpy.ndarray of shape []",
+    ),
+    "metric part meta": (
+        dict(metrics={"m": lambda out, b: (torch.zeros((), device="meta"), 1)}),
+        "TaskError",
+        "on the meta device",
+    ),
+    "getitem raises at one index": (
+        dict(train_data=RaisesAt37(_blobs(64))),
+        "DataError",
+        "train dataset RaisesAt37: reading sample 37 of 64 raised ValueError: corrupt record 37 (",
+    ),
+    "labels beyond the outputs, in the test set only": (
+        dict(test_data=_blobs(16, classes=5)),
+        "TaskError",
+        "the model outputs 2 classes but the labels go up to 4",
+    ),
+    "optimizer factory raises": (
+        dict(optimizer=_factory_raises),
+        "ConfigError",
+        "the optimizer factory _factory_raises raised RuntimeError: no such optimizer setting (",
+    ),
+    "optimizer factory returns None": (
+        dict(optimizer=lambda model: None),
+        "ConfigError",
+        "returned NoneType; it must return a torch.optim.Optimizer",
+    ),
+    "optimizer on another model": (
+        dict(optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)),
+        "ConfigError",
+        "holds parameters that are not the model's",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PYTHON_CASES)
+def test_a_mistake_in_your_code_is_one_line_before_launch_at_world_2(tmp_path, capsys, case):
+    from ddpkit import TrainConfig, Trainer, errors
+    from ddpkit.cli import run_reporting_errors
+
+    given, error_class, fragment = PYTHON_CASES[case]
+    run_dir = tmp_path / "run"
+    kw = {"model": torch.nn.Linear(2, 2), "train_data": _blobs(64), "test_data": _blobs(16), **given}
+    cfg = TrainConfig(nproc="2", device="cpu", epochs=1, batch_size=16, progress=False, run_dir=str(run_dir))
+    with pytest.raises(getattr(errors, error_class)) as raised:  # a public class, from Python
+        Trainer(cfg, **kw).fit()
+    assert fragment in str(raised.value)
+    capsys.readouterr()
+    code = run_reporting_errors(lambda: Trainer(cfg, **kw).fit() and 0)  # as a script's `ddpkit: error:`
+    out, err = capsys.readouterr()
+    check_one_line(code, out, err, [fragment])
+    assert not run_dir.exists()  # found before launch: nothing started, nothing written
+
+
+SCRIPT_WITHOUT_GUARD = """
+import torch
+from ddpkit import TrainConfig, Trainer
+from ddpkit.cli import run_reporting_errors
+
+x = torch.randn(64, 2)
+data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+cfg = TrainConfig(nproc="2", device="cpu", epochs=1, batch_size=16, progress=False, run_dir="run")
+run_reporting_errors(lambda: Trainer(cfg, model=torch.nn.Linear(2, 2), train_data=data, test_data=data).fit())
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_script_without_the_main_guard_is_one_line_naming_its_line_before_launch(tmp_path):
+    """Regression: each spawned worker imported the script, printed the reason once per rank, and the
+    script's own exception said only "rank 0 exit code 2"."""
+    (tmp_path / "train.py").write_text(SCRIPT_WITHOUT_GUARD)
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert len(said) == 1 and "train.py:9 starts the workers when the script is imported" in said[0], proc.stderr
+    assert 'if __name__ == "__main__":' in said[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -20,14 +20,17 @@ took and why, and the run's ``[start]`` line shows it.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, default_collate
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from ..config import TrainConfig
 from ..dist.context import cpu_cores
+from ..errors import DataError
 from .batch import tensor_leaves
 from .folder import cached_decode
 from .types import DataSplits, ImageData, TensorData
@@ -84,7 +87,7 @@ def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
     """A generic map-style dataset as TensorData, when that is safe; else why not."""
     if len(data) == 0:
         return data, f"{split} empty"
-    first, again = data[0], data[0]
+    first, again = _read(data, 0, split), _read(data, 0, split)
     if not _same(first, again):
         return data, f"{split} streamed (its samples differ between reads: random transforms run per epoch)"
     try:
@@ -97,12 +100,33 @@ def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
     if per_sample * len(data) > budget:
         return data, f"{split} streamed ({per_sample * len(data) / 2**30:.1f} GiB is over the memory budget)"
     t = time.perf_counter()
+    batches = []
+    for start in range(0, len(data), 256):
+        samples = [_read(data, i, split) for i in range(start, min(start + 256, len(data)))]
+        try:
+            batches.append(default_collate(samples))
+        except (TypeError, RuntimeError, ValueError):
+            return data, f"{split} streamed (its samples are not all of one shape)"
     try:
-        batches = list(DataLoader(data, batch_size=256, shuffle=False, collate_fn=default_collate))
         tree = _concat(batches)
     except (TypeError, RuntimeError, ValueError):
         return data, f"{split} streamed (its samples are not all of one shape)"
     return TensorData(tree), f"{split} in memory (read once in {time.perf_counter() - t:.1f} s)"
+
+
+def _read(data: Dataset, i: int, split: str):
+    """Sample ``i``; a dataset that raises on it is one line naming the index, here, before launch
+    (inside the workers it would end one rank's epoch part-way)."""
+    try:
+        return data[i]
+    except Exception as exc:  # noqa: BLE001 - the dataset's own code
+        frames = traceback.extract_tb(exc.__traceback__)
+        at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise DataError(
+            f"{split} dataset {type(data).__name__}: reading sample {i} of {len(data)} raised "
+            f"{type(exc).__name__}: {text}{at}; fix that sample, or leave it out (torch.utils.data.Subset)"
+        ) from None
 
 
 def _only_tensors(tree) -> bool:

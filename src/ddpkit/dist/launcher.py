@@ -22,6 +22,7 @@ one intra-op thread, since OpenMP cannot run in a child forked after its parent 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import io
@@ -38,6 +39,7 @@ import types
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -163,12 +165,14 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         spec = LaunchSpec(nproc=spec)
     if spec.in_process:
         return fn(*args)
+    start = start_method(fn, args, spec.device_type, spec.nproc)
+    if start != "fork":  # spawned and forkserver workers import the script again
+        refuse_unguarded_main()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    start = start_method(fn, args, spec.device_type, spec.nproc)
     if start == "forkserver":
         prestart_workers()  # no-op when the launcher already started it, early
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
@@ -262,6 +266,41 @@ def refuse_if_importing_main() -> None:
         flush=True,
     )
     os._exit(ConfigError.exit_code)  # a reported exit: the launcher adds nothing
+
+
+def refuse_unguarded_main() -> None:
+    """Before launch, in the launcher: the script runs this call at import time, outside
+    ``if __name__ == "__main__":``. Each spawned worker imports the script again and would start
+    training itself (refused there, once per rank, by :func:`refuse_if_importing_main`); said here
+    once instead, naming the line. Read from the script's own source: the outermost frame of
+    ``__main__`` and whether its line lies inside such a guard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):  # a notebook, python -c: forked workers, no re-import
+        return
+    frame, outer = sys._getframe(), None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>":
+            outer = frame
+        frame = frame.f_back
+    if outer is None:
+        return
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = outer.f_lineno
+    guards = ("__name__ == '__main__'", "'__main__' == __name__")
+    if any(
+        isinstance(node, ast.If) and ast.unparse(node.test) in guards and node.lineno <= line <= node.end_lineno
+        for node in ast.walk(tree)
+    ):
+        return
+    raise ConfigError(
+        f"{os.path.relpath(path)}:{line} starts the workers when the script is imported, and every worker "
+        f"imports it again: put the code that calls Trainer(...).fit() or ddpkit.launch(...) under "
+        f'`if __name__ == "__main__":`'
+    )
 
 
 def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:

@@ -53,16 +53,21 @@ def optimizer_state(opt: torch.optim.Optimizer, ctx: DistContext):
     return opt.state_dict() if ctx.rank == 0 else None
 
 
+def check_owned(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer passed in must be built on this model's parameters (else it would step others)."""
+    owned = {id(p) for p in model.parameters()}
+    if not all(id(p) in owned for group in opt.param_groups for p in group["params"]):
+        raise ConfigError(
+            "the optimizer passed to Trainer holds parameters that are not the model's; build it "
+            "on model.parameters() of the model you pass, or pass a factory: optimizer=lambda model: ..."
+        )
+
+
 def user_optimizer(spec, model: nn.Module) -> torch.optim.Optimizer:
     """The user's optimizer: a factory ``fn(model)``, or an optimizer built on (a copy of) this
     model's parameters. A factory is called on the worker's final model (moved, converted)."""
     if isinstance(spec, torch.optim.Optimizer):
-        owned = {id(p) for p in model.parameters()}
-        if not all(id(p) in owned for group in spec.param_groups for p in group["params"]):
-            raise ConfigError(
-                "the optimizer passed to Trainer holds parameters that are not the model's; build it "
-                "on model.parameters() of the model you pass, or pass a factory: optimizer=lambda model: ..."
-            )
+        check_owned(spec, model)
         return spec
     opt = spec(model)
     if not isinstance(opt, torch.optim.Optimizer):

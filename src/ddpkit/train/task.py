@@ -27,6 +27,7 @@ Any task takes extra ``metrics={"name": fn}``, each ``fn(outputs, batch) -> (sum
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -109,12 +110,29 @@ def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
             f"((pred == y).sum(), len(y)), so that ddpkit can reduce it exactly across ranks"
         )
     for part, what in zip(result, ("sum", "count")):
-        if isinstance(part, torch.Tensor) and part.numel() != 1:
+        if isinstance(part, torch.Tensor):
+            if part.numel() != 1:
+                raise TaskError(
+                    f"metric {name!r} returned a {what} of shape {list(part.shape)}; both parts of (sum, count) "
+                    f"are single numbers: add .sum()"
+                )
+            if part.is_meta:
+                raise TaskError(f"metric {name!r} returned a {what} on the meta device, which holds no value")
+        elif isinstance(part, bool) or not isinstance(part, numbers.Real):
             raise TaskError(
-                f"metric {name!r} returned a {what} of shape {list(part.shape)}; both parts of (sum, count) "
-                f"are single numbers: add .sum()"
+                f"metric {name!r} returned a {what} that is {_kind(part)}; each part of (sum, count) is a "
+                f"one-element tensor or a Python number, e.g. ((pred == y).sum(), len(y))"
             )
     return result[0], result[1]
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "None"
+    shape = getattr(value, "shape", None)
+    return f"a {type(value).__module__}.{type(value).__name__}" + (
+        f" of shape {list(shape)}" if shape is not None else ""
+    )
 
 
 class Classification(Task):
