@@ -242,3 +242,53 @@ def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_h
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT (1, 1.0)" in proc.stdout
+
+
+BLAME_SCRIPT = """
+import sys, threading, time
+from ddpkit import launch
+from ddpkit.cli import run_reporting_errors
+
+def exits(ctx):
+    if ctx.rank == 1:
+        sys.exit(3)
+    ctx.barrier()
+
+def hangs(ctx):
+    if ctx.rank == 1:
+        time.sleep(20)       # outside any collective: rank 0 waits in the exit barrier
+
+def unpicklable(ctx):
+    return threading.Lock() if ctx.rank == 1 else 0
+
+def nested(ctx):
+    return launch(lambda c: 1, nproc=2)
+
+if __name__ == "__main__":
+    fn = globals()[sys.argv[1]]
+    sys.exit(run_reporting_errors(lambda: launch(fn, nproc=2, device="cpu", timeout_s=4) and 0))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "case,code,fragment",
+    [
+        ("exits", 3, "rank 1: called sys.exit(3)"),
+        ("hangs", 3, "rank 0: a collective did not complete within --timeout-s 4 s"),
+        ("unpicklable", 2, "rank 1's return value cannot be sent back to the launcher: a _thread.lock ("),
+        ("nested", 2, "ddpkit.launch() was called inside a launched function"),
+    ],
+)
+def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_path, case, code, fragment):
+    """Regressions: sys.exit(3) on rank 1 was reported as rank 0's "Connection reset by peer" (exit code 3
+    lost); a rank late outside a collective gave a raw gloo timeout; an unpicklable result said only
+    "exit code 1"; a launch() inside a worker said "process group twice" once per rank."""
+    script = tmp_path / "blame.py"
+    script.write_text(BLAME_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), case], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == code and len(said) == 1 and fragment in said[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

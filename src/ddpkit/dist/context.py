@@ -161,26 +161,39 @@ def distributed(
         dist.init_process_group(backend=ctx.backend, timeout=timeout)
     else:
         dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
-    ok = False
     try:
-        with deterministic(deterministic_algorithms):
-            yield ctx
-        ok = True
-    except Exception as exc:
-        failure = worker_failure(exc, ctx.world_size, timeout_s)
-        if ctx.world_size > 1:
-            report_failure(failure, ctx.rank)  # before the group goes: its teardown is what the others see
-        if failure is exc:
-            raise
-        raise failure from exc
-    finally:
-        if ok:
+        try:
+            with deterministic(deterministic_algorithms):
+                yield ctx
             # Let every rank's last collective finish before any rank tears down its gloo/NCCL
-            # threads: a rank that exits while a peer is mid-collective can abort
-            # ("terminate called without an active exception"). Skipped on error: a dead peer
-            # would make it wait for the full timeout.
+            # threads: a rank that exits while a peer is mid-collective can abort ("terminate called
+            # without an active exception"). Not on error: a dead peer would make it wait the full
+            # timeout. A peer still busy past --timeout-s is a timeout here, said as any other.
             ctx.barrier()
+        except SystemExit as exc:
+            # sys.exit(N) in this rank's own code: this rank is the cause, and says so, so that the
+            # peers' "lost a rank" lines stay quiet and the job ends with its exit status. (Ctrl-C
+            # reaches every rank of a terminal at once: the launcher says that one.)
+            if ctx.world_size > 1 and exc.code not in (0, None):
+                report_failure(_Exit(exc.code), ctx.rank)
+            raise
+        except Exception as exc:
+            failure = worker_failure(exc, ctx.world_size, timeout_s)
+            if ctx.world_size > 1:
+                report_failure(failure, ctx.rank)  # before the group goes: its teardown is what the others see
+            if failure is exc:
+                raise
+            raise failure from exc
+    finally:
         dist.destroy_process_group()
+
+
+class _Exit(DdpkitError):
+    """A rank that left through ``sys.exit(code)``, said as its cause."""
+
+    def __init__(self, code):
+        super().__init__(f"called sys.exit({code!r})")
+        self.exit_code = code if isinstance(code, int) else 1
 
 
 # ---------------------------------------------------------------------- the rank-0 rule

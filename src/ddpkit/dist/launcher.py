@@ -142,6 +142,13 @@ def launch(
     result. ``fn``'s return value must be picklable.
     """
     refuse_if_importing_main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        error = ConfigError(
+            "ddpkit.launch() was called inside a launched function, where every rank already runs it in its "
+            "process group: call the inner function directly, with the ctx you were given"
+        )
+        error.all_ranks = True  # every rank meets it: said once, by the launcher
+        raise error
     spec = LaunchSpec(
         nproc=resolve_nproc(str(nproc), device),
         max_restarts=max_restarts,
@@ -153,7 +160,33 @@ def launch(
 
 def _in_process_group(fn: Callable, device: str, timeout_s: float, *args) -> Any:
     with distributed(device, timeout_s) as ctx:
-        return fn(ctx, *args)
+        result = fn(ctx, *args)
+        if os.environ.get(names.LAUNCHER_PID):  # spawned by run_workers: the result travels back pickled
+            check_returnable(result, ctx)
+        return result
+
+
+def check_returnable(result: Any, ctx) -> None:
+    """Every rank's return value must pickle (torch's agent sends each back to the launcher); if one
+    does not, every rank says which, once (a collective: every rank calls this)."""
+    try:
+        pickle.dumps(result)
+        problem = None
+    except Exception as exc:  # noqa: BLE001 - pickle raises TypeError, AttributeError, PicklingError, ...
+        problem = f"a {type(result).__module__}.{type(result).__qualname__} ({type(exc).__name__}: {exc})"
+    problems = [problem]
+    if ctx.world_size > 1:
+        problems = [None] * ctx.world_size
+        torch.distributed.all_gather_object(problems, problem)
+    bad = [(rank, p) for rank, p in enumerate(problems) if p]
+    if bad:
+        rank, what = bad[0]
+        error = ConfigError(
+            f"rank {rank}'s return value cannot be sent back to the launcher: {what} does not pickle; "
+            f"return plain data (numbers, strings, tensors, lists and dicts of them)"
+        )
+        error.all_ranks = True  # every rank knows it from the gather: said once, by the launcher
+        raise error
 
 
 def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
