@@ -240,3 +240,71 @@ class UnusedBranch(nn.Module):
 def tensor_count(ctx, tensors) -> int:
     """launch() with a list of tensors as its argument: how many arrived (test_real_models.py)."""
     return len(tensors)
+
+
+# ---------------------------------------------------------------- real-model shapes (test_real_models.py)
+class TinyTransformer(nn.Module):
+    """Token classification with nn.TransformerEncoderLayer (nn.MultiheadAttention inside), mean-pooled."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16, classes: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.encoder = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.emb(tokens)).mean(1))
+
+
+def token_classes(n: int, seed: int) -> TensorDataset:
+    """Fixed-length token sequences; the class is the first token mod 3."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, LENGTH), generator=gen)
+    return TensorDataset(tokens, tokens[:, 0] % 3)
+
+
+class VarLength(Dataset):
+    """Token sequences of 2 to 10 tokens, each with a class (its first token mod 3): padded by pad_collate."""
+
+    def __init__(self, n: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, 11, (n,), generator=gen)
+        self.items = [torch.randint(1, VOCAB, (int(k),), generator=gen) for k in lengths]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i], int(self.items[i][0]) % 3
+
+
+def pad_collate(samples):
+    """(tokens [B, longest], mask [B, longest], labels [B]): 0 pads."""
+    longest = max(len(t) for t, _ in samples)
+    tokens = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, (t, _) in enumerate(samples):
+        tokens[row, : len(t)] = t
+    return tokens, tokens != 0, torch.tensor([label for _, label in samples])
+
+
+class MaskedMean(nn.Module):
+    """Embedding averaged over the unpadded tokens, then a linear head."""
+
+    def __init__(self, width: int = 16, classes: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens, mask):
+        m = mask.unsqueeze(-1).to(self.emb.weight.dtype)
+        return self.head((self.emb(tokens) * m).sum(1) / m.sum(1))
+
+
+def padded_loss(model, batch):
+    tokens, mask, labels = batch
+    logits = model(tokens, mask)
+    return F.cross_entropy(logits, labels), logits
+
+
+def padded_accuracy(logits, batch):
+    return (logits.argmax(1) == batch[2]).sum(), len(batch[2])

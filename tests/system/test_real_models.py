@@ -174,3 +174,62 @@ def test_a_model_and_data_named_by_import_path_train_evaluate_show_check_and_ben
 
     rerun = ddpkit("train", "--config", "r/config.toml")  # the same run, rebuilt from its config: returned
     assert rerun.returncode == 0 and "already holds this finished run" in rerun.stdout, rerun.stderr
+
+
+def _checked(report) -> None:
+    assert report.passed, report.to_dict()
+    assert report.coverage["ok"], report.coverage
+
+
+def test_a_transformer_with_multihead_attention_trains_at_world_2_as_at_world_1(tmp_path):
+    from user_code import TinyTransformer, token_classes
+
+    from ddpkit.tools.check import check
+
+    torch.manual_seed(0)
+    _checked(check(TinyTransformer(), token_classes(96, 0), token_classes(32, 1), nproc=2, steps=4, batch_size=16))
+
+
+def test_a_hugging_face_style_model_computing_its_own_loss_trains_at_world_2_as_at_world_1(tmp_path):
+    """Dict samples in, {"loss": ...} out, as a Hugging Face model given labels (a small local module)."""
+    from user_code import DictData, OwnLossModel, dict_mae
+
+    from ddpkit.tools.check import check
+
+    torch.manual_seed(0)
+    report = check(
+        OwnLossModel(), DictData(96, 0), DictData(32, 1), nproc=2, steps=4, batch_size=16, metrics={"mae": dict_mae}
+    )
+    _checked(report)
+
+
+def test_variable_length_sequences_with_a_collate_fn_train_at_world_2_as_at_world_1(tmp_path):
+    """Regression: 1,024 variable-length samples with a collate_fn gave "too many fds" at world 2."""
+    from user_code import MaskedMean, VarLength, pad_collate, padded_accuracy, padded_loss
+
+    from ddpkit.tools.check import check
+
+    torch.manual_seed(0)
+    report = check(
+        MaskedMean(),
+        VarLength(1024, 0),
+        VarLength(64, 1),
+        nproc=2,
+        steps=4,
+        batch_size=32,
+        loss_fn=padded_loss,
+        metrics={"accuracy": padded_accuracy},
+        collate_fn=pad_collate,
+    )
+    _checked(report)
+
+
+def test_a_model_with_an_unused_branch_is_checked_at_world_2(tmp_path):
+    from user_code import UnusedBranch
+
+    from ddpkit.tools.check import check
+
+    torch.manual_seed(0)
+    report = check(UnusedBranch(), blobs(96), blobs(32, seed=1), nproc=2, steps=4, batch_size=16)
+    _checked(report)
+    assert any("aux_head.weight" in note for note in report.notes)
