@@ -461,11 +461,15 @@ class TrainConfig:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # Identity keys a run dir written before ddpkit 0.3 leaves empty: such a run is matched on the rest.
-    RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest", "model_digest", "model_args", "dataset_args"})
+    RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
+    # Keys a run dir written before they existed lacks altogether: such a run is matched on the rest. Their
+    # empty value is a real one ("" = no arguments), so only a missing key means "not recorded".
+    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args"})
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""
         unrecorded = {k for k in self.RECORDED_SINCE_0_3 if not other.get(k)}
+        unrecorded |= {k for k in self.ADDED_SINCE_0_3 if k not in other}
         mine = {k: v for k, v in self.identity().items() if k not in unrecorded}
         other = {k: v for k, v in other.items() if k not in unrecorded}
         theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}

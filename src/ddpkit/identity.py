@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -398,12 +399,22 @@ def data_fingerprint(train: Any, test: Any) -> Fingerprint:
     return reader.fingerprint(type(train if train is not None else test).__name__)
 
 
+def with_code(fp: Fingerprint, label: str, fn: Any) -> Fingerprint:
+    """``fp`` plus what ``fn`` runs (the function an import path names: its code, the names it reaches)."""
+    reader = _Reader()
+    reader.parts[label] = reader.callable(fn, label)  # the reader files the code it reads under parts too
+    return Fingerprint(fp.name, {**fp.parts, **reader.parts}, tuple(fp.unproven) + tuple(reader.unproven))
+
+
 def code_fingerprint(name: str, callables: dict) -> Fingerprint:
     """What each of ``callables`` ({label: fn}, e.g. the loss and the metrics) runs."""
     reader = _Reader()
     for label, fn in callables.items():
         reader.parts[label] = reader.callable(fn, label)
     return reader.fingerprint(name)
+
+
+_WORKER_ONLY = re.compile(r"process group|cuda|device", re.IGNORECASE)
 
 
 def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerprint, torch.optim.Optimizer | None]:
@@ -421,11 +432,14 @@ def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerpri
         try:
             opt = spec(model)
         except Exception as exc:  # noqa: BLE001 - your factory's own code
-            if "process group" not in str(exc):  # e.g. ZeroRedundancyOptimizer needs it: only the workers can tell
+            # What only a worker can build (ZeroRedundancyOptimizer needs the process group; a CUDA-only
+            # optimizer needs the model on its GPU) is left to the workers; anything else is a mistake.
+            if not _WORKER_ONLY.search(str(exc)):
                 frames = traceback.extract_tb(exc.__traceback__)
                 at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
                 raise ConfigError(
-                    f"the optimizer factory {code_name(spec)} raised {type(exc).__name__}: {str(exc).strip()[:300]}{at}"
+                    f"the optimizer factory {code_name(spec)} raised {type(exc).__name__}: {first}{at}"
                 ) from None
             reader.unproven.append(f"the optimizer factory could not be called before launch ({type(exc).__name__})")
             return reader.fingerprint(code_name(spec)), None

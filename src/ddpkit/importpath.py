@@ -17,9 +17,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import re
 import sys
 import traceback
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import ConfigError
@@ -57,11 +59,11 @@ def resolve(path: str, flag: str) -> Any:
     """The object ``path`` names, imported; one line on any failure."""
     module_name, _, attr = path.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: your module beside you is found
+        sys.path.append(os.getcwd())  # your module beside you is found; last, so it shadows no installed one
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name) or exc.name == module_name:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ConfigError(
                 f"{flag} {path}: no module named {exc.name!r} here; run from the folder that holds it, or add "
                 f"that folder to PYTHONPATH"
@@ -77,17 +79,37 @@ def resolve(path: str, flag: str) -> Any:
     return obj
 
 
-def call(path: str, args: str, flag: str) -> Any:
-    """Import ``path`` and call it with the JSON keyword arguments ``args``; one line on any failure."""
+def call(path: str, args: str, flag: str, seed: int) -> Any:
+    """Import ``path`` and call it with the JSON keyword arguments ``args``, torch's, numpy's and Python's
+    global generators seeded with ``seed`` (and restored after): the same weights, and data drawn at
+    random, at every call. One line on any failure."""
     fn = resolve(path, flag)
     kwargs = keyword_args(args, f"{flag}-args")
     if not callable(fn):
         raise ConfigError(f"{flag} {path}: {type(fn).__name__} is not callable; name a function or a class")
     try:
-        return fn(**kwargs)
+        with _seeded(seed):
+            return fn(**kwargs)
     except Exception as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise ConfigError(f"{flag} {path}: calling {path.partition(':')[2]}({shown}) raised {_where(exc)}") from None
+
+
+@contextmanager
+def _seeded(seed: int):
+    import numpy as np
+    import torch
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []):
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
 
 
 def _where(exc: BaseException) -> str:

@@ -174,9 +174,7 @@ def model_for(cfg: TrainConfig, meta) -> nn.Module:
 def own_model(cfg: TrainConfig) -> nn.Module:
     """Your model from its import path, its weights drawn with ``--seed`` (as the registry models'
     are), so every command that builds it again starts from the same weights."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = call(cfg.model, cfg.model_args, "--model")
+    model = call(cfg.model, cfg.model_args, "--model", cfg.seed)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
@@ -27,7 +30,8 @@ from .dist import env
 from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError
-from .identity import Fingerprint, data_fingerprint, file_fingerprint
+from .identity import Fingerprint, data_fingerprint, file_fingerprint, with_code
+from .importpath import is_import_path, resolve
 from .models import model_for
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
@@ -97,7 +101,10 @@ def preflight(
     check_one_batch(model, splits, task, cfg)
     # Your model or loss: one training step here says what would fail only in the workers. The
     # registry models with the built-in task are known: every parameter used (DDP's static graph).
-    unused = trial_step(model, splits, task, cfg) if own_model or not isinstance(task, Classification) else None
+    # In one process (world 1, no restarts) the step itself runs right here, and its errors are said once
+    # anyway: no trial, no second copy of the model in memory.
+    ours = own_model or not isinstance(task, Classification)
+    unused = trial_step(model, splits, task, cfg) if ours and (not spec.in_process or cfg.ddp) else None
     if own_model and (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True and unused is not None:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         if unused and cfg.find_unused_parameters is False:
@@ -128,6 +135,8 @@ def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fing
     found = {}
     if not cfg.dataset.startswith("custom:"):
         found["data_digest"] = data_fingerprint(splits.train, splits.test)
+        if is_import_path(cfg.dataset):  # and the function that made it
+            found["data_digest"] = with_code(found["data_digest"], "factory", resolve(cfg.dataset, "--dataset"))
     if cfg.init_from:
         try:
             digest = file_fingerprint(cfg.init_from)
@@ -219,16 +228,20 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
         return None
     import copy
 
-    trial = copy.deepcopy(model)
+    try:
+        trial = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. weight_norm's non-leaf tensors: DDP's own checks stand
+        return None
     trial.train()
     try:  # a loss object with state of its own (a step counter) keeps it: the trial runs on a copy
         task = copy.deepcopy(task)
     except Exception:  # noqa: BLE001 - an uncopyable closure: the step runs on it as it is
         pass
     where = f"a training step of {task.identity} with model {cfg.model} on a batch of {cfg.dataset}"
-    with torch.random.fork_rng(devices=[]):  # dropout's draws here leave your script's RNG as it was
+    batch = sample_batch(splits)
+    with _rngs_kept():  # dropout's draws here leave your script's generators as they were
         try:
-            loss, outputs = task.loss(trial, sample_batch(splits))
+            loss, outputs = task.loss(trial, batch)
         except DdpkitError:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's forward or loss; said in one line
@@ -246,12 +259,26 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
                 "the autograd graph (.item(), .detach(), float(...), torch.tensor(...) or a torch.no_grad() "
                 "block); return the tensor the model's output gave"
             )
-        task.measure(loss, outputs, sample_batch(splits))  # the metric contract, on training-mode outputs
+        task.measure(loss, outputs, batch)  # the metric contract, on training-mode outputs
         try:
             loss.backward()
         except Exception as exc:  # noqa: BLE001
+            if _needs_the_workers(exc, trial):  # a backward with a collective in it
+                return None
             raise ConfigError(f"{where}: backward fails: {_exception_line(exc)}") from None
     return [name for name, p in trial.named_parameters() if p.requires_grad and p.grad is None]
+
+
+@contextmanager
+def _rngs_kept():
+    """torch's CPU, numpy's and Python's global generators as they were before, afterwards."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
 
 
 def _needs_the_workers(exc: Exception, model: nn.Module) -> bool:

@@ -47,8 +47,9 @@ from .identity import (
     optimizer_fingerprint,
     probe_optimizer,
     scheduler_fingerprint,
+    with_code,
 )
-from .importpath import is_import_path
+from .importpath import is_import_path, resolve
 from .models import own_model
 from .preflight import (
     available_memory_bytes,
@@ -125,7 +126,10 @@ class Trainer:
         if model is not None:
             # By import path the config keeps the path (so every command can build it again) and the
             # fingerprint goes to model_digest; a model passed in is named by its fingerprint.
-            prints["model_digest" if is_import_path(cfg.model) else "model"] = model_fingerprint(model)
+            if is_import_path(cfg.model):  # what it built, and the function that built it
+                prints["model_digest"] = with_code(model_fingerprint(model), "factory", resolve(cfg.model, "--model"))
+            else:
+                prints["model"] = model_fingerprint(model)
         opt = None
         for given, what, unused in (
             (optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),

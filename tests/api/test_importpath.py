@@ -118,3 +118,49 @@ def test_a_path_builds_the_same_weights_and_data_every_time_and_trains_in_proces
     result = a.fit()
     assert result["steps"] == 4
     assert a.config.model == "usermod:net" and a.config.model_digest.startswith("Sequential#")
+
+
+def test_arguments_added_in_a_named_run_dir_make_another_run():
+    """Regression (review): "" was read as "not recorded", so arguments given on a second run matched
+    a first run made without any, and its result was returned."""
+    first = TrainConfig(model="usermod:net", dataset="usermod:data").to_dict()
+    again = TrainConfig(model="usermod:net", model_args='{"hidden": 8}', dataset="usermod:data")
+    assert again.differing_keys(first) == ["model_args"]
+    older = {k: v for k, v in first.items() if k not in ("model_args", "dataset_args", "model_digest")}
+    assert TrainConfig(model="usermod:net", dataset="usermod:data").differing_keys(older) == []  # ddpkit 0.2's
+
+
+def test_an_edit_to_the_function_a_path_names_changes_the_run_identity(user, tmp_path):
+    """The model it builds may be a library class (nn.Sequential) whose code is not read: the
+    function's own code is (an added init changes the weights, not the structure)."""
+    import importlib
+    import sys
+
+    cfg = TrainConfig(model="usermod:net", dataset="usermod:data", device="cpu")
+    before = Trainer(cfg).config.model_digest
+    path = tmp_path / "usermod.py"
+    path.write_text(
+        path.read_text().replace(
+            "    return nn.Sequential(nn.Linear(2, hidden), nn.Linear(hidden, 3))",
+            "    net = nn.Sequential(nn.Linear(2, hidden), nn.Linear(hidden, 3))\n"
+            "    torch.nn.init.zeros_(net[1].weight)\n    return net",
+        )
+    )
+    sys.modules.pop("usermod", None)
+    importlib.invalidate_caches()
+    after = Trainer(cfg).config.model_digest
+    assert before.split("#")[0] == after.split("#")[0] == "Sequential" and before != after
+
+
+def test_a_model_that_cannot_be_copied_skips_the_trial_step_instead_of_failing():
+    """Regression (review): a module holding a non-leaf tensor (the old weight_norm's) raised a
+    traceback from copy.deepcopy in preflight, where it had trained before."""
+    from ddpkit.data import DataSplits
+    from ddpkit.preflight import trial_step
+    from ddpkit.train.task import Classification
+
+    model = torch.nn.Linear(2, 3)
+    model.derived = model.weight * 2  # a non-leaf tensor attribute: deepcopy refuses it
+    x = torch.randn(8, 2)
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    assert trial_step(model, DataSplits(data, data, None), Classification(), TrainConfig()) is None

@@ -254,6 +254,11 @@ def exits(ctx):
         sys.exit(3)
     ctx.barrier()
 
+def exits_1(ctx):
+    if ctx.rank == 1:
+        sys.exit(1)
+    ctx.barrier()
+
 def hangs(ctx):
     if ctx.rank == 1:
         time.sleep(20)       # outside any collective: rank 0 waits in the exit barrier
@@ -275,6 +280,7 @@ if __name__ == "__main__":
     "case,code,fragment",
     [
         ("exits", 3, "rank 1: called sys.exit(3)"),
+        ("exits_1", 1, "rank 1: called sys.exit(1)"),
         ("hangs", 3, "rank 0: a collective did not complete within --timeout-s 4 s"),
         ("unpicklable", 2, "rank 1's return value cannot be sent back to the launcher: a _thread.lock ("),
         ("nested", 2, "ddpkit.launch() was called inside a launched function"),
@@ -291,4 +297,49 @@ def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_p
     )
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert proc.returncode == code and len(said) == 1 and fragment in said[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "traceback is above" not in proc.stderr
+
+
+GUARD_PROBE = "from ddpkit.dist.launcher import refuse_unguarded_main\n"
+
+
+@pytest.mark.multiprocess  # starts interpreters (no process group)
+@pytest.mark.parametrize(
+    "files,argv,refused",
+    [
+        ({"train.py": GUARD_PROBE + "refuse_unguarded_main()\n"}, ["train.py"], "train.py:2 starts the workers"),
+        ({"train.py": GUARD_PROBE + "if __name__ == '__main__':\n    refuse_unguarded_main()\n"}, ["train.py"], ""),
+        (
+            {
+                "train.py": GUARD_PROBE + "import sys\nif __name__ == '__main__' and len(sys.argv) > 0:\n"
+                "    refuse_unguarded_main()\n"
+            },
+            ["train.py"],
+            "",
+        ),
+        (
+            {
+                "train.py": GUARD_PROBE
+                + "def main():\n    refuse_unguarded_main()\nif __name__ == '__main__':\n    main()\n",
+                "wrap.py": "import runpy\nif __name__ == '__main__':\n"
+                "    runpy.run_path('train.py', run_name='__main__')\n",
+            },
+            ["wrap.py"],
+            "",
+        ),
+        ({"pkg/__init__.py": "", "pkg/__main__.py": GUARD_PROBE + "refuse_unguarded_main()\n"}, ["-m", "pkg"], ""),
+    ],
+    ids=["unguarded", "guarded", "compound guard", "runpy wrapper", "python -m pkg"],
+)
+def test_only_a_script_that_starts_workers_at_import_time_is_refused(tmp_path, files, argv, refused):
+    """Regression (review): a guarded script run through runpy or a debugger was refused, with the
+    wrapper's line number; so were a compound guard and an unguarded package __main__, which
+    multiprocessing never runs again in its workers."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
+    if refused:
+        assert proc.returncode != 0 and refused in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,13 +11,10 @@ attribution) and never needs the network. Fashion-MNIST and CIFAR-10/100 are rea
 
 from __future__ import annotations
 
-import random
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
@@ -153,8 +150,7 @@ def own_dataset(cfg: TrainConfig) -> DataSplits:
     It is called with torch's, numpy's and Python's random generators seeded with ``--seed``, so
     data drawn at random is the same at every call (the run identity reads it by content)."""
     flag = f"--dataset {cfg.dataset}"
-    with _seeded(cfg.seed):
-        made = call(cfg.dataset, cfg.dataset_args, "--dataset")
+    made = call(cfg.dataset, cfg.dataset_args, "--dataset", cfg.seed)
     collate_fn = None
     if isinstance(made, dict):
         unknown = sorted(set(made) - {"train", "test", "collate_fn"})
@@ -188,18 +184,3 @@ def _first(data, limit: int):
     if not limit or limit >= len(data):
         return data
     return data.head(limit) if isinstance(data, ImageData) else Subset(data, range(limit))
-
-
-@contextmanager
-def _seeded(seed: int):
-    """torch's (CPU), numpy's and Python's global generators seeded with ``seed``; restored after."""
-    np_state, py_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        np.random.seed(seed)
-        random.seed(seed)
-        try:
-            yield
-        finally:
-            np.random.set_state(np_state)
-            random.setstate(py_state)

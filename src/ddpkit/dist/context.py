@@ -33,7 +33,7 @@ from ..device import resolve_device_type
 from ..errors import ConfigError, DdpkitError, RunDirError
 from . import env
 from .env import under_launcher
-from .failures import report_failure, worker_failure
+from .failures import cause_reported, report_failure, worker_failure
 
 CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
 
@@ -174,7 +174,7 @@ def distributed(
             # sys.exit(N) in this rank's own code: this rank is the cause, and says so, so that the
             # peers' "lost a rank" lines stay quiet and the job ends with its exit status. (Ctrl-C
             # reaches every rank of a terminal at once: the launcher says that one.)
-            if ctx.world_size > 1 and exc.code not in (0, None):
+            if ctx.world_size > 1 and exc.code not in (0, None) and not cause_reported():  # once, if all exit
                 report_failure(_Exit(exc.code), ctx.rank)
             raise
         except Exception as exc:

@@ -71,7 +71,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
     if not quiet:
         _note_cause(rank)
-    write_error_file(line, quiet, code)
+    write_error_file(line, quiet, code, traceback_printed=not isinstance(exc, DdpkitError))
     exc.reported = True
 
 
@@ -82,11 +82,11 @@ def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> Bas
     if isinstance(user_error or exc, (PeerLost, CollectiveTimeout)):
         # Another rank's failure reached this one as a broken collective. If that rank said why,
         # this rank stays quiet: one line for one cause.
-        (user_error or exc).quiet = world_size > 1 and _cause_reported()
+        (user_error or exc).quiet = world_size > 1 and cause_reported()
     return user_error or exc
 
 
-def write_error_file(line: str, quiet: bool, exit_code: int) -> None:
+def write_error_file(line: str, quiet: bool, exit_code: int, traceback_printed: bool = False) -> None:
     """The elastic agent's per-worker error file (``TORCHELASTIC_ERROR_FILE``), read back by :func:`worker_reports`."""
     path = os.environ.get(env.ERROR_FILE)
     if not path:
@@ -95,7 +95,11 @@ def write_error_file(line: str, quiet: bool, exit_code: int) -> None:
     try:
         with open(path, "w") as fh:
             json.dump(
-                {"message": first, "timestamp": int(time.time()), "ddpkit": {"quiet": quiet, "exit_code": exit_code}},
+                {
+                    "message": first,
+                    "timestamp": int(time.time()),
+                    "ddpkit": {"quiet": quiet, "exit_code": exit_code, "traceback": traceback_printed},
+                },
                 fh,
             )
     except OSError:
@@ -112,7 +116,7 @@ def _note_cause(rank: int) -> None:
         pass
 
 
-def _cause_reported() -> bool:
+def cause_reported() -> bool:
     """Whether another rank already said why the job failed (a non-blocking store check)."""
     import torch.distributed as dist
 
@@ -169,7 +173,7 @@ def outside_group_bug(exc: BaseException) -> None:
         return
     traceback.print_exc()
     sys.stderr.flush()
-    write_error_file(f"rank {env.env_rank()} raised {type(exc).__name__}: {exc}", False, 1)
+    write_error_file(f"rank {env.env_rank()} raised {type(exc).__name__}: {exc}", False, 1, traceback_printed=True)
 
 
 # ---------------------------------------------------------------------- in the launcher
@@ -201,7 +205,7 @@ def launch_failure(exc, timeout_s: float) -> Exception:
     causes = [r for r in reports if r["exit_code"] not in CONSEQUENCES]
     if causes:
         cause = causes[0]
-        if cause["exit_code"] == 1:
+        if cause.get("traceback", cause["exit_code"] == 1):  # a bug: its rank printed the traceback, not a line
             return WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1)
         return WorkersFailed(cause["message"], True, cause["exit_code"])
     codes = {rank: f.exitcode for rank, f in exc.failures.items()}

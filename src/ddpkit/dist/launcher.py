@@ -305,35 +305,52 @@ def refuse_unguarded_main() -> None:
     """Before launch, in the launcher: the script runs this call at import time, outside
     ``if __name__ == "__main__":``. Each spawned worker imports the script again and would start
     training itself (refused there, once per rank, by :func:`refuse_if_importing_main`); said here
-    once instead, naming the line. Read from the script's own source: the outermost frame of
-    ``__main__`` and whether its line lies inside such a guard."""
+    once instead, naming the line. Read from the script's own source: the innermost frame running
+    the script's top level, and whether its line lies inside a test of ``__name__`` against
+    ``"__main__"``. Run as ``python -m pkg`` (a ``__main__`` module the workers never re-run), from
+    a notebook or ``python -c``, nothing is refused."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if not path or not str(path).endswith(".py"):  # a notebook, python -c: forked workers, no re-import
+    spec_name = getattr(getattr(main, "__spec__", None), "name", "") or ""
+    if not path or not str(path).endswith(".py") or spec_name == "__main__" or spec_name.endswith(".__main__"):
         return
-    frame, outer = sys._getframe(), None
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>":
-            outer = frame
+    script = os.path.realpath(path)
+    frame = sys._getframe()
+    while frame is not None:  # innermost first: a runpy or pdb wrapper's own frames lie further out
+        if frame.f_code.co_name == "<module>" and os.path.realpath(frame.f_code.co_filename) == script:
+            break
         frame = frame.f_back
-    if outer is None:
+    if frame is None:
         return
     try:
-        tree = ast.parse(Path(path).read_text())
+        tree = ast.parse(Path(script).read_text())
     except (OSError, SyntaxError, ValueError):
         return
-    line = outer.f_lineno
-    guards = ("__name__ == '__main__'", "'__main__' == __name__")
+    line = frame.f_lineno
     if any(
-        isinstance(node, ast.If) and ast.unparse(node.test) in guards and node.lineno <= line <= node.end_lineno
+        isinstance(node, ast.If) and _tests_main(node.test) and node.lineno <= line <= node.end_lineno
         for node in ast.walk(tree)
     ):
         return
+    shown = os.path.relpath(path)
+    shown = path if shown.startswith("..") else shown
     raise ConfigError(
-        f"{os.path.relpath(path)}:{line} starts the workers when the script is imported, and every worker "
+        f"{shown}:{line} starts the workers when the script is imported, and every worker "
         f"imports it again: put the code that calls Trainer(...).fit() or ddpkit.launch(...) under "
         f'`if __name__ == "__main__":`'
     )
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether an ``if`` test compares ``__name__`` with ``"__main__"`` anywhere in it (``and`` included)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            names = [node.left, *node.comparators]
+            if any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and any(
+                isinstance(n, ast.Constant) and n.value == "__main__" for n in names
+            ):
+                return True
+    return False
 
 
 def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:

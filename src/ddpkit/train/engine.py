@@ -50,7 +50,7 @@ from .optim import (
     user_schedule,
 )
 from .signals import StopSignal
-from .task import Task
+from .task import Classification, Task
 
 
 def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
@@ -264,20 +264,28 @@ class Engine:
 
     def _elastic_line(self, old_world: int) -> str:
         """What a resume at another world size keeps exact, and what it does not (said once)."""
-        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.raw.modules())
-        bn = (
-            ""
-            if self.cfg.sync_bn or not batchnorm
-            else (
-                "; BatchNorm without --sync-bn normalises each rank's share of the batch, which is now "
-                f"{self.per_rank_batch} samples"
+        plain_bn = [
+            m
+            for m in self.raw.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+        ]
+        caveats = ["each rank's random stream (dropout) starts afresh"]
+        if plain_bn and not self.cfg.sync_bn:
+            caveats.append(
+                "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
+                f"{self.per_rank_batch // self.accum} samples"
             )
-        )
+        if not isinstance(self.task, Classification):
+            # DDP averages the ranks' losses: equal to the global batch's loss only for a mean over samples
+            caveats.append(
+                "your loss gives the same gradient if it is a mean over each rank's samples; a per-token mean "
+                "or a sum weighs the ranks differently at another world size"
+            )
         return (
             f"ddpkit: resuming step {self.pos.global_step} (epoch {self.pos.epoch}) of a run made at world size "
             f"{old_world} at world size {self.ctx.world_size}: the same global batch of {self.cfg.batch_size} "
-            f"and the same samples at every step; only the order of float reductions differs, and each "
-            f"rank's random stream (dropout) starts afresh{bn}"
+            f"and the same samples at every step; otherwise only the order of float reductions differs, except: "
+            + "; ".join(caveats)
         )
 
     def _run_epoch(self) -> None:
