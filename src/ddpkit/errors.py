@@ -14,6 +14,9 @@ Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.dist.
   the agent stops the others (and restarts the group if ``--max-restarts`` allows).
 """
 
+import os
+import traceback
+
 
 class DdpkitError(Exception):
     """A problem with the user's input or run, reported as one line."""
@@ -89,3 +92,12 @@ class WorkersFailed(Exception):
     def __init__(self, message: str, reported: bool, exit_code: int = 1):
         super().__init__(message)
         self.reported, self.exit_code = reported, exit_code
+
+
+def raised_at(exc: BaseException) -> str:
+    """``Type: first line of the message (file.py:line)``: an exception of your code, and where it was
+    raised, for a one-line error that names it (the traceback is not shown)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {text}{at}" if text else f"{type(exc).__name__}{at}"

@@ -40,7 +40,6 @@ import os
 import re
 import sys
 import sysconfig
-import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, raised_at
 
 # Where the standard library, installed packages and ddpkit itself live: code there is named, not read.
 _LIBRARY_DIRS = tuple(
@@ -435,12 +434,7 @@ def optimizer_fingerprint(spec: Any, model: nn.Module | None) -> tuple[Fingerpri
             # What only a worker can build (ZeroRedundancyOptimizer needs the process group; a CUDA-only
             # optimizer needs the model on its GPU) is left to the workers; anything else is a mistake.
             if not _WORKER_ONLY.search(str(exc)):
-                frames = traceback.extract_tb(exc.__traceback__)
-                at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-                raise ConfigError(
-                    f"the optimizer factory {code_name(spec)} raised {type(exc).__name__}: {first}{at}"
-                ) from None
+                raise ConfigError(f"the optimizer factory {code_name(spec)} raised {raised_at(exc)}") from None
             reader.unproven.append(f"the optimizer factory could not be called before launch ({type(exc).__name__})")
             return reader.fingerprint(code_name(spec)), None
         if not isinstance(opt, torch.optim.Optimizer):

@@ -20,11 +20,10 @@ import os
 import random
 import re
 import sys
-import traceback
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, raised_at
 
 _PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -68,9 +67,9 @@ def resolve(path: str, flag: str) -> Any:
                 f"{flag} {path}: no module named {exc.name!r} here; run from the folder that holds it, or add "
                 f"that folder to PYTHONPATH"
             ) from None
-        raise ConfigError(f"{flag} {path}: importing {module_name} failed: {_where(exc)}") from None
+        raise ConfigError(f"{flag} {path}: importing {module_name} failed: {raised_at(exc)}") from None
     except Exception as exc:  # the module's own code raised on import
-        raise ConfigError(f"{flag} {path}: importing {module_name} failed: {_where(exc)}") from None
+        raise ConfigError(f"{flag} {path}: importing {module_name} failed: {raised_at(exc)}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -92,7 +91,7 @@ def call(path: str, args: str, flag: str, seed: int) -> Any:
             return fn(**kwargs)
     except Exception as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"{flag} {path}: calling {path.partition(':')[2]}({shown}) raised {_where(exc)}") from None
+        raise ConfigError(f"{flag} {path}: calling {path.partition(':')[2]}({shown}) raised {raised_at(exc)}") from None
 
 
 @contextmanager
@@ -110,11 +109,3 @@ def _seeded(seed: int):
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
-
-
-def _where(exc: BaseException) -> str:
-    """``Type: message (file.py:line)``, the line where it was raised."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {text}{at}" if text else f"{type(exc).__name__}{at}"

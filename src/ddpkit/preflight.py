@@ -11,7 +11,6 @@ import dataclasses
 import os
 import random
 import sys
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from .data.materialize import materialize
 from .dist import env
 from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
-from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError
+from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, raised_at
 from .identity import Fingerprint, data_fingerprint, file_fingerprint, with_code
 from .importpath import is_import_path, resolve
 from .models import model_for
@@ -247,7 +246,7 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
         except Exception as exc:  # noqa: BLE001 - a user's forward or loss; said in one line
             if _needs_the_workers(exc, trial):
                 return None
-            raise ConfigError(f"{where} fails: {_exception_line(exc)}") from None
+            raise ConfigError(f"{where} fails: {raised_at(exc)}") from None
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
             what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TaskError(
@@ -265,7 +264,7 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
         except Exception as exc:  # noqa: BLE001
             if _needs_the_workers(exc, trial):  # a backward with a collective in it
                 return None
-            raise ConfigError(f"{where}: backward fails: {_exception_line(exc)}") from None
+            raise ConfigError(f"{where}: backward fails: {raised_at(exc)}") from None
     return [name for name, p in trial.named_parameters() if p.requires_grad and p.grad is None]
 
 
@@ -284,14 +283,6 @@ def _rngs_kept():
 def _needs_the_workers(exc: Exception, model: nn.Module) -> bool:
     """An error of a step that runs only inside the workers: it asks for the process group."""
     return "process group" in str(exc) or any("SyncBatchNorm" in type(m).__name__ for m in model.modules())
-
-
-def _exception_line(exc: BaseException) -> str:
-    """``Type: first line (file:line)``: where your code raised it."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {text}{at}"
 
 
 def infer_classes(data: Dataset | None) -> int | None:

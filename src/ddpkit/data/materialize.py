@@ -20,9 +20,7 @@ took and why, and the run's ``[start]`` line shows it.
 
 from __future__ import annotations
 
-import os
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from ..config import TrainConfig
 from ..dist.context import cpu_cores
-from ..errors import DataError
+from ..errors import DataError, raised_at
 from .batch import tensor_leaves
 from .folder import cached_decode
 from .types import DataSplits, ImageData, TensorData
@@ -120,12 +118,9 @@ def _read(data: Dataset, i: int, split: str):
     try:
         return data[i]
     except Exception as exc:  # noqa: BLE001 - the dataset's own code
-        frames = traceback.extract_tb(exc.__traceback__)
-        at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise DataError(
             f"{split} dataset {type(data).__name__}: reading sample {i} of {len(data)} raised "
-            f"{type(exc).__name__}: {text}{at}; fix that sample, or leave it out (torch.utils.data.Subset)"
+            f"{raised_at(exc)}; fix that sample, or leave it out (torch.utils.data.Subset)"
         ) from None
 
 
