@@ -201,3 +201,84 @@ def test_uneven_inputs_under_join_finish_without_a_hang_and_every_sample_is_used
         Trainer(cfg, model=RegressionMLP(), train_data=PlainData(97, 0), test_data=PlainData(20, 1), loss_fn=mse), world
     )
     assert coverage["ok"] and "exactly once" in " ".join(coverage["lines"]), coverage
+
+
+class _Killed(Exception):
+    """Stands in for a SIGKILL right after a snapshot."""
+
+
+def float64_engine(ctx, run_dir, **kw) -> Engine:
+    """An MLP engine in float64 on 256 synthetic samples (8 steps of 32), without the cost of plots."""
+    cfg = TrainConfig(
+        dataset="synthetic",
+        synthetic_size=256,
+        synthetic_shape="3,16,16",
+        batch_size=32,
+        model="mlp",
+        dtype="float64",
+        epochs=1,
+        plots=False,
+        run_dir=str(run_dir),
+        progress=False,
+        **kw,
+    ).resolved()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 3, 16, 16, 10).double()
+    return Engine(cfg, ctx, model, load_dataset(cfg), Classification(0.0, False, 10))
+
+
+def _run_to_the_end(tmp_path, kill_after_snapshot_at: int | None = None):
+    """A float64 run of 8 steps (log every 4, snapshot every 6) in this process; optionally killed
+    right after its step-6 snapshot. Returns the step records of metrics.jsonl by step."""
+    from clirun import read_jsonl
+
+    with distributed("cpu") as ctx:
+        engine = float64_engine(ctx, tmp_path, log_every=4, save_every_steps=6)
+        if kill_after_snapshot_at is not None:
+            save = engine.ckpt.save
+
+            def save_then_die(state, step):
+                path = save(state, step)
+                if step == kill_after_snapshot_at:
+                    raise _Killed
+                return path
+
+            engine.ckpt.save = save_then_die
+            with pytest.raises(_Killed):
+                engine.fit()
+        else:
+            engine.fit()
+    return {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "step"}
+
+
+def test_the_first_step_record_after_a_resume_covers_the_whole_interval(tmp_path):
+    """Regression: the step-8 record after a resume from step 6 held the mean of steps 7-8 only,
+    where an uninterrupted run's holds steps 5-8; the snapshot now keeps the interval's start."""
+    ref = _run_to_the_end(tmp_path / "ref")
+    killed = _run_to_the_end(tmp_path / "run", kill_after_snapshot_at=6)
+    assert sorted(killed) == [4]  # the kill came between the step-4 and step-8 records
+    resumed = _run_to_the_end(tmp_path / "run")
+    assert sorted(ref) == sorted(resumed) == [4, 8]
+    for key in ("loss", "accuracy"):
+        assert abs(resumed[8][key] - ref[8][key]) <= 1e-15 * abs(ref[8][key]), (key, resumed[8], ref[8])
+    assert resumed[8]["samples_per_s"] > 0
+
+
+def test_the_test_loss_of_a_float64_run_is_computed_in_float64(tmp_path):
+    """Regression: the default task's test loss went through float32 (logits.float()), 1e-7 off."""
+    import torch.nn.functional as F
+
+    with distributed("cpu") as ctx:
+        engine = float64_engine(ctx, tmp_path)
+        result, _ = engine._evaluate()
+        engine.raw.eval()
+        with torch.no_grad():
+            batches = list(engine.eval_src.batches())
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            assert x.dtype == torch.float64
+            logits = engine.raw(x)
+            ref = F.cross_entropy(logits, y).item()
+            in_float32 = F.cross_entropy(logits.float(), y).item()
+    assert result["test_samples"] == len(y) == 51
+    assert abs(result["test_loss"] - ref) <= 1e-15 * ref, (result["test_loss"], ref)
+    assert in_float32 != ref  # what the float32 path gave is told apart

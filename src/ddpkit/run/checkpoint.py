@@ -5,9 +5,9 @@
     ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
 
 A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
-(model, optimizer, schedule, scaler, EMA, data position, metric accumulators), every
-rank's RNG states, the resolved config and its hash, and the ddpkit/torch versions. It
-is written to a temporary file, fsynced and renamed, so a kill during a save leaves
+(model, optimizer, schedule, scaler, EMA, data position, metric accumulators, where the log
+interval began), every rank's RNG states, the resolved config and its hash, and the
+ddpkit/torch versions. It is written to a temporary file, fsynced and renamed, so a kill during a save leaves
 the previous snapshot intact; a truncated or corrupt one is reported by name and the
 one before it is used.
 

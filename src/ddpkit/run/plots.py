@@ -4,17 +4,24 @@
     scaling_plot(bench_report, "bench/scaling.png")
 
 Styled to survive greyscale printing: runs, and measured against predicted series, differ in
-line style and marker, not only in colour.
+line style and marker, not only in colour. Each PNG is written atomically (rendered in memory,
+then :func:`ddpkit.files.atomic_write`): a kill mid-draw leaves the previous figure whole.
 """
 
 from __future__ import annotations
 
+import io
+import math
+import re
+import sys
 from pathlib import Path
 
 from ..errors import RunDirError
-from ..files import describe_io_error
+from ..files import atomic_write, describe_io_error
 from .paths import RunFiles
-from .records import read_records
+from .records import scan_records
+
+THROUGHPUT = "throughput"  # the samples/s panel's file name: a metric of that name is drawn under another
 
 # One style per run, told apart without colour: line style, marker, and a luminance spread
 RUN_STYLES = [
@@ -27,30 +34,42 @@ RUN_STYLES = [
 ]
 
 
-def read_run(run_dir: str | Path) -> dict:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def read_run(run_dir: str | Path, warn=_stderr) -> dict:
     """A run's curves from its metrics.jsonl: step records, epoch records, and a label naming the
-    run and its world size. A directory without records is a one-line error."""
+    run and its world size. A directory without records is a one-line error; lines that are not
+    records are skipped, said in one ``warn`` line."""
     path = RunFiles(run_dir).metrics
     if not path.is_file():
         raise RunDirError(f"{path} not found; is {run_dir} a ddpkit run directory?")
-    records = read_records(path)
-    steps = [r for r in records if r.get("event") == "step"]
+    try:
+        scan = scan_records(path)
+    except OSError as exc:
+        raise RunDirError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if scan.skipped:
+        warn(scan.warning(path, "skipped"))
+    records = scan.records
+    steps = [r for r in records if r["event"] == "step"]
     if not steps:
         raise RunDirError(f"{path} holds no training steps yet; nothing to plot")
-    world = next((r["world_size"] for r in reversed(records) if r.get("event") == "start"), None)
+    world = next((r.get("world_size") for r in reversed(records) if r["event"] == "start"), None)
     label = Path(run_dir).resolve().name + (f" (world {world})" if world else "")
-    return {"label": label, "steps": steps, "epochs": [r for r in records if r.get("event") == "epoch"]}
+    return {"label": label, "steps": steps, "epochs": [r for r in records if r["event"] == "epoch"]}
 
 
-def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
+def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr) -> list[Path]:
     """loss.png (train per log interval, test per epoch), one PNG per other metric (accuracy, the
-    user's), and throughput.png, for one run or several overlaid. Returns the files written."""
-    runs = [read_run(d) for d in run_dirs]
+    user's), and throughput.png, for one run or several overlaid. Returns the files written.
+    ``warn`` gets one line per metrics.jsonl with lines that are not records."""
+    runs = [read_run(d, warn) for d in run_dirs]
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RunDirError(describe_io_error(exc, out)) from None
+        raise RunDirError(_out_flag(describe_io_error(exc, out))) from None
     metrics = list(
         dict.fromkeys(
             k
@@ -62,16 +81,14 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
         )
     )
     written = []
-    for metric in metrics:
+    for metric, stem in zip(metrics, file_stems(metrics)):
         pct = metric == "accuracy"
-        written.append(
-            _curve_figure(runs, metric, out / f"{metric}.png", pct, ylabel=f"{metric} (%)" if pct else metric)
-        )
+        written.append(_curve_figure(runs, metric, out / f"{stem}.png", pct, ylabel=f"{metric} (%)" if pct else metric))
     written.append(
         _curve_figure(
             runs,
             "samples_per_s",
-            out / "throughput.png",
+            out / f"{THROUGHPUT}.png",
             False,
             ylabel="samples/s",
             test=False,
@@ -79,6 +96,22 @@ def training_plots(run_dirs: list, out_dir: str | Path) -> list[Path]:
         )
     )
     return written
+
+
+def file_stems(metrics: list[str]) -> list[str]:
+    """A file name (without .png) per metric, each its own: characters a file name cannot hold
+    become ``_``, and a name taken already (the samples/s panel's ``throughput``, another metric's,
+    the same but for case on a case-insensitive disk) gets ``metric-`` in front, then a number."""
+    taken, stems = {THROUGHPUT}, []
+    for metric in metrics:
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", metric).lstrip(".") or "metric"
+        stem, n = base, 1
+        while stem.lower() in taken:
+            stem = f"metric-{base}" if n == 1 else f"metric-{base}-{n}"
+            n += 1
+        taken.add(stem.lower())
+        stems.append(stem)
+    return stems
 
 
 def _curve_figure(
@@ -126,7 +159,11 @@ def _curve_figure(
             )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 14, 14, 15, 15 ticks
+    xs = {x for line in ax.get_lines() for x in line.get_xdata()}
+    if len(xs) == 1:  # one step (say, --max-steps below --log-every): MaxNLocator would tick 7.6, 7.7, ... as 8, 8, ...
+        ax.set_xticks(list(xs))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 14, 14, 15, 15 ticks
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     if metric == "samples_per_s":
         ax.set_ylim(bottom=0)
@@ -143,16 +180,30 @@ def _curve_figure(
         raise RunDirError(
             f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: choose another --out"
         )
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """The figure as a PNG at ``path``, atomically: rendered in memory (about 50 kB), then written
+    through a temporary file and a rename, so no reader ever sees half a PNG."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise RunDirError(describe_io_error(exc, path)) from None
+        atomic_write(path, buf.getvalue())
+    except RunDirError as exc:
+        raise RunDirError(_out_flag(str(exc))) from None
     return path
 
 
+def _out_flag(message: str) -> str:
+    """A write error's hint with the flag that moves figures: ``--out`` (in ``ddpkit plot`` and
+    ``ddpkit bench`` alike), where :func:`describe_io_error` names train's ``--run-dir``."""
+    return message.replace("--run-dir", "--out")
+
+
 def _spread(ax) -> float:
-    """max / min of the positive values plotted: a loss falling 30-fold reads better on a log scale."""
-    ys = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
+    """max / min of the finite positive values plotted: a loss falling 30-fold reads better on a log scale."""
+    ys = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0]
     return max(ys) / min(ys) if ys else 1.0
 
 
@@ -206,5 +257,4 @@ def scaling_plot(rep: dict, path: str | Path) -> Path:
     ax2.legend(loc="lower left", fontsize=8)
     fig.suptitle(f"ddpkit bench: {c['model']} on {c['dataset']} ({c['device']}, {c['scaling']} scaling)")
     fig.tight_layout()
-    fig.savefig(path)
-    return Path(path)
+    return _save(fig, Path(path))

@@ -17,7 +17,7 @@ from ..files import atomic_write, describe_io_error
 from .display import Display
 from .loggers import LOGGERS, open_loggers
 from .paths import RunFiles
-from .records import read_records
+from .records import scan_records
 
 
 class MetricLogger:
@@ -72,20 +72,24 @@ class MetricLogger:
         self.display.event(record)
 
     def rewind(self, global_step: int, epoch: int) -> None:
-        """On resume: drop the records of steps and epochs after the snapshot, which run again.
+        """On resume: drop the records of steps and epochs after the snapshot, which run again, and
+        the lines that are not records (:mod:`ddpkit.run.records`), said in one warning.
 
         Without this a resumed run's metrics.jsonl would hold those steps twice. Other
         events (each attempt's ``start``, ``stopped``) stay, as the run's history.
         """
         if not self.main or not self.path.exists():
             return
+        scan = scan_records(self.path)  # a line cut short by the kill is dropped too, silently
         kept = [
             r
-            for r in read_records(self.path)  # a line cut short by the kill is dropped too
-            if not (r.get("event") == "step" and r.get("step", 0) > global_step)
-            and not (r.get("event") == "epoch" and r.get("epoch", 0) >= epoch)
+            for r in scan.records
+            if not (r["event"] == "step" and r["step"] > global_step)
+            and not (r["event"] == "epoch" and r["epoch"] >= epoch)
         ]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        if scan.skipped:
+            self.print(scan.warning(self.path, "dropped on resume; the file is rewritten without them"))
 
     def progress(self, global_step: int) -> None:
         """Every step: move the live display (a host counter, no device sync)."""

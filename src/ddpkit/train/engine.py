@@ -17,7 +17,7 @@ import math
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -82,6 +82,17 @@ class Timing:
     train_time_s: float = 0.0  # training steps only: no eval, snapshots or compilation
     compile_time_s: float = 0.0  # the first step of a compiled run
     epoch_elapsed_s: float = 0.0  # time already spent in the current epoch before a resume
+    interval_elapsed_s: float = 0.0  # time already spent in the current log interval before a resume
+
+
+@dataclass
+class Interval:
+    """Where the current log interval began; saved in every snapshot as ``interval``, so that the
+    first step record after a mid-epoch resume covers the whole interval, as an uninterrupted
+    run's record at that step does, not only the steps since the snapshot."""
+
+    step_in_epoch: int = 0  # optimizer steps of the epoch done before the interval
+    totals: list = field(default_factory=list)  # the epoch's [sums..., counts...] then, over every rank
 
 
 class Engine:
@@ -148,6 +159,8 @@ class Engine:
             metric_names=task.names,
         )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
+        self.interval, self._t_last = Interval(totals=[0.0] * (2 * len(self.acc.names))), time.perf_counter()
+        self._resumed_interval: Interval | None = None  # the snapshot's, for the first epoch after a resume
         self.watch = DivergenceWatch()  # in every snapshot as "divergence"
         self._epoch_t0 = 0.0
         self.final_train: dict = {}
@@ -172,11 +185,19 @@ class Engine:
             key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer" else part.state_dict()
             for key, part in self._stateful().items()
         }
-        elapsed = time.perf_counter() - self._epoch_t0 if self.pos.step_in_epoch else 0.0
+        now, mid_epoch = time.perf_counter(), self.pos.step_in_epoch > 0
+        timing = dataclasses.replace(
+            self.timing,
+            epoch_elapsed_s=now - self._epoch_t0 if mid_epoch else 0.0,
+            interval_elapsed_s=now - self._t_last if mid_epoch else 0.0,
+        )
         return {
             **state,
             "position": dataclasses.asdict(self.pos),
-            "timing": dataclasses.asdict(dataclasses.replace(self.timing, epoch_elapsed_s=elapsed)),
+            "timing": dataclasses.asdict(timing),
+            # The interval's start, summed over ranks already (the same on every rank): a plain
+            # list of floats, valid at any world size
+            "interval": dataclasses.asdict(self.interval),
             "divergence": dataclasses.asdict(self.watch),
             "final_train": self.final_train,
             # Plain floats: this travels through all_gather_object, which would rebuild a
@@ -192,6 +213,8 @@ class Engine:
         self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
         self.watch = DivergenceWatch(**state.get("divergence", {}))  # snapshots before 0.3 have none
         self.final_train = state["final_train"]
+        # Older snapshots have none: the first step record after the resume then covers the steps since it
+        self._resumed_interval = Interval(**state["interval"]) if state.get("interval") else None
         ranks = snap["ranks"]
         if len(ranks) == self.ctx.world_size:
             self.acc.load(ranks[self.ctx.rank]["rank_state"]["acc"])
@@ -223,6 +246,8 @@ class Engine:
             raise ValueError("its EMA weights are not this model's")
         if any(len(r["rank_state"]["acc"]) != 2 * len(self.acc.names) for r in snap["ranks"]):
             raise ValueError("its per-rank state does not match this run's metrics")
+        if state.get("interval") and len(state["interval"]["totals"]) != 2 * len(self.acc.names):
+            raise ValueError("its log interval's sums do not match this run's metrics")
 
     def fit(self) -> dict:
         ok = False
@@ -291,11 +316,9 @@ class Engine:
     def _run_epoch(self) -> None:
         cfg = self.cfg
         self.model.train()
-        # After a mid-epoch resume the restored accumulator already holds the epoch's earlier
-        # samples; the first interval must count only new ones. (Same condition on every rank.)
-        totals = self._sync()[0] if self.pos.step_in_epoch else [0.0] * (2 * len(self.acc.names))
         self._epoch_t0 = time.perf_counter() - self.timing.epoch_elapsed_s
-        self._interval_start(time.perf_counter(), totals)
+        self._begin_intervals()
+        totals = self.interval.totals
         micro = self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
         with self._join():
             for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
@@ -327,7 +350,7 @@ class Engine:
         self.timing.epoch_elapsed_s = 0.0
         self.timing.train_time_s += epoch_time
         self._end_epoch(
-            self.acc.means(self._totals_last, "train_"),
+            self.acc.means(self.interval.totals, "train_"),
             epoch_time,
             self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size,
         )
@@ -398,7 +421,20 @@ class Engine:
         self.timing.compile_time_s = time.perf_counter() - t
 
     def _interval_start(self, now: float, totals: list[float]) -> None:
-        self._t_last, self._step_last, self._totals_last = now, self.pos.step_in_epoch, totals
+        self._t_last, self.interval = now, Interval(self.pos.step_in_epoch, totals)
+
+    def _begin_intervals(self) -> None:
+        """The epoch's first log interval. After a mid-epoch resume the restored accumulator holds
+        the epoch's earlier samples: the interval continues from the snapshot's start of it (its
+        samples/s over the training time before the snapshot and after the resume, the restart
+        left out); a snapshot without one starts it here. (Same branch on every rank.)"""
+        resumed, self._resumed_interval = self._resumed_interval, None
+        if not self.pos.step_in_epoch:
+            self._interval_start(time.perf_counter(), [0.0] * (2 * len(self.acc.names)))
+        elif resumed is not None:
+            self._t_last, self.interval = time.perf_counter() - self.timing.interval_elapsed_s, resumed
+        else:
+            self._interval_start(time.perf_counter(), self._sync()[0])
 
     def _sync(self, check_weights: bool = False) -> tuple[list[float], bool, bool]:
         """One all-reduce and host copy, at log intervals and snapshots only: this epoch's metric
@@ -453,8 +489,8 @@ class Engine:
     def _log_interval(self) -> None:
         totals, stop, _ = self._sync()
         now = time.perf_counter()
-        interval = [a - b for a, b in zip(totals, self._totals_last)]
-        n = (self.pos.step_in_epoch - self._step_last) * self.per_rank_batch * self.ctx.world_size
+        interval = [a - b for a, b in zip(totals, self.interval.totals)]
+        n = (self.pos.step_in_epoch - self.interval.step_in_epoch) * self.per_rank_batch * self.ctx.world_size
         means = self.acc.means(interval)
         rate = n / max(1e-9, now - self._t_last)
         self.log.log(
@@ -590,7 +626,7 @@ class Engine:
         """Rank 0, after everything else is written: RUN/plots/*.png. A figure that fails to draw
         is a warning; the run itself is complete."""
         try:
-            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots)
+            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots, warn=self.log.print)
         except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
             self.log.print(
                 f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
