@@ -79,6 +79,38 @@ def test_a_metric_must_return_a_sum_and_a_count():
         UserLoss(lambda m, b: m(b), {"test samples": lambda o, b: (0, 1)})
 
 
+@pytest.mark.parametrize(
+    "count,message",
+    [
+        (-3, "a count of -3"),
+        (float("inf"), "a count of inf"),
+        (torch.tensor(-1.0), "a count of -1.0"),
+        (torch.tensor(float("nan")), "a count of nan"),
+        ("3", "a count that is a builtins.str"),
+    ],
+)
+def test_a_bad_metric_count_is_refused_once_in_one_line(count, message):
+    """A negative, infinite or string count was accepted and made every mean of that metric wrong."""
+    task = UserLoss(lambda m, b: (m(b).sum(), m(b)), {"acc": lambda out, b: (out.sum(), count)})
+    with pytest.raises(TaskError, match=f"metric 'acc' returned {message}"):
+        task.evaluate(lambda b: b, torch.ones(3))
+
+
+def test_a_tensor_count_is_read_on_the_first_batch_only():
+    """The first batch (preflight's, before launch) reads it; a training step must not copy it to the host."""
+    counts = [torch.tensor(3.0), torch.tensor(-1.0)]
+    task = UserLoss(lambda m, b: (m(b).sum(), m(b)), {"acc": lambda out, b: (out.sum(), counts.pop(0))})
+    task.evaluate(lambda b: b, torch.ones(3))
+    assert task.evaluate(lambda b: b, torch.ones(3))[1][1].item() == -1.0  # not read again
+
+
+@pytest.mark.parametrize("name", ["lr", "samples_per_s", "step", "epoch", "time", "grad_norm"])
+def test_a_metric_may_not_take_a_name_of_the_step_record(name):
+    """A metric named lr collided with the step record's own lr (a TypeError mid-run)."""
+    with pytest.raises(TaskError, match=f"metric name '{name}' must be an identifier other than"):
+        UserLoss(lambda m, b: m(b), {name: lambda o, b: (0, 1)})
+
+
 def test_user_loss_may_return_outputs_for_the_metrics_and_may_define_its_own_loss_metric():
     def loss_fn(model, batch):
         out = model(batch)

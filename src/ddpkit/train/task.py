@@ -27,6 +27,7 @@ Any task takes extra ``metrics={"name": fn}``, each ``fn(outputs, batch) -> (sum
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -41,7 +42,9 @@ from ..errors import TaskError
 from ..identity import code_digest, code_name
 
 MetricFn = Callable[[Any, Any], tuple]
-RESERVED = {"samples"}  # test_samples is the evaluated sample count
+# test_samples is the evaluated sample count; the others are keys of the step record a metric's mean
+# sits beside (metrics.jsonl), and grad_norm the engine's own metric under --clip-grad-norm
+RESERVED = {"samples", "event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm"}
 
 
 class Task:
@@ -62,6 +65,7 @@ class Task:
                 raise TaskError(f"metric {name!r} must be a function (outputs, batch) -> (sum, count)")
         self.metrics = metrics
         self.names = tuple(dict.fromkeys([*self.builtin, *metrics]))
+        self._counts_read: set[str] = set()  # metrics whose count was read and checked (see _metric)
 
     @property
     def identity(self) -> str:
@@ -86,15 +90,27 @@ class Task:
     def measure(self, loss: torch.Tensor, outputs: Any, batch: Any) -> list[tuple]:
         values = self.builtin_values(loss, outputs, batch, leading_size(batch))
         for name, fn in self.metrics.items():
-            values[name] = _call_metric(name, fn, outputs, batch)
+            values[name] = self._metric(name, fn, outputs, batch)
         return [values[name] for name in self.names]
+
+    def _metric(self, name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
+        """``fn``'s (sum, count), checked; a count in a tensor is read once per metric (the first batch,
+        in preflight before launch), not per step: reading it is a host copy."""
+        result = _call_metric(name, fn, outputs, batch, read_count=name not in self._counts_read)
+        self._counts_read.add(name)
+        return result
 
     def evaluate(self, model: nn.Module, batch: Any) -> list[tuple]:
         loss, outputs = self.loss(model, batch)
         return self.measure(loss, outputs, batch)
 
 
-def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 if narrower (autocast's float16/bfloat16 outputs), else as it is (float64 stays)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any, read_count: bool = True) -> tuple:
     try:
         result = fn(outputs, batch)
     except Exception as exc:
@@ -123,6 +139,16 @@ def _call_metric(name: str, fn: MetricFn, outputs: Any, batch: Any) -> tuple:
                 f"metric {name!r} returned a {what} that is {_kind(part)}; each part of (sum, count) is a "
                 f"one-element tensor or a Python number, e.g. ((pred == y).sum(), len(y))"
             )
+    count = result[1]
+    if isinstance(count, torch.Tensor):
+        if count.is_complex():
+            raise TaskError(f"metric {name!r} returned a complex count; the count is a number of samples or a weight")
+        count = count.detach().double().item() if read_count else 0.0
+    if not (math.isfinite(count) and count >= 0):
+        raise TaskError(
+            f"metric {name!r} returned a count of {count!r}; the count is how many samples (or how much weight) "
+            f"the sum covers, a finite number >= 0, e.g. len(y)"
+        )
     return result[0], result[1]
 
 
@@ -169,14 +195,15 @@ class Classification(Task):
         logits = model(x)
         self._check(logits, y)
         if self.tta:  # average over the image and its mirror
-            logits = (logits.float() + model(x.flip(3)).float()) / 2
+            logits = (_at_least_float32(logits) + _at_least_float32(model(x.flip(3)))) / 2
         n = len(y)
         values = {
-            "loss": (F.cross_entropy(logits.float(), y, reduction="sum").double(), n),  # no smoothing at test
+            # no smoothing at test; autocast logits in float32, --dtype float64 logits as they are
+            "loss": (F.cross_entropy(_at_least_float32(logits), y, reduction="sum").double(), n),
             "accuracy": ((logits.argmax(1) == y).sum().double(), n),
         }
         for name, fn in self.metrics.items():
-            values[name] = _call_metric(name, fn, logits, batch)
+            values[name] = self._metric(name, fn, logits, batch)
         return [values[name] for name in self.names]
 
     @staticmethod
