@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 from clirun import run_cli
+from random_models import AttentionDropout, DropoutMLP, LateNoise, NoisyMLP
+from torch import nn
 from user_code import (
     BatchNormMLP,
     RankNoiseMLP,
@@ -17,7 +19,8 @@ from user_code import (
 )
 
 from ddpkit import TrainConfig
-from ddpkit.tools.check import FLOOR, check, compare, coverage_verdict
+from ddpkit.tools.check import FLOOR, check, compare, coverage_verdict, randomness_probe, without_randomness
+from ddpkit.train.task import UserLoss
 
 TINY = dict(device="cpu", limit_train=96, limit_test=40, batch_size=16, num_workers=0)
 
@@ -69,6 +72,8 @@ def test_check_passes_on_registry_models(model, dataset, steps):
     )
     assert report.passed, report.text()
     assert report.dtype == "float64" and report.worst.diff < 1e-12
+    # the noise run perturbed the rounding (it once ran the reference's memory format: noise 0, floor only)
+    assert max(t.noise for t in report.tensors) > 0, report.text()
 
 
 @pytest.mark.multiprocess
@@ -150,3 +155,112 @@ def test_coverage_verdict_catches_each_data_bug():
     assert not coverage_verdict(too_few, test, 10, 5, 2)["ok"]  # 6 of 10 unused with a global batch of 2
     twice = torch.tensor([[0, 2, 4], [1, 3, 4]])
     assert "1 counted twice" in " ".join(coverage_verdict(good, twice, 10, 5, 4)["lines"])
+
+
+# ddpkit check's verdict on a table of models: every kind of randomness, with and without SyncBN,
+# float32 and float64. (model, data, sync_bn, dtype, verdict, words the report must hold)
+TABLE = [
+    ("layer dropout argument", AttentionDropout, "plain", None, "float64", "PASSED", ["attn.dropout"]),
+    ("dropout modules", DropoutMLP, "plain", None, "float32", "PASSED", ["net.2"]),
+    ("no randomness", RegressionMLP, "plain", None, "float32", "PASSED", []),
+    ("SyncBN", BatchNormMLP, "uneven", True, "float32", "PASSED", []),
+    ("BatchNorm without SyncBN", BatchNormMLP, "uneven", False, "float32", "FAILED", ["without SyncBN"]),
+    ("rank-dependent output", RankNoiseMLP, "plain", None, "float32", "FAILED", ["DIVERGED"]),
+    (
+        "torch.rand in forward",
+        lambda: NoisyMLP("torch.rand"),
+        "plain",
+        None,
+        "float64",
+        "INCONCLUSIVE",
+        ["net.1 (Noise) draws from torch"],
+    ),
+    (
+        "F.dropout with a constant p",
+        lambda: NoisyMLP("F.dropout"),
+        "plain",
+        None,
+        "float32",
+        "INCONCLUSIVE",
+        ["net.1 (Noise) draws from torch"],
+    ),
+    ("numpy in forward", lambda: NoisyMLP("numpy"), "plain", None, "float64", "INCONCLUSIVE", ["draws from numpy"]),
+    ("a draw from the second step on", LateNoise, "plain", None, "float32", "INCONCLUSIVE", ["seeded apart moved"]),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_check_verdicts_on_a_table_of_models(case):
+    """Never PASSED where randomness remains or a difference was injected. Before: a layer's dropout
+    argument and every draw in a forward stayed on, the noise run measured them as "rounding", and
+    the check passed differences of several percent (or failed, blaming the 2 processes)."""
+    _, factory, data, sync_bn, dtype, verdict, words = case
+    torch.manual_seed(0)
+    data = regression_data(128, 0) if data == "plain" else uneven_data(128)
+    report = check(
+        factory(), data, config=TrainConfig(**TINY), nproc=2, steps=3, loss_fn=mse, sync_bn=sync_bn, dtype=dtype
+    )
+    text = report.text()
+    assert report.verdict == verdict and report.dtype == dtype, text
+    assert text.splitlines()[-1].startswith(verdict) and all(w in text for w in words), text
+    assert (
+        report.passed == (verdict == "PASSED")
+        and report.exit_code == {"PASSED": 0, "FAILED": 1, "INCONCLUSIVE": 3}[verdict]
+    )
+    if report.seeds_diff is not None and verdict != "INCONCLUSIVE":
+        assert report.seeds_diff == 0.0  # the same run with other seeds is bitwise the same on CPU
+    if verdict == "PASSED":  # the noise run measured rounding only: tolerances stay at rounding's scale
+        assert report.worst.tol < (1e-10 if dtype == "float64" else 1e-3), text
+
+
+def test_every_dropout_argument_is_switched_off_and_named():
+    model = nn.Sequential(
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True),
+        nn.LSTM(8, 8, num_layers=2, dropout=0.3),
+    )
+    notes: list[str] = []
+    without_randomness(model, notes)
+    layer, lstm = model
+    assert layer.self_attn.dropout == 0.0 and layer.dropout.p == layer.dropout1.p == layer.dropout2.p == 0.0
+    assert lstm.dropout == 0.0
+    assert "0.self_attn.dropout" in notes[0] and "and 1 more" in notes[0]
+
+
+def test_the_probe_names_the_module_that_draws_and_restores_the_generators():
+    batch, model = regression_data(8, 0)[:], NoisyMLP("torch.rand")
+    state = torch.random.get_rng_state()
+    found = randomness_probe(model, UserLoss(mse), batch, "float64")
+    assert found is not None and found.sources == ["net.1 (Noise) draws from torch in its forward"]
+    assert {n for n, _ in found.moved} >= {"net.0.weight", "loss"}
+    assert torch.equal(torch.random.get_rng_state(), state)  # the user's stream is left where it was
+    assert randomness_probe(RegressionMLP(), UserLoss(mse), batch, "float64") is None
+
+
+@pytest.mark.multiprocess
+def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
+    proc = run_cli(
+        "check",
+        "--model",
+        "random_models:noisy_net",
+        "--model-args",
+        '{"source": "torch.rand"}',
+        "--dataset",
+        "mnist",
+        "--limit-train",
+        "64",
+        "--limit-test",
+        "32",
+        "--batch-size",
+        "16",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "check.json"),
+    )
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["verdict"] == "INCONCLUSIVE" and not report["passed"] and "2 (Noise)" in report["inconclusive"][0]
+    assert "INCONCLUSIVE" in proc.stdout and "Traceback" not in proc.stderr

@@ -42,4 +42,4 @@ def run(args) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
-    return 0 if report.passed else 1
+    return report.exit_code
