@@ -12,10 +12,35 @@ Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.dist.
   not restart them, since a restart would meet the same error again.
 * ``False``: raised where one rank saw it. That rank reports it and exits non-zero, so
   the agent stops the others (and restarts the group if ``--max-restarts`` allows).
+
+What ``Trainer.fit()``, ``evaluate()`` and ``ddpkit.launch()`` raise is the same class at every
+world size: at 1 the error itself, at 2 or more the launching process raises the class a worker
+raised, with its message (the worker records the class name; only the classes in ``__all__`` are
+rebuilt, by name). A rank's own error also carries ``rank``, the global rank that met it. Anything
+else that ends the workers (an exception of your own code, whose traceback its rank printed, a
+``sys.exit``, the launcher interrupted) is a :class:`WorkersFailed`.
+
+    try: Trainer(cfg).fit()
+    except NonFiniteLoss: ...       # --on-nan stop, at any world size
+    except WorkersFailed: ...       # your code raised in a worker: its rank printed the traceback
 """
 
 import os
 import traceback
+
+__all__ = [
+    "AlreadyReported",
+    "CollectiveTimeout",
+    "ConfigError",
+    "DataError",
+    "DdpkitError",
+    "NonFiniteLoss",
+    "PeerLost",
+    "RunDirError",
+    "Stopped",
+    "TaskError",
+    "WorkersFailed",
+]
 
 
 class DdpkitError(Exception):
@@ -23,6 +48,7 @@ class DdpkitError(Exception):
 
     exit_code = 2
     all_ranks = False
+    rank: int | None = None  # the global rank that met it, when raised again by the launcher; None at world size 1
 
 
 class ConfigError(DdpkitError):
@@ -64,13 +90,15 @@ class Stopped(DdpkitError):
 
 
 class CollectiveTimeout(DdpkitError):
-    """A collective did not complete within ``--timeout-s``: a peer stalled or vanished."""
+    """A collective did not complete within ``--timeout-s``: a peer stalled or vanished. Also a rank
+    aborted as NCCL's watchdog aborts one (SIGABRT), said by the launcher."""
 
     exit_code = 3
 
 
 class PeerLost(DdpkitError):
-    """A peer rank closed its connection mid-collective (it died or was stopped)."""
+    """A rank was lost: ended by a signal (the launcher names it, from the agent's record of its exit), or,
+    where this node's launcher did not see it die, a peer that closed its connection mid-collective."""
 
     exit_code = 4
 
@@ -87,7 +115,11 @@ class AlreadyReported(DdpkitError):
 
 
 class WorkersFailed(Exception):
-    """Workers failed or stopped (raised by the launcher). ``reported``: they already printed why."""
+    """Workers failed or stopped for a reason that is not one of the classes above (raised by the
+    launcher): an exception of your own code in a worker (its rank printed the traceback; the
+    message names the rank and the exception), a rank's ``sys.exit(N)``, the launcher itself
+    interrupted (SIGTERM, Ctrl-C). ``reported``: the workers already printed why; ``exit_code``: the
+    CLI's exit status."""
 
     def __init__(self, message: str, reported: bool, exit_code: int = 1):
         super().__init__(message)

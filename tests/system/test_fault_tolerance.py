@@ -118,6 +118,10 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err
+    # The restart is explained by the rank that died (the higher pid: torch starts local ranks in order),
+    # not by the survivor's lost connection, and without torch's "Terminating process" lines.
+    assert "ddpkit: rank 1 was killed (SIGKILL)" in err and "restart 1 of --max-restarts 2" in err, err
+    assert "another rank left" not in err and "Terminating process" not in err, err
     records = read_jsonl(run_dir / "metrics.jsonl")
     starts = [r for r in records if r["event"] == "start"]
     assert len(starts) == 2 and starts[1]["resumed_at_step"] == 25, starts
@@ -127,6 +131,26 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
     assert summary["steps"] == 40 and summary["world_size"] == 2
     assert_bitwise_equal(run_dir / "model.pt", uninterrupted / "model.pt")
     print(f"kill -> end of run: {time.monotonic() - killed_at:.1f} s")
+
+
+def test_a_killed_worker_is_named_in_one_line_not_the_rank_that_lost_it(tmp_path):
+    """Regression: after rank 1 was SIGKILLed, the job's lines blamed the survivor ("rank 0: another rank
+    left mid-collective ... its own output says why", though rank 1 printed nothing), beside torch's
+    "Terminating process N via signal SIGTERM"."""
+    run_dir = tmp_path / "run"
+    proc = start(spec(run_dir, "slow", seconds=0.03, log_every=1, epochs=1))
+    try:
+        wait_for_step(run_dir, proc, lambda step: step >= 3)
+        pids = worker_pids(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], signal.SIGKILL)  # rank 1: torch starts local ranks in order
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 4, err  # PeerLost's exit status
+    assert len(lines) == 1 and lines[0].startswith("ddpkit: error: rank 1 was killed (SIGKILL)"), err
 
 
 def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_exact(tmp_path):

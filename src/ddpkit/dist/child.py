@@ -15,11 +15,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from ..errors import DdpkitError
 from . import env as names
-from .failures import as_returned, outside_group_bug, outside_group_failure
+from .failures import CONSEQUENCE_EXIT_DELAY_S, as_returned, outside_group_bug, outside_group_failure
 
 RESULT_GRACE_S = 5.0  # after returning a stop or failure, a worker exits this long later if nobody reads it
 
@@ -44,6 +45,10 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
             threading.Timer(RESULT_GRACE_S, os._exit, args=(0,)).start()
             return as_returned(exc, names.env_rank())
         outside_group_failure(exc)
+        if getattr(exc, "deferred", False):
+            # It only lost a peer (see failures.report_failure): leave the agent time to see that peer's
+            # death first; the agent stops this process as soon as it does.
+            time.sleep(CONSEQUENCE_EXIT_DELAY_S)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, data loading): no traceback
         sys.exit(130)

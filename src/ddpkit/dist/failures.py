@@ -1,10 +1,14 @@
 """Where a failure becomes one line: said once for the job, by the process that knows why.
 
 A rank's own error (:func:`report_failure`) is printed by that rank and left in the elastic
-agent's per-worker error file (:func:`write_error_file`); the launcher reads those files back
-(:func:`worker_reports`) and turns a failed job into one :class:`WorkersFailed`
-(:func:`launch_failure`), naming the cause, not its consequences (peers that lost the failed
-rank, or timed out waiting for it). The CLI prints whatever reaches it once (:func:`exit_status`).
+agent's per-worker error file (:func:`write_error_file`), with its class; the launcher reads those
+files back (:func:`worker_reports`) and turns a failed job into one error (:func:`launch_failure`) of
+the class the worker raised (a :mod:`ddpkit.errors` class, so ``fit()`` raises the same class at every
+world size; anything else is :class:`WorkersFailed`), naming the cause, not its consequences. A rank
+that only lost a peer, or timed out waiting for one, leaves its line to ddpkit's launcher, which
+prints it only when the agent saw no rank die first: a rank killed by a signal prints nothing, and
+the launcher names it from the agent's record of its exit. The CLI prints whatever reaches it once
+(:func:`exit_status`).
 
     try: ...
     except Exception as exc: return exit_status(exc)      # the CLI's last word
@@ -25,13 +29,20 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import errors
 from ..errors import AlreadyReported, CollectiveTimeout, DdpkitError, PeerLost, Stopped, WorkersFailed
 from . import env
 
-CONSEQUENCES = frozenset(e.exit_code for e in (CollectiveTimeout, PeerLost))  # what a rank meets when another fails
+CONSEQUENCES = (CollectiveTimeout, PeerLost)  # what a rank meets when another fails
 # Exit codes of workers that already printed their one-line reason (see errors.py).
 REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
 PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 to print an error first
+# How long a rank that only lost a peer waits before it exits, under ddpkit's launcher. torch's agent
+# records only the first worker it finds ended (it polls every 0.1 s, then stops the rest), and a peer
+# that died is what made this rank fail, so it is dead already: 10 polls later, the agent has recorded
+# that peer, not this rank. A rank the agent stops while it waits ends at once (SIGTERM); one it stopped
+# inside the training loop, where SIGTERM is only noted, costs the job this second.
+CONSEQUENCE_EXIT_DELAY_S = 1.0
 _CAUSE_KEY = "ddpkit/cause-reported"
 
 
@@ -42,14 +53,28 @@ class Failure:
     message: str
     exit_code: int
     printed: bool
+    kind: str = ""  # its class, when it is one of ddpkit.errors (see public_kind)
 
 
-class _Reported(DdpkitError):
-    """A worker's all-ranks error, re-raised in the launcher so it is printed exactly once."""
+def public_kind(exc: BaseException) -> str:
+    """The name of ``exc``'s class if it is one of :mod:`ddpkit.errors`'s public classes, else ""."""
+    name = type(exc).__name__
+    return name if name in errors.__all__ and getattr(errors, name) is type(exc) else ""
 
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+
+def rebuilt(kind: str, message: str, exit_code: int, reported: bool, rank: int | None = None) -> Exception:
+    """A worker's error raised again in the launcher: the same :mod:`ddpkit.errors` class (looked up by
+    name, nothing else is) with the same message, or :class:`WorkersFailed` for any other."""
+    cls = getattr(errors, kind, None) if kind in errors.__all__ else None
+    if not (isinstance(cls, type) and issubclass(cls, DdpkitError)):
+        where = f"rank {rank}: " if rank is not None else ""
+        return WorkersFailed(f"{where}{message}", reported, exit_code)
+    exc = cls.__new__(cls)  # not cls(...): Stopped and AlreadyReported take other arguments
+    Exception.__init__(exc, message)
+    exc.exit_code, exc.reported = exit_code, reported
+    if rank is not None:
+        exc.rank = rank
+    return exc
 
 
 # ---------------------------------------------------------------------- in a rank
@@ -57,13 +82,17 @@ def report_failure(exc: BaseException, rank: int) -> None:
     """Say once why this rank fails: its one line (a ddpkit error) or its traceback (a bug), on
     stderr and in the file where the elastic agent collects workers' errors for the launcher;
     and note in the job's store that a cause was given, so peers that merely lost this rank
-    stay quiet. An error every rank meets alike (``all_ranks``) is left to the launcher."""
+    stay quiet. An error every rank meets alike (``all_ranks``) is left to the launcher, and so,
+    under ddpkit's launcher, is a lost peer (``deferred``): the peer may have died without a word,
+    and the launcher, which learns how it died, names it instead."""
     if getattr(exc, "reported", False) or getattr(exc, "all_ranks", False):
         return
     quiet = bool(getattr(exc, "quiet", False))
+    consequence = isinstance(exc, CONSEQUENCES)
+    deferred = consequence and bool(os.environ.get(env.LAUNCHER_PID))
     if isinstance(exc, DdpkitError):
         line, code = f"rank {rank}: {exc}", exc.exit_code
-        if not quiet:
+        if not (quiet or deferred):
             print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
     else:
         traceback.print_exc()  # a bug keeps its traceback
@@ -71,8 +100,18 @@ def report_failure(exc: BaseException, rank: int) -> None:
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
     if not quiet:
         _note_cause(rank)
-    write_error_file(line, quiet, code, traceback_printed=not isinstance(exc, DdpkitError))
-    exc.reported = True
+    write_error_file(
+        line,
+        quiet,
+        code,
+        traceback_printed=not isinstance(exc, DdpkitError),
+        kind=public_kind(exc),
+        text=str(exc),
+        rank=rank,
+        consequence=consequence,
+        printed=not (quiet or deferred),
+    )
+    exc.reported, exc.deferred = True, deferred and not quiet
 
 
 def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> BaseException:
@@ -86,22 +125,39 @@ def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> Bas
     return user_error or exc
 
 
-def write_error_file(line: str, quiet: bool, exit_code: int, traceback_printed: bool = False) -> None:
-    """The elastic agent's per-worker error file (``TORCHELASTIC_ERROR_FILE``), read back by :func:`worker_reports`."""
+def write_error_file(
+    line: str,
+    quiet: bool,
+    exit_code: int,
+    traceback_printed: bool = False,
+    kind: str = "",
+    text: str | None = None,
+    rank: int | None = None,
+    consequence: bool = False,
+    printed: bool | None = None,
+) -> None:
+    """The elastic agent's per-worker error file (``TORCHELASTIC_ERROR_FILE``), read back by :func:`worker_reports`:
+    ``line`` as the rank printed it (or would have); ``kind``, ``text`` and ``rank``, to raise the same
+    error in the launcher; ``consequence``, a lost peer rather than a cause; ``printed``, whether this rank
+    printed it (by default: unless quiet)."""
     path = os.environ.get(env.ERROR_FILE)
     if not path:
         return
     first = line.strip().splitlines()[0][:500] if line.strip() else line
+    text = line if text is None else text
+    ddpkit = {
+        "quiet": quiet,
+        "exit_code": exit_code,
+        "traceback": traceback_printed,
+        "kind": kind,
+        "text": text.strip().splitlines()[0][:500] if text.strip() else text,
+        "rank": rank,
+        "consequence": consequence,
+        "printed": (not quiet) if printed is None else printed,
+    }
     try:
         with open(path, "w") as fh:
-            json.dump(
-                {
-                    "message": first,
-                    "timestamp": int(time.time()),
-                    "ddpkit": {"quiet": quiet, "exit_code": exit_code, "traceback": traceback_printed},
-                },
-                fh,
-            )
+            json.dump({"message": first, "timestamp": int(time.time()), "ddpkit": ddpkit}, fh)
     except OSError:
         pass
 
@@ -162,8 +218,10 @@ def outside_group_failure(exc: DdpkitError) -> None:
     """A rank's error raised outside the process group (before it was made): print and file it here."""
     if getattr(exc, "reported", False):  # inside the group, report_failure said it
         return
-    where = f"rank {env.env_rank()}: " if int(os.environ.get(env.WORLD_SIZE, "1")) > 1 else ""
-    write_error_file(f"{where}{exc}", False, exc.exit_code)
+    many = int(os.environ.get(env.WORLD_SIZE, "1")) > 1
+    where = f"rank {env.env_rank()}: " if many else ""
+    rank = env.env_rank() if many else None
+    write_error_file(f"{where}{exc}", False, exc.exit_code, kind=public_kind(exc), text=str(exc), rank=rank)
     print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
 
 
@@ -177,12 +235,13 @@ def outside_group_bug(exc: BaseException) -> None:
 
 
 # ---------------------------------------------------------------------- in the launcher
-def worker_reports(exc) -> list[dict]:
-    """What the workers of this node said about their failure (a ``ChildFailedError``): their error
-    files, found beside those of the failures the agent observed (it observes the first and stops the rest)."""
+def worker_reports(failures: dict) -> list[dict]:
+    """What the workers of this node said about their failure: their error files, found beside those
+    of the failures the agent observed (``{global rank: ProcessFailure}``, a ``ChildFailedError``'s
+    ``failures``; it observes the first and stops the rest)."""
     dirs = {
         Path(f.error_file).parent.parent
-        for f in exc.failures.values()
+        for f in failures.values()
         if isinstance(f.error_file, str) and Path(f.error_file).is_file()
     }
     reports = []
@@ -197,23 +256,24 @@ def worker_reports(exc) -> list[dict]:
     return reports
 
 
-def launch_failure(exc, timeout_s: float) -> Exception:
-    """A failed job (torch's ``ChildFailedError``) as one error. The cause, in order: a worker's own
-    error (its line or traceback is printed); a worker that died of a signal (said here); the
-    others' "lost a peer" or timeout lines (printed by them)."""
-    reports = [r for r in worker_reports(exc) if not r["quiet"]]
-    causes = [r for r in reports if r["exit_code"] not in CONSEQUENCES]
+def launch_failure(failures: dict, timeout_s: float) -> Exception:
+    """A failed job (torch's ``ChildFailedError.failures``: ``{global rank: ProcessFailure}``) as one
+    error, of the class the worker raised. The cause, in order: a worker's own error (its line or
+    traceback is printed); a worker that died of a signal (said here, from the agent's record of its
+    exit code); the others' "lost a peer" or timeout lines (said here)."""
+    reports = [r for r in worker_reports(failures) if not r["quiet"]]
+    causes = [r for r in reports if not r.get("consequence")]
     if causes:
         cause = causes[0]
         if cause.get("traceback", cause["exit_code"] == 1):  # a bug: its rank printed the traceback, not a line
             return WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1)
-        return WorkersFailed(cause["message"], True, cause["exit_code"])
-    codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        return _from_report(cause)
+    codes = {rank: f.exitcode for rank, f in failures.items()}
     killed = signal_failure(codes, timeout_s)
     if killed is not None:
         return killed
     if reports:
-        return WorkersFailed(reports[0]["message"], True, reports[0]["exit_code"])
+        return _from_report(reports[0])
     reported = all(code in REPORTED_EXITS for code in codes.values())
     first = next(iter(codes.values()))
     return WorkersFailed(
@@ -221,6 +281,24 @@ def launch_failure(exc, timeout_s: float) -> Exception:
         reported,
         first if reported else 1,
     )
+
+
+def _from_report(report: dict) -> Exception:
+    """A worker's error file as the error the launcher raises."""
+    if "kind" not in report:  # written by something else than report_failure: its line as it is
+        return WorkersFailed(report["message"], report.get("printed", True), report["exit_code"])
+    return rebuilt(report["kind"], report["text"], report["exit_code"], report["printed"], report["rank"])
+
+
+def restart_note(failures: dict, timeout_s: float, restart: int, max_restarts: int) -> str | None:
+    """What the launcher says when the agent restarts the workers after ``failures``: the cause, in
+    :func:`launch_failure`'s terms, unless a worker printed it already; None then."""
+    cause = launch_failure(failures, timeout_s)
+    if getattr(cause, "reported", False):
+        return None
+    rank = getattr(cause, "rank", None)
+    said = f"{'' if rank is None else f'rank {rank}: '}{cause}"
+    return f"ddpkit: {said}; the agent restarts the workers (restart {restart} of --max-restarts {max_restarts})"
 
 
 def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
@@ -272,10 +350,9 @@ def interrupted(sig: signal.Signals, resumable: bool) -> WorkersFailed:
 
 
 def returned_failure(result: Failure) -> Exception:
-    """Rank 0's returned :class:`Failure` (an error every rank met) as the launcher's error, printed once."""
-    if result.printed:
-        return WorkersFailed(result.message, True, result.exit_code)
-    return _Reported(result.message, result.exit_code)
+    """Rank 0's returned :class:`Failure` (an error every rank met) as the launcher's error, of the
+    class the workers raised, printed once."""
+    return rebuilt(result.kind, result.message, result.exit_code, result.printed)
 
 
 def as_returned(exc: DdpkitError, rank: int) -> Failure:
@@ -285,7 +362,7 @@ def as_returned(exc: DdpkitError, rank: int) -> Failure:
     printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
     if printed and not isinstance(exc, AlreadyReported):
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
-    return Failure(str(exc), exc.exit_code, printed)
+    return Failure(str(exc), exc.exit_code, printed, public_kind(exc))
 
 
 # ---------------------------------------------------------------------- in the CLI
@@ -325,5 +402,6 @@ def _report_once(exc: DdpkitError) -> int:
             time.sleep(PEER_WAIT_S)
         except KeyboardInterrupt:
             return 130
-    print(f"ddpkit: error: {'' if rank == '0' else f'rank {rank}: '}{exc}", file=sys.stderr)
+    where = f"rank {exc.rank}: " if exc.rank is not None else "" if rank == "0" else f"rank {rank}: "
+    print(f"ddpkit: error: {where}{exc}", file=sys.stderr)
     return exc.exit_code

@@ -52,7 +52,7 @@ from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
 from .env import check_launcher_env, under_launcher
-from .failures import Failure, interrupted, launch_failure, returned_failure
+from .failures import Failure, interrupted, launch_failure, restart_note, returned_failure
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 from .prestart import forkserver_available, prestart_workers
 
@@ -211,11 +211,11 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
     config, env = _launch_config(spec, start, log_dir)
     try:
-        with _environ(env), _quiet_agent_tracebacks(), _tensors_shared_by_name():
+        with _environ(env), _quiet_agent_logs(), _tensors_shared_by_name(), _restarts_said(spec):
             # A forkserver's children have its environment, not this one's: the workers' variables travel along.
             results = elastic_launch(config, worker_entry)(env, fn, *args)
     except ChildFailedError as exc:
-        raise launch_failure(exc, spec.timeout_s) from None
+        raise launch_failure(exc.failures, spec.timeout_s) from None
     except SignalException as exc:
         raise interrupted(signal.Signals(exc.sigval), spec.resumable) from None
     except RendezvousTimeoutError:
@@ -270,17 +270,71 @@ def _tensors_shared_by_name() -> Iterator[None]:
         tmp.set_sharing_strategy(before)
 
 
+# torch's loggers that speak of a failed worker in their own terms, muted during a launch: the agent
+# logs each failed worker with the traceback of its own ``join``, and torch.multiprocessing's join
+# warns "Terminating process N via signal SIGTERM" for each peer it stops, which reads as a cause.
+# Workers report their own errors (ddpkit.dist.child.worker_entry), and the launcher names a rank
+# that died without a word (ddpkit.dist.failures.launch_failure).
+AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+
 @contextmanager
-def _quiet_agent_tracebacks() -> Iterator[None]:
-    """The agent logs each failed worker with the traceback of its own ``join``, which says
-    nothing about the failure. Workers report theirs (see :func:`ddpkit.dist.child.worker_entry`), so mute it."""
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+def _quiet_agent_logs() -> Iterator[None]:
+    """Mute :data:`AGENT_LOGGERS` for the launch, then restore their levels."""
+    logs = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+@contextmanager
+def _restarts_said(spec: LaunchSpec) -> Iterator[None]:
+    """Under ``--max-restarts``, have torch's agent say why it restarts the workers (a rank killed by a
+    signal, which printed nothing; a peer's timeout), once, as the launcher says a failure that ends
+    the job. ``elastic_launch`` builds its ``LocalElasticAgent`` itself, so the name it looks up is
+    swapped for a subclass for the launch; if torch no longer has it there, restarts go unexplained."""
+    import torch.distributed.launcher.api as launcher_api
+
+    agent_cls = getattr(launcher_api, "LocalElasticAgent", None)
+    if not spec.max_restarts or agent_cls is None:
+        yield
+        return
+    launcher_api.LocalElasticAgent = _reporting_agent(agent_cls, spec)
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = agent_cls
+
+
+def _reporting_agent(base: type, spec: LaunchSpec) -> type:
+    """``base`` (torch's LocalElasticAgent), printing :func:`ddpkit.dist.failures.restart_note` before each
+    restart that a failure caused (not those for nodes joining). ``_monitor_workers`` and
+    ``_restart_workers`` are the methods torch's ``SimpleElasticAgent`` asks its subclasses for and calls."""
+
+    class ReportingAgent(base):
+        _failures: dict | None = None
+        _restarts = 0
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            self._failures = result.failures if result.is_failed() else None
+            return result
+
+        def _restart_workers(self, worker_group):
+            if self._failures:
+                self._restarts += 1
+                note = restart_note(self._failures, spec.timeout_s, self._restarts, spec.max_restarts)
+                if note:
+                    print(note, file=sys.stderr, flush=True)
+                self._failures = None
+            return super()._restart_workers(worker_group)
+
+    return ReportingAgent
 
 
 def refuse_if_importing_main() -> None:

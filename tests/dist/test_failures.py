@@ -1,0 +1,98 @@
+"""What ``Trainer.fit()`` raises for a failure: the same public ``ddpkit.errors`` class, with the same
+message, whether the failure happened in this process (world size 1) or in a launched worker (2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from workers import FaultyConvNet
+
+from ddpkit import TrainConfig, Trainer
+from ddpkit.dist.failures import Failure, public_kind, rebuilt, returned_failure
+from ddpkit.errors import (
+    AlreadyReported,
+    CollectiveTimeout,
+    NonFiniteLoss,
+    PeerLost,
+    Stopped,
+    TaskError,
+    WorkersFailed,
+)
+
+# 400 MNIST images, global batch 50: 8 steps per epoch at any world size.
+SMALL = dict(
+    dataset="mnist",
+    recipe="mnist",
+    limit_train=400,
+    limit_test=100,
+    batch_size=50,
+    lr=0.05,
+    epochs=1,
+    log_every=1,
+    progress=False,
+    plots=False,
+    device="cpu",
+    num_workers=0,
+)
+
+
+class BreaksAtStep3:
+    """A metric that raises at its third call inside a process group (every training step calls it):
+    preflight's trial step, before launch and outside a group, passes, so only the workers meet it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, logits, batch):
+        if dist.is_initialized():
+            self.calls += 1
+            if self.calls == 3:
+                raise ValueError("the third batch is not what this metric expects")
+        return (logits.argmax(1) == batch[1]).sum(), len(batch[1])
+
+
+def nan_at_step_2() -> dict:
+    return dict(model=FaultyConvNet("nan", at_step=2))  # every rank: --on-nan stop, met by all ranks alike
+
+
+def metric_raising_at_step_3() -> dict:
+    return dict(model=FaultyConvNet(), metrics={"fit": BreaksAtStep3()})  # one rank's error, filed by each
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "make,cls,fragment",
+    [
+        (nan_at_step_2, NonFiniteLoss, "NaN or Inf"),
+        (metric_raising_at_step_3, TaskError, "metric 'fit' raised ValueError: the third batch"),
+    ],
+    ids=["NonFiniteLoss", "TaskError"],
+)
+def test_fit_raises_the_same_public_class_and_message_at_world_1_and_2(tmp_path, make, cls, fragment):
+    """Regression: at world 1 fit() raised NonFiniteLoss, at world 2 a private class of
+    ddpkit.dist.failures (and WorkersFailed for a rank's TaskError), so a caller could not catch by class."""
+    said = {}
+    for nproc in ("1", "2"):
+        torch.manual_seed(0)
+        cfg = TrainConfig(nproc=nproc, run_dir=str(tmp_path / nproc), **SMALL)
+        with pytest.raises(cls) as err:
+            Trainer(cfg, **make()).fit()
+        assert type(err.value) is cls and fragment in str(err.value), (nproc, repr(err.value))
+        said[nproc] = (str(err.value), err.value.exit_code)
+    assert said["1"] == said["2"]
+
+
+def test_the_launcher_rebuilds_only_public_ddpkit_errors_by_name():
+    stopped = returned_failure(Failure("stopped on SIGINT at step 7", 130, True, "Stopped"))
+    assert type(stopped) is Stopped and stopped.exit_code == 130 and stopped.reported
+    assert str(stopped) == "stopped on SIGINT at step 7"
+    lost = rebuilt("PeerLost", "another rank left", 4, False, rank=1)
+    assert type(lost) is PeerLost and lost.rank == 1 and str(lost) == "another rank left"
+    assert type(rebuilt("AlreadyReported", "bad data", 2, True)) is AlreadyReported
+    # Anything not a public ddpkit error class stays WorkersFailed, naming the rank.
+    for kind in ("_Exit", "ValueError", "raised_at", "__builtins__", ""):
+        other = rebuilt(kind, "called sys.exit(3)", 3, True, rank=1)
+        assert type(other) is WorkersFailed and str(other) == "rank 1: called sys.exit(3)" and other.exit_code == 3
+    assert public_kind(CollectiveTimeout("x")) == "CollectiveTimeout"
+    assert public_kind(type("Mine", (TaskError,), {})("x")) == ""  # a subclass of the user's own is not rebuilt
