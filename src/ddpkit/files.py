@@ -12,13 +12,15 @@ import errno
 import io
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from .errors import RunDirError
+from .errors import ConfigError, RunDirError
 
 
-def describe_io_error(exc: OSError, path: Path, size: int | None = None) -> str:
-    """An OSError while writing ``path``, said in the user's terms."""
+def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: str = "--run-dir") -> str:
+    """An OSError while writing ``path``, said in the user's terms; ``flag`` is the command's flag
+    that chooses where it goes."""
     if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
         try:
             free = shutil.disk_usage(path.parent).free
@@ -28,17 +30,17 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None) -> str:
         have = f", {free / 2**20:.1f} MiB are free there" if free is not None else ""
         what = "no space left" if exc.errno == errno.ENOSPC else "disk quota exceeded"
         return (
-            f"{what} writing {path} ({need}{have}); free some space or point --run-dir elsewhere. "
+            f"{what} writing {path} ({need}{have}); free some space or point {flag} elsewhere. "
             f"The previous files are intact"
         )
     if exc.errno == errno.EROFS:
-        return f"cannot write {path}: the filesystem is read-only; point --run-dir at a writable place"
+        return f"cannot write {path}: the filesystem is read-only; point {flag} at a writable place"
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return f"cannot write {path}: permission denied; point --run-dir at a directory you can write"
+        return f"cannot write {path}: permission denied; point {flag} at a directory you can write"
     return f"cannot write {path}: {exc.strerror or exc}"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, flag: str = "--run-dir") -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync and rename; on failure remove the
     temporary file and raise a one-line RunDirError (the old ``path``, if any, is untouched)."""
     path = Path(path)
@@ -60,7 +62,29 @@ def atomic_write(path: Path, data: bytes) -> None:
             tmp.unlink(missing_ok=True)  # a partial file must not keep holding the space
         except OSError:
             pass
-        raise RunDirError(describe_io_error(exc, path, len(data))) from None
+        raise RunDirError(describe_io_error(exc, path, len(data), flag)) from None
+
+
+def check_writable(path: str | Path, flag: str, directory: bool = False) -> Path:
+    """Before any work: that ``path`` (a file, or with ``directory`` a folder to write files in) can be
+    written, creating its folder, by writing and removing a temporary file there; else a one-line
+    ConfigError naming ``flag``. (check --json and bench --out once ran everything, then failed.)"""
+    path = Path(path)
+    folder = path if directory else path.parent
+    if directory and path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a directory for the outputs")
+    if not directory and path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file path")
+    above = next((p for p in folder.parents if p.exists()), None) if not folder.exists() else folder
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"{flag} {path}: {above} is a file, not a directory; choose another path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ddpkit-write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(describe_io_error(exc, path, flag=flag)) from None
+    return path
 
 
 def torch_bytes(obj) -> bytes:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from clirun import run_cli
 from user_code import RegressionMLP, mse, regression_data
 
 from ddpkit import TrainConfig, Trainer
+from ddpkit.errors import ConfigError
 from ddpkit.tools.check import FLOOR
 
 
@@ -97,7 +101,6 @@ def test_zero_matches_the_plain_optimizer_within_the_checks_tolerance(tmp_path):
 def test_windows_cut_short_by_an_epoch_end_are_left_out(tmp_path):
     """Regression: an epoch's last step logs too, and its short window (1-2 steps) counted as a
     window, so bench.md's "windows of N" was not what was timed."""
-    from ddpkit.errors import ConfigError
     from ddpkit.tools.bench import windows
 
     path = tmp_path / "metrics.jsonl"
@@ -107,3 +110,102 @@ def test_windows_cut_short_by_an_epoch_end_are_left_out(tmp_path):
     path.write_text(json.dumps({"event": "step", "step": 3, "samples_per_s": 1.0}) + "\n")
     with pytest.raises(ConfigError, match="fewer steps than a window"):
         windows(path, 64, 5)
+
+
+BENCH_MLP = (
+    "bench",
+    "--nproc",
+    "1,2",
+    "--model",
+    "mlp",
+    "--dataset",
+    "synthetic",
+    "--synthetic-shape",
+    "1,8,8",
+    "--synthetic-size",
+    "4000",
+    "--batch-size",
+    "16",
+    "--steps",
+    "20",
+    "--window",
+    "5",
+    "--device",
+    "cpu",
+)
+
+
+@pytest.mark.multiprocess
+def test_bench_under_a_busy_loop_reports_the_load_and_marks_its_figures_invalid(tmp_path):
+    """Under load the world-1 run's threads collapsed and bench printed 7.63x speedup, 381%
+    efficiency as valid, exit 0: it did not look at the machine."""
+    out = tmp_path / "bench"
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # one core's worth, not bench's own
+    try:
+        proc = run_cli(*BENCH_MLP, "--out", str(out))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "bench.json").read_text())
+    assert not rep["valid"] and rep["conditions_before"]["other_processes_cores"] > 0.5
+    for row in rep["rows"]:
+        assert row["conditions"]["other_processes_cores"] > 0.5 and not row["valid"]
+        assert row["conditions"]["threads_per_rank"] == max(1, os.sched_getaffinity(0).__len__() // row["world_size"])
+    assert "other processes are using" in proc.stderr and "the results are not valid" in proc.stderr
+    table = (out / "bench.md").read_text()
+    assert "**NOT VALID**" in table and "INVALID" in table.split("| world |")[1]
+
+
+def test_an_efficiency_above_100_percent_or_a_starved_world_1_run_is_never_valid():
+    from ddpkit.tools.bench import judge
+
+    def row(n, efficiency, busy):
+        return {"world_size": n, "efficiency": efficiency, "conditions": {"other_processes_cores": busy}}
+
+    rep = judge({"rows": [row(1, 1.0, 0.0), row(2, 3.81, 0.0)]})  # the reported 7.63x at world 2
+    assert not rep["valid"] and rep["rows"][0]["valid"] and "381% is above 100%" in rep["rows"][1]["invalid"][0]
+    rep = judge({"rows": [row(1, 1.0, 1.2), row(2, 0.9, 0.0)]})  # world 1 starved: world 2's speedup too
+    assert [r["valid"] for r in rep["rows"]] == [False, False]
+    assert "relative to the world-1 run" in rep["rows"][1]["invalid"][0]
+    assert judge({"rows": [row(1, 1.0, 0.02), row(2, 0.93, None)]})["valid"]  # quiet, or unmeasured
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--gpu-step-ms", "-1"), "--gpu-step-ms: expected a number > 0; got '-1'"),
+        (("--gpu-step-ms", "nan"), "--gpu-step-ms: expected a number > 0; got 'nan'"),
+        (("--steps", "0"), "--steps: expected an integer > 0; got '0'"),
+        (("--latency-us", "-5"), "--latency-us: expected a number >= 0; got '-5'"),
+    ],
+)
+def test_bench_refuses_a_bad_number_in_one_line(flags, message):
+    proc = run_cli("bench", "--predict-only", "--gpu-step-ms", "5", *flags)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command", ["bench", "check"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(tmp_path, command):
+    """check --json and bench --out on a path that cannot be written ran everything, then ended in a
+    30-line traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    flag = "--out" if command == "bench" else "--json"
+    args = BENCH_MLP if command == "bench" else ("check", "--model", "mlp", "--dataset", "synthetic", "--device", "cpu")
+    proc = run_cli(*args, flag, str(blocker / "sub" / "out"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: {flag} {blocker}/sub/out: {blocker} is a file, not a directory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "[summary]" not in proc.stdout  # nothing ran
+
+
+def test_the_report_names_the_model_it_measured():
+    """A timm model benchmarked through the Python API was reported as the config's default, resnet18."""
+    from ddpkit.tools.bench import predict_only
+
+    rep = predict_only(TrainConfig(device="cpu", batch_size=32), 0.005, model=RegressionMLP())
+    assert rep["config"]["model"] == "user_code.RegressionMLP"
+    with pytest.raises(ConfigError, match="--gpu-step-ms must be a positive number"):
+        predict_only(TrainConfig(device="cpu", batch_size=32), -0.001, model=RegressionMLP())

@@ -32,7 +32,11 @@ def register(parser) -> None:
 
 def run(args) -> int:
     prestart_if_workers(str(args.check_nproc))  # before torch is imported below
+    from ..files import check_writable
     from ..tools.check import check
+
+    if args.json_out:
+        check_writable(args.json_out, "--json")  # before the runs, not after them
 
     # None unless given: then the check chooses (SyncBN for BatchNorm models; float64 on CPU)
     sync_bn, dtype = getattr(args, "sync_bn", None), getattr(args, "dtype", None)

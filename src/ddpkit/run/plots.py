@@ -60,16 +60,17 @@ def read_run(run_dir: str | Path, warn=_stderr) -> dict:
     return {"label": label, "steps": steps, "epochs": [r for r in records if r["event"] == "epoch"]}
 
 
-def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr) -> list[Path]:
+def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str = "--out") -> list[Path]:
     """loss.png (train per log interval, test per epoch), one PNG per other metric (accuracy, the
     user's), and throughput.png, for one run or several overlaid. Returns the files written.
-    ``warn`` gets one line per metrics.jsonl with lines that are not records."""
+    ``warn`` gets one line per metrics.jsonl with lines that are not records; a write error names
+    ``flag``, the caller's flag that moves the figures (plot's ``--out``, train's ``--run-dir``)."""
     runs = [read_run(d, warn) for d in run_dirs]
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RunDirError(_out_flag(describe_io_error(exc, out))) from None
+        raise RunDirError(describe_io_error(exc, out, flag=flag)) from None
     metrics = list(
         dict.fromkeys(
             k
@@ -83,7 +84,9 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr) -> list[Pa
     written = []
     for metric, stem in zip(metrics, file_stems(metrics)):
         pct = metric == "accuracy"
-        written.append(_curve_figure(runs, metric, out / f"{stem}.png", pct, ylabel=f"{metric} (%)" if pct else metric))
+        written.append(
+            _curve_figure(runs, metric, out / f"{stem}.png", pct, ylabel=f"{metric} (%)" if pct else metric, flag=flag)
+        )
     written.append(
         _curve_figure(
             runs,
@@ -93,6 +96,7 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr) -> list[Pa
             ylabel="samples/s",
             test=False,
             title="Training throughput per log interval",
+            flag=flag,
         )
     )
     return written
@@ -115,7 +119,7 @@ def file_stems(metrics: list[str]) -> list[str]:
 
 
 def _curve_figure(
-    runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True, title: str = ""
+    runs: list, metric: str, path: Path, pct: bool, ylabel: str, test: bool = True, title: str = "", flag: str = "--out"
 ) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
@@ -178,27 +182,18 @@ def _curve_figure(
     fig.tight_layout()
     if path.exists() and path.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
         raise RunDirError(
-            f"{path} exists and is not a PNG; ddpkit plot replaces only its own figures: choose another --out"
+            f"{path} exists and is not a PNG; ddpkit replaces only its own figures: choose another {flag}"
         )
-    return _save(fig, path)
+    return _save(fig, path, flag)
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, flag: str) -> Path:
     """The figure as a PNG at ``path``, atomically: rendered in memory (about 50 kB), then written
     through a temporary file and a rename, so no reader ever sees half a PNG."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    try:
-        atomic_write(path, buf.getvalue())
-    except RunDirError as exc:
-        raise RunDirError(_out_flag(str(exc))) from None
+    atomic_write(path, buf.getvalue(), flag)
     return path
-
-
-def _out_flag(message: str) -> str:
-    """A write error's hint with the flag that moves figures: ``--out`` (in ``ddpkit plot`` and
-    ``ddpkit bench`` alike), where :func:`describe_io_error` names train's ``--run-dir``."""
-    return message.replace("--run-dir", "--out")
 
 
 def _spread(ax) -> float:
@@ -207,7 +202,7 @@ def _spread(ax) -> float:
     return max(ys) / min(ys) if ys else 1.0
 
 
-def scaling_plot(rep: dict, path: str | Path) -> Path:
+def scaling_plot(rep: dict, path: str | Path, flag: str = "--out") -> Path:
     """Throughput and scaling efficiency against world size: measured (solid, circles) and
     predicted by the cost model (dashed, squares; one series per fabric)."""
     # A bare Figure renders with Agg on any machine, and leaves pyplot's backend (the caller's) alone.
@@ -257,4 +252,4 @@ def scaling_plot(rep: dict, path: str | Path) -> Path:
     ax2.legend(loc="lower left", fontsize=8)
     fig.suptitle(f"ddpkit bench: {c['model']} on {c['dataset']} ({c['device']}, {c['scaling']} scaling)")
     fig.tight_layout()
-    return _save(fig, Path(path))
+    return _save(fig, Path(path), flag)

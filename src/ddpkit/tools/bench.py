@@ -16,6 +16,13 @@ for this machine and for GPUs it does not have.
 
 Weak scaling (default) keeps the per-rank batch (``--batch-size`` is per rank), strong
 scaling (``--strong``) the global batch.
+
+The conditions are measured and reported, since a speedup is only as good as its world-1 run:
+the CPU that other processes take before and during every run (:mod:`ddpkit.tools.hostload`),
+and the threads each world size ran with. A row is marked invalid, never printed as a valid
+figure, when other processes took more than ``LOAD_LIMIT`` cores during it, when its efficiency
+exceeds 100% (N ranks cannot do more than N times one rank's work: the world-1 run was slowed),
+or when the world-1 run it is relative to is itself invalid; ``ddpkit bench`` then exits 1.
 """
 
 from __future__ import annotations
@@ -33,25 +40,29 @@ import torch
 from ..config import TrainConfig
 from ..data import load_dataset
 from ..device import resolve_device_type
-from ..dist.context import cpu_cores, distributed
+from ..dist.context import cpu_cores, cpu_threads, distributed
 from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import ConfigError
 from ..models import model_for
 from ..run.paths import RunFiles
 from ..run.plots import scaling_plot
+from ..run.records import read_records
 from ..trainer import Trainer
+from . import hostload
 from .costmodel import LINKS, Link, ddp_buckets, predict_step
 
 WARMUP_FRAC = 0.2  # of the windows, dropped from the front (at least one)
 PROBE_BYTES = (1 << 20, 8 << 20, 25 << 20)  # DDP's first bucket, a middle one, a full 25 MiB bucket
+# Cores' worth of CPU other processes may take during a run before its figures are invalid: an idle
+# 2-core CI machine shows 0.00-0.05 (hostload.sample over 0.5 s), one busy loop 1.0.
+LOAD_LIMIT = 0.25
 
 
 def windows(metrics_jsonl: Path, global_batch: int, window: int) -> list[float]:
     """Step times (s) per logged window of exactly ``window`` steps, warm-up dropped: global batch /
     the window's samples/s. An epoch's last step also logs, cutting a shorter window, which is left
     out. (Each epoch's first window starts after the previous epoch's evaluation: eval is not timed.)"""
-    records = [json.loads(line) for line in metrics_jsonl.read_text().splitlines()]
-    steps = [r for r in records if r.get("event") == "step"]
+    steps = [r for r in read_records(metrics_jsonl) if r["event"] == "step"]
     rates = [r["samples_per_s"] for prev, r in zip([{"step": 0}, *steps], steps) if r["step"] - prev["step"] == window]
     if len(rates) < 2:
         raise ConfigError(
@@ -105,7 +116,14 @@ def bench(
 ) -> dict:
     """Run the workload at each world size in ``nprocs``; return the report (see the module docstring)."""
     import copy
+    import math
+    import os
+    import sys
 
+    if steps < 1 or window < 0:
+        raise ConfigError(f"--steps must be at least 1 and --window at least 0; got {steps} and {window}")
+    if gpu_step_s is not None and not (math.isfinite(gpu_step_s) and gpu_step_s > 0):
+        raise ConfigError(f"--gpu-step-ms must be a positive number of milliseconds, got {gpu_step_s * 1e3:g}")
     comm_hook = config.comm_hook if comm_hook is None else comm_hook
     zero = config.zero if zero is None else zero
     if not nprocs or any(n < 1 for n in nprocs):
@@ -125,6 +143,13 @@ def bench(
         raise ConfigError(
             f"--steps {steps} gives fewer than two windows of {window} steps: nothing is left after "
             f"the warm-up; raise --steps"
+        )
+    before = {"other_processes_cores": hostload.sample(), "load_average_1min": round(os.getloadavg()[0], 2)}
+    if (before["other_processes_cores"] or 0.0) > LOAD_LIMIT:
+        print(
+            f"ddpkit: warning: other processes are using {before['other_processes_cores']:.2f} of {cpu_cores()} "
+            f"cores before the runs: the figures will be slow and noisy, and marked invalid if it goes on",
+            file=sys.stderr,
         )
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-"))
     rows = []
@@ -150,13 +175,22 @@ def bench(
                 max_restarts=0,
                 run_dir="",
             )
-            row = {"world_size": n, "global_batch": global_batch}
+            threads = cpu_threads(n) if device == "cpu" else None  # what distributed() gives each rank
+            row = {
+                "world_size": n,
+                "global_batch": global_batch,
+                "conditions": {
+                    "threads_per_rank": threads,
+                    "oversubscribed": device == "cpu" and n * threads > cpu_cores(),
+                },
+            }
             # ZeRO's parameter broadcast is part of its step, and with unsynced gradients an fp16
             # scaler may skip the step on one rank only, leaving the others in that broadcast.
             for sync in (True, False) if n > 1 and not zero else (True,):
                 run_cfg = dataclasses.replace(
                     cfg, grad_sync=sync, run_dir=str(work / f"w{n}-{'sync' if sync else 'nosync'}")
                 )
+                others, t = hostload.others(), time.perf_counter()
                 result = Trainer(
                     run_cfg,
                     model=copy.deepcopy(model),
@@ -165,6 +199,9 @@ def bench(
                     loss_fn=loss_fn,
                     metrics=metrics,
                 ).fit()  # a copy: fit() trains the object it gets
+                busy = hostload.busy_cores(others, hostload.others(), time.perf_counter() - t)
+                key = "other_processes_cores" if sync else "other_processes_cores_no_sync"
+                row["conditions"][key] = None if busy is None else round(busy, 3)
                 s = spread(windows(RunFiles(result.run_dir).metrics, global_batch, window))
                 if sync:
                     row.update(
@@ -185,7 +222,7 @@ def bench(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     model_obj = model if model is not None else _registry_model(base)  # for its gradient bytes
-    return report(
+    rep = report(
         base,
         rows,
         model_obj,
@@ -200,6 +237,36 @@ def bench(
         steps,
         window,
     )
+    if model is not None:  # the model benchmarked, not the config's default name
+        rep["config"]["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    rep["conditions_before"] = before
+    return judge(rep)
+
+
+def judge(rep: dict) -> dict:
+    """Mark each row valid or not (see the module docstring), and the report with it."""
+    rows = rep["rows"]
+    for r in rows:
+        why = []
+        for key in ("other_processes_cores", "other_processes_cores_no_sync"):
+            busy = r["conditions"].get(key)
+            if busy is not None and busy > LOAD_LIMIT:
+                what = "during it" if key == "other_processes_cores" else "during its no_sync run"
+                why.append(f"other processes used {busy:.2f} cores {what}")
+        if r["efficiency"] > 1.0:
+            why.append(
+                f"efficiency {r['efficiency']:.0%} is above 100%: {r['world_size']} ranks cannot do more than "
+                f"{r['world_size']} times one rank's work, so the world-1 run was slowed (load, threads)"
+            )
+        r["invalid"] = why
+    if rows and rows[0]["invalid"]:
+        for r in rows[1:]:
+            r["invalid"].append("its speedup is relative to the world-1 run, which is not valid")
+    for r in rows:
+        r["valid"] = not r["invalid"]
+    rep["invalid"] = [f"world {r['world_size']}: {', '.join(r['invalid'])}" for r in rows if r["invalid"]]
+    rep["valid"] = not rep["invalid"]
+    return rep
 
 
 def predict_only(
@@ -212,8 +279,12 @@ def predict_only(
 ) -> dict:
     """The cost model alone: what ``predict_worlds`` GPUs would give, from a world-1 step time
     measured on such a GPU, without running anything here."""
+    import math
+
+    if not (math.isfinite(gpu_step_s) and gpu_step_s > 0):
+        raise ConfigError(f"--gpu-step-ms must be a positive number of milliseconds, got {gpu_step_s * 1e3:g}")
     base = config.resolved()
-    return report(
+    rep = report(
         base,
         [],
         model if model is not None else _registry_model(base),
@@ -228,6 +299,9 @@ def predict_only(
         0,
         0,
     )
+    if model is not None:
+        rep["config"]["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    return rep
 
 
 def _registry_model(cfg: TrainConfig):
@@ -344,6 +418,18 @@ def markdown(rep: dict) -> str:
             f"Predictions only, from a world-1 step of {rep['gpu_step_s'] * 1e3:.2f} ms at batch {batch}. {buckets}"
         )
         return _predictions_md(rep, lines)
+    before = rep.get("conditions_before") or {}
+    if not rep.get("valid", True):
+        lines += ["**NOT VALID**: " + "; ".join(rep["invalid"]) + ". Rerun on a quiet machine.", ""]
+    if before:
+        busy = before.get("other_processes_cores")
+        lines += [
+            f"Conditions: {c['cores']} cores; before the runs other processes used "
+            f"{'unmeasured' if busy is None else f'{busy:.2f}'} cores "
+            f"(load average {before.get('load_average_1min')}); "
+            f"a run is invalid when others use more than {LOAD_LIMIT:g} cores during it.",
+            "",
+        ]
     lines += [
         f"{c['steps']} steps per run in windows of {c['window_steps']}; the first "
         f"{int(c['warmup_windows_dropped_frac'] * 100)}% of windows (at least one) dropped as warm-up; "
@@ -351,8 +437,8 @@ def markdown(rep: dict) -> str:
         f"model's comm. {buckets}",
         "",
         "| world | global batch | samples/s | step ms (min-max) | compute ms (no_sync) | comm ms | speedup | "
-        "efficiency | predicted step ms | prediction error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "efficiency | predicted step ms | prediction error | threads x ranks | others' CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         s, comp, pred = r["step_s"], r.get("compute_step_s"), r.get("predicted")
@@ -363,13 +449,27 @@ def markdown(rep: dict) -> str:
             f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})",
             f"{comp['median'] * 1e3:.1f}" if comp else "-",
             f"{r.get('comm_s', 0.0) * 1e3:.1f}",
-            f"{r['speedup']:.2f}x",
-            f"{r['efficiency']:.0%}",
+            f"{r['speedup']:.2f}x" + ("" if r.get("valid", True) else " INVALID"),
+            f"{r['efficiency']:.0%}" + ("" if r.get("valid", True) else " INVALID"),
             f"{pred['step_s'] * 1e3:.1f}" if pred else "-",
             f"{r['prediction_error']:+.0%}" if pred else "-",
+            _threads(r),
+            _busy(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return _predictions_md(rep, lines)
+
+
+def _threads(row: dict) -> str:
+    cond = row.get("conditions", {})
+    if cond.get("threads_per_rank") is None:
+        return "-"
+    return f"{cond['threads_per_rank']} x {row['world_size']}" + (" (oversubscribed)" if cond["oversubscribed"] else "")
+
+
+def _busy(row: dict) -> str:
+    busy = row.get("conditions", {}).get("other_processes_cores")
+    return "unmeasured" if busy is None else f"{busy:.2f}"
 
 
 def _predictions_md(rep: dict, lines: list[str]) -> str:

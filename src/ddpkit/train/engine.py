@@ -626,7 +626,7 @@ class Engine:
         """Rank 0, after everything else is written: RUN/plots/*.png. A figure that fails to draw
         is a warning; the run itself is complete."""
         try:
-            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots, warn=self.log.print)
+            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots, warn=self.log.print, flag="--run-dir")
         except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
             self.log.print(
                 f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
