@@ -43,6 +43,7 @@ from ..device import resolve_device_type
 from ..dist.context import cpu_cores, cpu_threads, distributed
 from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import ConfigError
+from ..files import atomic_write
 from ..models import model_for
 from ..run.paths import RunFiles
 from ..run.plots import scaling_plot
@@ -399,11 +400,9 @@ def report(
 
 def write_outputs(rep: dict, out: str | Path) -> list[Path]:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.md", out / "scaling.png"]
-    paths[0].write_text(json.dumps(rep, indent=2) + "\n")
-    paths[1].write_text(markdown(rep))
-
+    atomic_write(paths[0], (json.dumps(rep, indent=2) + "\n").encode(), "--out")
+    atomic_write(paths[1], markdown(rep).encode(), "--out")
     scaling_plot(rep, paths[2])
     return paths
 

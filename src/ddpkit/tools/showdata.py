@@ -362,7 +362,7 @@ def _save(fig, out: Path) -> None:
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=fig.dpi, facecolor="white")
-    atomic_write(out, buf.getvalue())
+    atomic_write(out, buf.getvalue(), "--out")
 
 
 # ---------------------------------------------------------------------- the figure
