@@ -250,10 +250,10 @@ class _Untrusted(Exception):
 def _load_cache(path: Path, files: list[tuple[str, int]], key: str, image_size: int, threads: int) -> ImageData:
     """The cache at ``path``, checked: shapes and labels, the decoded data against its sha256, and every
     source file's bytes against theirs. Raises _Untrusted (or whatever a damaged file makes torch.load raise)."""
-    # What the checks cost (2,000 JPEG/PNG files of 32-64 px, 8.8 MiB, 2 threads, median of 3 on a 2-core
-    # machine other work was loading): at 32 px (5.9 MiB cache) torch.load takes 2.4 ms and the checks 66 ms
-    # more, mostly re-reading the sources, against 0.7 s to decode; at 224 px (287 MiB) 228 ms and 308 ms
-    # more, mostly the pixels' sha256, against 6.9 s to decode.
+    # What the checks cost (benchmarks/cache_check.py, BENCHMARKS.md: 2,000 JPEG/PNG files of 32-64 px,
+    # 8.8 MiB, 2 threads, median of 3): at 32 px (5.9 MiB cache) torch.load takes 3.5 ms and the checks
+    # 63 ms more, mostly re-reading the sources, against 0.57 s to decode; at 224 px (287 MiB) 232 ms and
+    # 152 ms more, mostly the pixels' sha256, against 5.1 s to decode.
     import torch
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
