@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from clirun import bench_finished
 from torch.utils.data import TensorDataset
 from user_code import ListData, ManyTensors, UnusedBranch, tensor_count
 
@@ -99,6 +100,7 @@ def small_cnn(classes=3, width=8):
 """
 USER_DATA = '''
 import torch
+from clirun import bench_finished
 from torch.utils.data import TensorDataset
 
 
@@ -169,7 +171,7 @@ def test_a_model_and_data_named_by_import_path_train_evaluate_show_check_and_ben
     bench = ddpkit(
         "bench", *workload, "--nproc", "1,2", "--device", "cpu", "--batch-size", "8", "--steps", "20", "--out", "b"
     )
-    assert bench.returncode == 0, bench.stderr
+    bench_finished(bench, tmp_path / "b" / "bench.json")
     assert "mynets:small_cnn on mydata:pictures" in (tmp_path / "b" / "bench.md").read_text()
 
     rerun = ddpkit("train", "--config", "r/config.toml")  # the same run, rebuilt from its config: returned

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from .flags import TOOL_RUN_FIELDS, add_config_flags, config_from_args, prestart_if_workers
 
@@ -32,7 +33,7 @@ def register(parser) -> None:
 
 def run(args) -> int:
     prestart_if_workers(str(args.check_nproc))  # before torch is imported below
-    from ..files import check_writable
+    from ..files import atomic_write, check_writable
     from ..tools.check import check
 
     if args.json_out:
@@ -43,7 +44,6 @@ def run(args) -> int:
     cfg = config_from_args(args)
     report = check(config=cfg, nproc=args.check_nproc, steps=args.steps, sync_bn=sync_bn, dtype=dtype)
     print(report.text())
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report.to_dict(), f, indent=2)
+    if args.json_out:  # a file that cannot be replaced is one line, even after the runs
+        atomic_write(Path(args.json_out), (json.dumps(report.to_dict(), indent=2) + "\n").encode(), "--json")
     return report.exit_code

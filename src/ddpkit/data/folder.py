@@ -126,7 +126,7 @@ def load_imagefolder(path: str, image_size: int, limit_train: int = 0, limit_tes
 
 
 # ---------------------------------------------------------------------- decoded once, cached beside the data
-CACHE_VERSION = 2  # 2: the decoded data's sha256 and each source file's are stored, and checked on every load
+CACHE_VERSION = 3  # 2: the decoded data's sha256 checked on every load; 3: ctime and inode in the key
 CACHE_DIR = ".ddpkit-cache"
 HASH_CHUNK = 16 * 2**20  # bytes of decoded data per sha256 task; hashlib releases the GIL, so threads hash in parallel
 SHA = 32  # bytes in a sha256 digest
@@ -142,10 +142,12 @@ def image_files(data) -> list[tuple[str, int]]:
 
 
 def cache_key(files: list[tuple[str, int]], image_size: int) -> str:
-    """Which cache file to look for, at one stat per file: each file's path, size and modification
-    time, its label, and the image size. Any change (a file edited, added, removed, relabelled) is
-    another key; an edit that keeps the size and restores the modification time is caught on load
-    by the sha256 of each file's bytes stored in the cache."""
+    """Which cache file to look for, at one stat per file: each file's path, inode, size, modification
+    and status-change times, its label, and the image size. Any change (a file edited, added,
+    removed, relabelled, replaced) is another key. The status-change time (ctime) is what catches
+    an edit that keeps the size and restores the modification time (``os.utime`` or ``touch -d``
+    set mtime; no call sets ctime, and writing or utime both move it), without reading the files:
+    re-hashing every source on each load would cost a read of the whole dataset per run."""
     import hashlib
     import json
     import os
@@ -153,7 +155,7 @@ def cache_key(files: list[tuple[str, int]], image_size: int) -> str:
     stats = []
     for path, label in files:
         st = os.stat(path)
-        stats.append([path, st.st_size, st.st_mtime_ns, label])
+        stats.append([path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, label])
     blob = json.dumps([CACHE_VERSION, image_size, stats]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -181,28 +183,6 @@ def _decode_hashed(path: str, image_size: int):
     return image, hashlib.sha256(data).digest()
 
 
-def _files_sha256(paths: list[str]) -> bytes:
-    import hashlib
-
-    digests = []
-    for path in paths:
-        with open(path, "rb") as fh:
-            digests.append(hashlib.sha256(fh.read()).digest())
-    return b"".join(digests)
-
-
-def file_digests(paths: list[str], threads: int) -> bytes:
-    """The sha256 of each file's bytes, concatenated in order (32 bytes per file), read and hashed in
-    ``threads`` threads (file reads and hashlib release the GIL) over runs of files: a task per file
-    costs more than reading a small one (90 ms against 37 ms for 2,000 PNGs of 48 px on 2 cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    per_task = max(64, -(-len(paths) // (4 * max(1, threads))))
-    runs = [paths[i : i + per_task] for i in range(0, len(paths), per_task)]
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return b"".join(pool.map(_files_sha256, runs))
-
-
 def data_digest(images, labels, threads: int) -> str:
     """sha256 of the decoded data: over the shape, the sha256 of each HASH_CHUNK of the images' bytes
     (hashed in ``threads`` threads) and the labels' bytes."""
@@ -223,7 +203,7 @@ def data_digest(images, labels, threads: int) -> str:
 
 def decode_all(files: list[tuple[str, int]], image_size: int, processes: int):
     """Decode every image (in ``processes`` forked processes for large sets): (ImageData, the sha256
-    of each file's bytes as :func:`file_digests` gives them)."""
+    of each file's bytes, 32 per file, kept in the cache as a record of what was decoded)."""
     import multiprocessing
     from functools import partial
 
@@ -248,12 +228,9 @@ class _Untrusted(Exception):
 
 
 def _load_cache(path: Path, files: list[tuple[str, int]], key: str, image_size: int, threads: int) -> ImageData:
-    """The cache at ``path``, checked: shapes and labels, the decoded data against its sha256, and every
-    source file's bytes against theirs. Raises _Untrusted (or whatever a damaged file makes torch.load raise)."""
-    # What the checks cost (benchmarks/cache_check.py, BENCHMARKS.md: 2,000 JPEG/PNG files of 32-64 px,
-    # 8.8 MiB, 2 threads, median of 3): at 32 px (5.9 MiB cache) torch.load takes 3.5 ms and the checks
-    # 63 ms more, mostly re-reading the sources, against 0.57 s to decode; at 224 px (287 MiB) 232 ms and
-    # 152 ms more, mostly the pixels' sha256, against 5.1 s to decode.
+    """The cache at ``path``, checked: shapes and labels, and the decoded data against its sha256 (the
+    sources were checked by the key's stat of each file). Raises _Untrusted (or whatever a damaged file
+    makes torch.load raise). Its cost: benchmarks/cache_check.py, in BENCHMARKS.md ("Data paths")."""
     import torch
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -271,17 +248,6 @@ def _load_cache(path: Path, files: list[tuple[str, int]], key: str, image_size: 
         raise _Untrusted("its contents do not match the file list")
     if data_digest(images, labels, threads) != saved["data_sha256"]:
         raise _Untrusted("its images or labels do not match their sha256 (the file is damaged)")
-    try:
-        now = file_digests([p for p, _ in files], threads)
-    except OSError as exc:
-        raise _Untrusted(f"{exc.filename} could not be read to check it ({exc.strerror})") from None
-    stored = sources.numpy().tobytes()
-    if now != stored:
-        changed = [
-            p for i, (p, _) in enumerate(files) if now[i * SHA : (i + 1) * SHA] != stored[i * SHA : (i + 1) * SHA]
-        ]
-        others = f" and {len(changed) - 1} other file(s)" if len(changed) > 1 else ""
-        raise _Untrusted(f"{changed[0]}{others} changed since it was cached, with the same size and modification time")
     return ImageData(images, labels)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -117,14 +118,12 @@ def bench(
 ) -> dict:
     """Run the workload at each world size in ``nprocs``; return the report (see the module docstring)."""
     import copy
-    import math
     import os
     import sys
 
     if steps < 1 or window < 0:
         raise ConfigError(f"--steps must be at least 1 and --window at least 0; got {steps} and {window}")
-    if gpu_step_s is not None and not (math.isfinite(gpu_step_s) and gpu_step_s > 0):
-        raise ConfigError(f"--gpu-step-ms must be a positive number of milliseconds, got {gpu_step_s * 1e3:g}")
+    _check_gpu_step(gpu_step_s)
     comm_hook = config.comm_hook if comm_hook is None else comm_hook
     zero = config.zero if zero is None else zero
     if not nprocs or any(n < 1 for n in nprocs):
@@ -238,8 +237,7 @@ def bench(
         steps,
         window,
     )
-    if model is not None:  # the model benchmarked, not the config's default name
-        rep["config"]["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    _name_model(rep, model)
     rep["conditions_before"] = before
     return judge(rep)
 
@@ -256,8 +254,8 @@ def judge(rep: dict) -> dict:
                 why.append(f"other processes used {busy:.2f} cores {what}")
         if r["efficiency"] > 1.0:
             why.append(
-                f"efficiency {r['efficiency']:.0%} is above 100%: {r['world_size']} ranks cannot do more than "
-                f"{r['world_size']} times one rank's work, so the world-1 run was slowed (load, threads)"
+                f"efficiency {r['efficiency']:.0%} is above 100%: the world-1 run it divides by was slower than "
+                f"1/{r['world_size']} of this one (load, its threads waiting on each other, or noise); rerun"
             )
         r["invalid"] = why
     if rows and rows[0]["invalid"]:
@@ -280,10 +278,7 @@ def predict_only(
 ) -> dict:
     """The cost model alone: what ``predict_worlds`` GPUs would give, from a world-1 step time
     measured on such a GPU, without running anything here."""
-    import math
-
-    if not (math.isfinite(gpu_step_s) and gpu_step_s > 0):
-        raise ConfigError(f"--gpu-step-ms must be a positive number of milliseconds, got {gpu_step_s * 1e3:g}")
+    _check_gpu_step(gpu_step_s)
     base = config.resolved()
     rep = report(
         base,
@@ -300,9 +295,19 @@ def predict_only(
         0,
         0,
     )
+    _name_model(rep, model)
+    return rep
+
+
+def _check_gpu_step(gpu_step_s: float | None) -> None:
+    if gpu_step_s is not None and not (math.isfinite(gpu_step_s) and gpu_step_s > 0):
+        raise ConfigError(f"--gpu-step-ms must be a positive number of milliseconds, got {gpu_step_s * 1e3:g}")
+
+
+def _name_model(rep: dict, model) -> None:
+    """The model measured, not the config's default name: a model object passed in by its class."""
     if model is not None:
         rep["config"]["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
-    return rep
 
 
 def _registry_model(cfg: TrainConfig):
