@@ -79,14 +79,16 @@ class NonFiniteLoss(DdpkitError):
 
 
 class Stopped(DdpkitError):
-    """A rank received SIGTERM or SIGINT (Ctrl-C); every rank saved a snapshot and stopped."""
+    """A rank received SIGTERM, SIGUSR1 or SIGINT (Ctrl-C); every rank saved a snapshot and stopped."""
 
     exit_code = 143  # 128 + SIGTERM, as a shell reports a process ended by it; 130 for SIGINT
     all_ranks = True  # decided on an all-reduced flag
 
     def __init__(self, message: str, signal_name: str = "SIGTERM"):
         super().__init__(message)
-        self.exit_code = 130 if signal_name == "SIGINT" else 143
+        # 128 + the signal's number on Linux: 130 SIGINT, 138 SIGUSR1 (SLURM's --signal=USR1@90, on which an
+        # sbatch script runs `scontrol requeue`: the snapshot is saved), 143 SIGTERM and anything else
+        self.exit_code = {"SIGINT": 130, "SIGUSR1": 138}.get(signal_name, 143)
 
 
 class CollectiveTimeout(DdpkitError):

@@ -29,9 +29,10 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
     """Worker entry: set the launcher's variables, then turn a DdpkitError into one line, printed once,
     and the right exit."""
     os.environ.update(env)
-    # A forked worker inherits the agent's handlers (SIGTERM would raise the agent's SignalException here);
-    # spawned and forkserver workers start with these defaults anyway.
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    # A forked worker inherits the agent's handlers (SIGTERM would raise the agent's SignalException here),
+    # a forkserver worker the forkserver's ignored SIGTERM and SIGUSR1 (dist/_forkserver_exit.py): the
+    # defaults back, so that the engine's stop handler and the agent's SIGTERM reach it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_launcher()

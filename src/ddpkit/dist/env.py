@@ -100,3 +100,137 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
 
 def restarts_left(env: Mapping[str, str] = os.environ) -> bool:
     return int(env.get(MAX_RESTARTS, "0")) > restart_count(env)
+
+
+# ---------------------------------------------------------------------- clusters: SLURM and Kubeflow
+# Set by srun for each task (read, never set). SLURM_STEP_ID marks a task of a job step: the batch
+# script itself, which runs before any srun, has the job's SLURM_NTASKS but is not one of its tasks.
+SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_ID = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_STEP_ID",
+)
+SLURM_NTASKS, SLURM_NNODES, SLURM_JOB_NODELIST = "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NODELIST"
+SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE = "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"
+DEFAULT_PORT = (
+    29500  # torchrun's default master port; under SLURM one task per GPU unless --rdzv-endpoint or MASTER_PORT says
+)
+# torchrun's own flags as environment variables (torchrun reads PET_<FLAG> as each flag's default): what
+# Kubeflow Trainer sets in every node's container. ddpkit reads them only when torchrun is not there.
+PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK = "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK"
+PET_MASTER_ADDR, PET_MASTER_PORT = "PET_MASTER_ADDR", "PET_MASTER_PORT"
+LAUNCHED_BY = "DDPKIT_LAUNCHED_BY"  # "slurm": this process set RANK etc. from srun's variables itself
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compact host list as host names, in order: ``node[01-03,07],gpu5`` is node01, node02,
+    node03, node07, gpu5 (zero padding kept; several bracket groups in one name multiply out), as
+    ``scontrol show hostnames`` prints it."""
+    hosts: list[str] = []
+    for name in _split_top(nodelist):
+        hosts.extend(_expand_name(name))
+    return hosts
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise ConfigError(f"SLURM_JOB_NODELIST={text!r} is not a SLURM host list (unbalanced brackets)")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"SLURM_JOB_NODELIST={text!r} is not a SLURM host list (unbalanced brackets)")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_name(name: str) -> list[str]:
+    if "[" not in name:
+        return [name]
+    head, rest = name.split("[", 1)
+    ranges, tail = rest.split("]", 1)
+    numbers: list[str] = []
+    for part in ranges.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ConfigError(f"SLURM host list range [{ranges}] in {name!r} is not of the form 01-03,07")
+        width = len(lo)  # node[08-10]: 08, 09, 10
+        numbers.extend(str(n).zfill(width) for n in range(int(lo), int(hi or lo) + 1))
+    return [head + n + t for n in numbers for t in _expand_name(tail)]
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The ``node``-th entry of SLURM_TASKS_PER_NODE's compact form: ``2(x3),1`` is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        count, _, times = part.partition("(x")
+        counts.extend([int(count)] * int(times.rstrip(")") or 1))
+    return counts[node] if 0 <= node < len(counts) else counts[-1]
+
+
+def slurm_per_gpu(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """(tasks, nodes) when this process is one of srun's tasks and there are more tasks than nodes: each task
+    is then one rank (SLURM one task per GPU); None otherwise (no srun, or one task per node)."""
+    if SLURM_PROCID not in env or SLURM_STEP_ID not in env or SLURM_NTASKS not in env:
+        return None
+    try:
+        tasks, nodes = int(env[SLURM_NTASKS]), int(env.get(SLURM_NNODES, "1"))
+        per_node = int(env.get(SLURM_NTASKS_PER_NODE, "1").split("(")[0])
+    except ValueError:
+        raise ConfigError(
+            f"SLURM_NTASKS={env[SLURM_NTASKS]!r}, SLURM_NNODES={env.get(SLURM_NNODES)!r} are not task and node counts"
+        ) from None
+    return (tasks, nodes) if tasks > nodes or per_node > 1 else None
+
+
+def slurm_rank_env(endpoint: str = "", env: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str]:
+    """The variables torchrun would give this srun task (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, MASTER_ADDR, MASTER_PORT), and where the address came from. ``endpoint``
+    (``--rdzv-endpoint HOST:PORT``) wins over the first host of SLURM_JOB_NODELIST and MASTER_PORT (or 29500)."""
+    node = int(env.get(SLURM_NODEID, "0"))
+    if SLURM_NTASKS_PER_NODE in env:
+        local_world = int(env[SLURM_NTASKS_PER_NODE].split("(")[0])
+    elif SLURM_TASKS_PER_NODE in env:
+        local_world = tasks_on_node(env[SLURM_TASKS_PER_NODE], node)
+    else:
+        local_world = int(env[SLURM_NTASKS])
+    if endpoint:
+        addr, _, port = endpoint.rpartition(":")
+        source = "--rdzv-endpoint"
+    else:
+        hosts = expand_nodelist(env.get(SLURM_JOB_NODELIST, ""))
+        if not hosts:
+            raise ConfigError("SLURM_JOB_NODELIST is not set: give --rdzv-endpoint HOST:PORT on the first node")
+        addr, port = hosts[0], env.get(MASTER_VARS[1]) or str(DEFAULT_PORT)
+        source = f"the first host of SLURM_JOB_NODELIST={env[SLURM_JOB_NODELIST]}"
+    values = {
+        RANK: env[SLURM_PROCID],
+        LOCAL_RANK: env.get(SLURM_LOCALID, "0"),
+        WORLD_SIZE: env[SLURM_NTASKS],
+        LOCAL_WORLD_SIZE: str(local_world),
+        GROUP_RANK: str(node),
+        MASTER_VARS[0]: addr,
+        MASTER_VARS[1]: port,
+        LAUNCHED_BY: "slurm",
+    }
+    return values, source
+
+
+def pet_launch(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """torchrun's PET_* variables (Kubeflow Trainer) as ddpkit's flags: {"--nnodes": "2", ...}; empty where
+    none is set. Only outside torchrun: torchrun reads them itself."""
+    flags = {}
+    if PET_NNODES in env:
+        flags["--nnodes"] = env[PET_NNODES]
+    if PET_NPROC_PER_NODE in env:
+        flags["--nproc"] = env[PET_NPROC_PER_NODE]
+    if env.get(PET_MASTER_ADDR):
+        flags["--rdzv-endpoint"] = f"{env[PET_MASTER_ADDR]}:{env.get(PET_MASTER_PORT) or DEFAULT_PORT}"
+    if PET_NODE_RANK in env:
+        flags["node rank"] = env[PET_NODE_RANK]
+    return flags

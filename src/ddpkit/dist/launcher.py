@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import types
 import uuid
 from contextlib import contextmanager
@@ -69,36 +70,47 @@ class LaunchSpec:
     device_type: str = "cpu"  # decides whether fork is a safe fallback for spawn
     resumable: bool = False  # a training run: an interrupted one saves a snapshot and can be resumed
 
+    node_rank: int = -1  # PET_NODE_RANK (Kubeflow): node 0 hosts the rendezvous store; -1: torch decides
+
     @classmethod
     def from_config(cls, cfg: TrainConfig, resumable: bool = True) -> "LaunchSpec":
         check_launcher_env()
-        if under_launcher():
-            defaults = type(cfg)()
-            set_here = [
-                f"--{n.replace('_', '-')}"
-                for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts")
-                if getattr(cfg, n) != getattr(defaults, n)
-            ]
-            if set_here:
-                raise ConfigError(
-                    f"this process was started by torchrun, which owns {', '.join(set_here)}: "
-                    f"give them to torchrun instead (or launch with ddpkit alone)"
-                )
+        defaults = type(cfg)()
+        set_here = {
+            f"--{n.replace('_', '-')}": getattr(cfg, n)
+            for n in ("nnodes", "rdzv_endpoint", "rdzv_id", "local_addr", "max_restarts")
+            if getattr(cfg, n) != getattr(defaults, n)
+        }
+        adopt_slurm_task(cfg.rdzv_endpoint, cfg.nnodes if "--nnodes" in set_here else 0)
+        if os.environ.get(names.LAUNCHED_BY) == "slurm":  # each srun task is one rank; the endpoint was used
+            owner = "SLURM one task per GPU, where no elastic agent runs,"
+            set_here = {k: v for k, v in set_here.items() if k not in ("--nnodes", "--rdzv-endpoint")}
+        else:
+            owner = "torchrun, which"
+        if under_launcher() and set_here:
+            raise ConfigError(
+                f"this process was started by {owner} owns {', '.join(set_here)}: "
+                f"give them to torchrun instead (or launch with ddpkit alone)"
+            )
+        nproc, nnodes, endpoint, node_rank = cfg.nproc, cfg.nnodes, cfg.rdzv_endpoint, -1
+        if not under_launcher():
+            nproc, nnodes, endpoint, node_rank = _from_pet(cfg, set_here)
         run_id = cfg.rdzv_id
-        if not run_id and cfg.nnodes > 1:
+        if not run_id and nnodes > 1:
             # Every node runs the same command, so a hash of the config is an id they all agree on.
             blob = json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
             run_id = "ddpkit-" + hashlib.sha256(blob).hexdigest()[:16]
         return cls(
-            resolve_nproc(cfg.nproc, cfg.device),
-            cfg.nnodes,
-            cfg.rdzv_endpoint,
+            resolve_nproc(nproc, cfg.device),
+            nnodes,
+            endpoint,
             run_id,
             cfg.local_addr,
             cfg.max_restarts,
             cfg.timeout_s,
             resolve_device_type(cfg.device),
             resumable,
+            node_rank,
         )
 
     @property
@@ -108,6 +120,75 @@ class LaunchSpec:
     @property
     def world_size(self) -> int:
         return int(os.environ[names.WORLD_SIZE]) if under_launcher() else self.nproc * self.nnodes
+
+
+_said: set[str] = set()  # the cluster lines already printed by this process (from_config runs more than once)
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def adopt_slurm_task(endpoint: str = "", nnodes: int = 0) -> None:
+    """Under srun, say which SLURM mode this is; with more tasks than nodes (one task per GPU), make this task
+    one rank as torchrun would (RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS, LOCAL_RANK=SLURM_LOCALID, the
+    first host of SLURM_JOB_NODELIST as MASTER_ADDR), so that it trains here, with no agent and no relaunch.
+    ``nnodes``: an explicit --nnodes, which must agree with SLURM_NNODES (0: none given)."""
+    if under_launcher() or names.SLURM_STEP_ID not in os.environ or names.SLURM_PROCID not in os.environ:
+        return
+    first = os.environ[names.SLURM_PROCID] == "0"  # only the first task says the mode
+    per_gpu = names.slurm_per_gpu()
+    if per_gpu is None:
+        if first:
+            _say_once(
+                f"ddpkit: SLURM one task per node (SLURM_NTASKS={os.environ.get(names.SLURM_NTASKS, '?')}, "
+                f"SLURM_NNODES={os.environ.get(names.SLURM_NNODES, '?')}): each task's launcher starts --nproc workers"
+            )
+        return
+    tasks, nodes = per_gpu
+    if nnodes and nnodes != nodes:
+        raise ConfigError(f"--nnodes {nnodes} but SLURM_NNODES={nodes}: drop --nnodes under srun")
+    values, source = names.slurm_rank_env(endpoint)
+    check_launcher_env(values)
+    os.environ.update(values)
+    if first:
+        _say_once(
+            f"ddpkit: SLURM one task per GPU (SLURM_NTASKS={tasks} > SLURM_NNODES={nodes}): each task is one rank, "
+            f"world size {tasks}, meeting at {values['MASTER_ADDR']}:{values['MASTER_PORT']} ({source})"
+        )
+
+
+def _from_pet(cfg: TrainConfig, set_here: dict) -> tuple[str, int, str, int]:
+    """(nproc, nnodes, rdzv_endpoint, node_rank) from torchrun's PET_* variables (Kubeflow Trainer runs
+    ``ddpkit train`` directly in each node's container) where set; a flag given explicitly wins, and one that
+    disagrees with its variable is refused."""
+    pet = names.pet_launch()
+    nproc, nnodes, endpoint, node_rank = cfg.nproc, cfg.nnodes, cfg.rdzv_endpoint, -1
+    if not pet:
+        return nproc, nnodes, endpoint, node_rank
+    nproc_given = cfg.nproc != type(cfg)().nproc
+    given = {**set_here, **({"--nproc": cfg.nproc} if nproc_given else {})}
+    env_name = {"--nnodes": "PET_NNODES", "--nproc": "PET_NPROC_PER_NODE", "--rdzv-endpoint": "PET_MASTER_ADDR"}
+    for flag, value in pet.items():
+        if flag in given and str(given[flag]) != value:
+            raise ConfigError(f"{flag} {given[flag]} but {env_name[flag]} says {value}: give one or make them agree")
+    try:
+        nnodes = int(pet.get("--nnodes", nnodes))
+        node_rank = int(pet.get("node rank", -1))
+    except ValueError:
+        raise ConfigError(f"PET_NNODES and PET_NODE_RANK must be integers, got {pet}") from None
+    nproc = pet.get("--nproc", nproc)
+    nproc = "auto" if nproc == "gpu" else nproc  # torchrun's words for one per GPU
+    endpoint = pet.get("--rdzv-endpoint", endpoint)
+    if nnodes > 1 and not endpoint:
+        raise ConfigError(
+            f"PET_NNODES={nnodes} without PET_MASTER_ADDR: set it to node 0's address (or --rdzv-endpoint)"
+        )
+    shown = ", ".join(f"{k} {v}" for k, v in pet.items())
+    _say_once(f"ddpkit: launch taken from torchrun's PET_* variables (Kubeflow Trainer, no torchrun here): {shown}")
+    return nproc, nnodes, endpoint, node_rank
 
 
 def resolve_nproc(nproc: str, device: str) -> int:
@@ -142,6 +223,7 @@ def launch(
     result. ``fn``'s return value must be picklable.
     """
     refuse_if_importing_main()
+    adopt_slurm_task()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         error = ConfigError(
             "ddpkit.launch() was called inside a launched function, where every rank already runs it in its "
@@ -211,7 +293,7 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
     config, env = _launch_config(spec, start, log_dir)
     try:
-        with _environ(env), _quiet_agent_logs(), _tensors_shared_by_name(), _restarts_said(spec):
+        with _environ(env), _quiet_agent_logs(), _tensors_shared_by_name(), _restarts_said(spec), _usr1_as_term():
             # A forkserver's children have its environment, not this one's: the workers' variables travel along.
             results = elastic_launch(config, worker_entry)(env, fn, *args)
     except ChildFailedError as exc:
@@ -268,6 +350,28 @@ def _tensors_shared_by_name() -> Iterator[None]:
         yield
     finally:
         tmp.set_sharing_strategy(before)
+
+
+@contextmanager
+def _usr1_as_term() -> Iterator[None]:
+    """SIGUSR1 to the launcher (SLURM's ``--signal=USR1@90`` before the time limit) handled as torch's agent
+    handles SIGTERM: it raises the agent's ``SignalException``, the agent sends SIGUSR1 on to the workers and
+    waits its grace period while they snapshot, and the launcher exits 138. Without it SIGUSR1's default
+    action ended the launcher at once, and its workers with it, unsaved. recent torch agents read
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` for the same purpose; a handler set here works on every version."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def raise_in_agent(signum, frame):
+        raise SignalException(f"Process {os.getpid()} got signal: SIGUSR1", sigval=signal.Signals(signum))
+
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's only
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, raise_in_agent)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 # torch's loggers that speak of a failed worker in their own terms, muted during a launch: the agent
@@ -498,7 +602,9 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None =
         host, _ = split_endpoint(endpoint)
         local_addr = spec.local_addr or route_addr(host)
         rdzv_configs["join_timeout"] = max(1, int(spec.timeout_s))
-        if not is_loopback(host) and is_local(host):
+        if spec.node_rank >= 0:  # PET_NODE_RANK: the operator says which node's address the endpoint is
+            rdzv_configs["is_host"] = spec.node_rank == 0
+        elif not is_loopback(host) and is_local(host):
             # torch recognises its store host by hostname; an address on a secondary interface
             # (or in a network namespace) is missed, and then no node would host the store.
             rdzv_configs["is_host"] = True

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT (Ctrl-C) as a request to stop at the next safe point, not a kill.
+"""SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) as a request to stop at the next safe point, not a kill.
 
     with StopSignal() as stop:
         ...
@@ -7,7 +7,10 @@
 The handler only records the signal: a snapshot needs every rank at the same step, so
 the engine decides when (see ``Engine._sync``). Schedulers (SLURM preemption, Kubernetes,
 torch's elastic agent shutting down) send SIGTERM and wait a grace period before
-SIGKILL; the agent's is 30 s, so a log interval should take less than that.
+SIGKILL; the agent's is 30 s, so a log interval should take less than that. SLURM sends
+SIGUSR1 instead where a job asks for it (``sbatch --signal=USR1@90``: 90 s before the time
+limit), the signal PyTorch Lightning and submitit requeue on; it stops the run as SIGTERM does,
+with its own exit status (:class:`ddpkit.errors.Stopped`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from __future__ import annotations
 import signal
 import threading
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
 
 class StopSignal:
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.signals = signals
         self.received: str | None = None
         self._previous: dict = {}

@@ -1,0 +1,78 @@
+"""The cluster variables ddpkit reads (ddpkit.dist.env): SLURM's compact host lists and task counts, which
+srun task is one rank (one task per GPU) and which starts ddpkit's launcher (one per node), and Kubeflow's
+PET_* variables against the flags. No process starts here: tests/system/test_launch_envs.py trains under each."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit import TrainConfig
+from ddpkit.dist import env
+from ddpkit.dist.launcher import LaunchSpec
+from ddpkit.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("localhost", ["localhost"]),
+        ("127.0.0.1", ["127.0.0.1"]),
+        ("a[8-10]", ["a8", "a9", "a10"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("rack[1-2]-gpu[0-1]", ["rack1-gpu0", "rack1-gpu1", "rack2-gpu0", "rack2-gpu1"]),
+        ("x1,y[3],z", ["x1", "y3", "z"]),
+    ],
+)
+def test_compact_nodelists_expand_as_scontrol_show_hostnames_does(nodelist, hosts):
+    assert env.expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-03", "node]1[", "node[3-1]", "node[a-b]", "n[[1]]"])
+def test_a_malformed_nodelist_is_one_config_error(bad):
+    with pytest.raises(ConfigError, match="SLURM"):
+        env.expand_nodelist(bad)
+
+
+def test_tasks_per_node_compact_form():
+    assert [env.tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
+    assert env.tasks_on_node("4", 0) == 4
+
+
+SRUN = {"SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2"}
+
+
+def test_which_srun_tasks_are_one_rank_each():
+    per_gpu = {**SRUN, "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8"}
+    assert env.slurm_per_gpu(per_gpu) == (8, 2)
+    assert env.slurm_per_gpu({**SRUN, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) is None  # one task per node
+    batch_script = {k: v for k, v in per_gpu.items() if k != "SLURM_STEP_ID"}
+    assert env.slurm_per_gpu(batch_script) is None  # not an srun task
+    values, source = env.slurm_rank_env("", {**per_gpu, "SLURM_TASKS_PER_NODE": "4(x2)"})
+    assert {k: values[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+    }
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("node01", "29500") and "node[01-02]" in source
+    values, source = env.slurm_rank_env("head:1234", per_gpu)
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"], source) == ("head", "1234", "--rdzv-endpoint")
+
+
+PET = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "trainer-node-0-0"}
+
+
+def test_pet_variables_become_the_launch_and_a_conflicting_flag_is_one_line(monkeypatch):
+    for k, v in {**PET, "PET_MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(k, v)
+    spec = LaunchSpec.from_config(TrainConfig(device="cpu"))
+    assert (spec.nnodes, spec.nproc, spec.rdzv_endpoint, spec.node_rank) == (2, 1, "trainer-node-0-0:29400", 1)
+    assert spec.rdzv_id.startswith("ddpkit-")  # the same on every node: a hash of the config
+    same = LaunchSpec.from_config(TrainConfig(device="cpu", nnodes=2, nproc="1"))
+    assert (same.nnodes, same.nproc) == (2, 1)
+    with pytest.raises(ConfigError, match="--nnodes 3 but PET_NNODES says 2"):
+        LaunchSpec.from_config(TrainConfig(device="cpu", nnodes=3, rdzv_endpoint="trainer-node-0-0:29400"))
+    with pytest.raises(ConfigError, match="--rdzv-endpoint other:1 but PET_MASTER_ADDR says"):
+        LaunchSpec.from_config(TrainConfig(device="cpu", rdzv_endpoint="other:1"))
