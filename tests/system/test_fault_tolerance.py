@@ -125,6 +125,7 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
     records = read_jsonl(run_dir / "metrics.jsonl")
     starts = [r for r in records if r["event"] == "start"]
     assert len(starts) == 2 and starts[1]["resumed_at_step"] == 25, starts
+    assert [r["restart_count"] for r in starts] == [0, 1]  # TORCHELASTIC_RESTART_COUNT, on the [start] line
     steps = [r["step"] for r in records if r["event"] == "step"]
     assert steps == sorted(set(steps)) and steps[-1] == 40  # replayed steps were not logged twice
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from ..device import resolve_device_type
 from ..errors import ConfigError, DdpkitError, RunDirError
-from . import env
+from . import env, hangwatch
 from .env import under_launcher
 from .failures import cause_reported, report_failure, worker_failure
+from .hangwatch import HangWatch, watched
 
 CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
 
@@ -55,13 +56,15 @@ class DistContext:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce; every rank must call it."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=op)
+            with watched("all_reduce", tensor):
+                dist.all_reduce(tensor, op=op)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from global rank ``src``; every rank must call it."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src)
+            with watched("broadcast", tensor):
+                dist.broadcast(tensor, src=src)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -69,15 +72,17 @@ class DistContext:
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
+        with watched("all_gather", tensor):
+            dist.all_gather(parts, tensor.contiguous())
         return torch.stack(parts)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+            with watched("barrier"):
+                if self.backend == "nccl":
+                    dist.barrier(device_ids=[self.device.index])
+                else:
+                    dist.barrier()
 
 
 def cpu_cores() -> int:
@@ -156,11 +161,14 @@ def distributed(
     torch.set_num_threads(threads)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)  # before init_process_group, so NCCL binds this rank's GPU
+    if ctx.backend == "nccl":
+        hangwatch.flight_recorder_defaults()  # read when the NCCL group is made
     timeout = timedelta(seconds=timeout_s)
     if under_launcher():
         dist.init_process_group(backend=ctx.backend, timeout=timeout)
     else:
         dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    hangwatch.WATCH = _watch(ctx, timeout_s)
     try:
         try:
             with deterministic(deterministic_algorithms):
@@ -185,7 +193,22 @@ def distributed(
                 raise
             raise failure from exc
     finally:
+        if hangwatch.WATCH is not None:
+            hangwatch.WATCH.stop()
+            hangwatch.WATCH = None
         dist.destroy_process_group()
+
+
+def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
+    """The hang watch of a multi-rank group (:mod:`ddpkit.dist.hangwatch`), on the group's own store."""
+    if ctx.world_size == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private, stable since torch 1.x; guarded
+    except Exception:  # noqa: BLE001 - no store to meet in: the timeout alone says it
+        return None
+    attempt = f"{os.environ.get(env.RUN_ID, 'run')}/{os.environ.get(env.RESTART_COUNT, '0')}"
+    return HangWatch(ctx.rank, ctx.world_size, timeout_s, store, attempt).start()
 
 
 class _Exit(DdpkitError):

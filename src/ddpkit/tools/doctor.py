@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..dist import hangwatch
 from ..dist.context import DistContext, cpu_cores, cpu_threads
 from ..dist.env import under_launcher
 from ..dist.launcher import launch
@@ -263,10 +264,27 @@ def smoke(backend: str, nproc: int, timeout_s: float) -> dict:
     return out
 
 
+def hang_reports() -> dict:
+    """What a hang's report will hold here: ddpkit's own record always; torch's NCCL Flight Recorder where
+    this torch has it (:mod:`ddpkit.dist.hangwatch`)."""
+    available, how = hangwatch.flight_recorder_status()
+    return {
+        "ddpkit's hang report": row(
+            f"on: stacks and ddpkit's collectives of every rank at {hangwatch.TRIGGER_FRACTION:g} x --timeout-s"
+        ),
+        "NCCL Flight Recorder": row(
+            "available" if available else "not in this torch (or no NCCL)",
+            "ok",
+            how if available else "the report holds ddpkit's record and the stacks only",
+        ),
+    }
+
+
 def report(nproc: int = 2, rdzv_endpoint: str = "", timeout_s: float = 60.0) -> dict:
     out = {
         "versions": versions(),
         "GPUs": gpus(),
+        "hang reports": hang_reports(),
         "rendezvous ports": ports(rdzv_endpoint),
         "environment": env_vars(),
         "CPU": cpu(nproc),

@@ -25,6 +25,7 @@ from torch import nn
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits, ImageData
 from ..data.loader import EvalSource, Preprocess, make_train_source
+from ..dist import env, hangwatch
 from ..dist.context import DistContext, on_rank0
 from ..errors import NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
@@ -259,6 +260,7 @@ class Engine:
                 self.load_state_dict(snap)
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
+            hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
             write_config(self.cfg, self.ctx, self.identity)
@@ -277,6 +279,7 @@ class Engine:
                 grad_accum=self.accum,
                 resumed_at_step=self.pos.global_step if snap else None,
                 resumed_from_world=snap["world_size"] if snap else None,
+                restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
             )
             with self._stop:
                 while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
@@ -333,6 +336,7 @@ class Engine:
                 self.pos.step_in_epoch += 1
                 self.pos.global_step += 1
                 self.log.progress(self.pos.global_step)  # the bar, if any, moves every step
+                hangwatch.progress(self.pos.global_step)  # the heartbeat a hang in DDP's backward is seen by
                 if cfg.join:
                     continue  # ranks run different step counts: no collective of ours until all have joined
                 last = (
@@ -541,6 +545,7 @@ class Engine:
         self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
 
     def _evaluate(self) -> tuple[dict, torch.Tensor]:
+        hangwatch.idle()  # no steps until the next epoch's first: its collectives are still watched
         model = self.ema.module if self.ema is not None else self.raw
         # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
         # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate

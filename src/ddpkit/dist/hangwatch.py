@@ -1,0 +1,370 @@
+"""When a job hangs, say which rank is behind and where: a watch thread on every rank.
+
+    watch = HangWatch(ctx.rank, ctx.world_size, timeout_s, store)   # started by dist.context.distributed
+    with watch.collective("all_reduce", tensor): dist.all_reduce(tensor)   # DistContext's collectives
+    watch.progress(step)                                             # the engine, every step (two stores)
+
+A collective that never completes is most often a rank that never called it (pytorch#118369):
+one rank still in its own code, or one that called another collective. gloo and NCCL then wait
+until ``--timeout-s`` and say only that they timed out. Here, when a rank has waited in a
+collective for ``TRIGGER_FRACTION`` of the timeout, or the training loop has made no step for that
+long, it raises a flag in the job's c10d store. Every rank's watch sees it and answers with what
+its main thread is doing: its Python stack (``sys._current_frames``), the collective it waits in
+and ddpkit's record of the last ones it issued (sequence numbers, op, shape, the line that called
+it), its step and the time since. Global rank 0's watch gathers the answers, writes one report
+(JSON, beside the run: ``RUN_DIR/hang-report.json``, or in the temp folder for ``ddpkit.launch``)
+and prints one line, e.g.
+
+    ddpkit: hang: rank 1 is behind: in `slow_loss` at train.py:42 (step 1207, 31 s since its last
+    step); rank 0 waits in all_reduce #8812 (at engine.py:530). Every rank's stack: RUN/hang-report.json
+
+all before the timeout ends the job. DDP's own gradient all-reduces run in C++ and are not in
+ddpkit's record: a rank blocked there shows it in its stack (``loss.backward()``), and the step
+heartbeat is what raises the flag. On NCCL, torch's Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
+records every collective, DDP's included; where it is on, its dump is added to the rank's answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import env
+
+TRIGGER_FRACTION = 0.5  # of --timeout-s: the report is written well before the timeout ends the job
+RECENT = 8  # collectives kept per rank
+PREFIX = "ddpkit/hang"
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/ddpkit: not the user's code
+
+
+class HangWatch:
+    """This rank's record of its collectives and steps, and the thread that reports a hang once."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store, attempt: str = "0"):
+        self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
+        self.prefix = f"{PREFIX}/{attempt}"  # a restarted group must not read the last attempt's answers
+        self.trigger_s = timeout_s * TRIGGER_FRACTION
+        self.poll_s = min(2.0, max(0.1, timeout_s / 40))
+        self.recent: deque = deque(maxlen=RECENT)
+        self.current: dict | None = None  # the collective this rank is in now
+        self.seq = 0
+        self.step: int | None = None
+        self.phase = ""
+        self.last_progress = time.monotonic()
+        self.run_dir: str | None = None
+        self.report_path: Path | None = None  # where rank 0 wrote it (for the timeout's message)
+        self._main = threading.main_thread().ident
+        self._done = threading.Event()
+        self._answered = False
+        self._thread = threading.Thread(target=self._run, name="ddpkit-hangwatch", daemon=True)
+
+    # ------------------------------------------------------------------ what the main thread calls
+    def start(self) -> HangWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2 * self.poll_s + 1)
+
+    @contextmanager
+    def collective(self, op: str, tensor=None) -> Iterator[None]:
+        """Around one collective of ddpkit's: recorded with its sequence number and caller."""
+        self.seq += 1
+        entry = {
+            "seq": self.seq,
+            "op": op,
+            "shape": list(tensor.shape) if tensor is not None else None,
+            "called_at": _caller(),
+            "started": time.monotonic(),
+        }
+        self.current = entry
+        try:
+            yield
+        finally:
+            entry["took_s"] = round(time.monotonic() - entry["started"], 4)
+            self.current = None
+            self.recent.append(entry)
+
+    def progress(self, step: int, phase: str = "train") -> None:
+        """A heartbeat: the training loop made a step (or an eval batch). Two assignments, no sync."""
+        self.step, self.phase, self.last_progress = step, phase, time.monotonic()
+
+    def idle(self) -> None:
+        """The loop has stopped stepping on purpose (training done): no heartbeat is expected."""
+        self.phase = ""
+
+    # ------------------------------------------------------------------ the watch thread
+    def _late(self) -> str:
+        now = time.monotonic()
+        current = self.current
+        if current is not None and now - current["started"] > self.trigger_s:
+            return f"rank {self.rank} waited {now - current['started']:.0f} s in {current['op']} #{current['seq']}"
+        if self.phase and now - self.last_progress > self.trigger_s:
+            return f"rank {self.rank} made no {self.phase} step for {now - self.last_progress:.0f} s"
+        return ""
+
+    def _run(self) -> None:
+        flag = f"{self.prefix}/flag"
+        while not self._done.wait(self.poll_s):
+            try:
+                if not self._answered:
+                    why = self._late()
+                    if why and not self.store.check([flag]):
+                        self.store.set(flag, why)
+                    if self.store.check([flag]):
+                        self.store.set(f"{self.prefix}/rank{self.rank}", json.dumps(self.answer()))
+                        self._answered = True
+                        if self.rank == 0:
+                            self._gather(self.store.get(flag).decode())
+                            return
+            except Exception:  # noqa: BLE001 - a store gone with the job, a dying process: never fail the run
+                return
+
+    def answer(self) -> dict:
+        """What this rank's main thread is doing now."""
+        frames = sys._current_frames().get(self._main)
+        stack = traceback.extract_stack(frames) if frames is not None else []
+        current, now = self.current, time.monotonic()
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": self.step,
+            "phase": self.phase or None,
+            "since_progress_s": round(now - self.last_progress, 1),
+            "since_collective_s": round(now - self.recent[-1]["started"] - self.recent[-1]["took_s"], 1)
+            if self.recent
+            else None,
+            "collective": _public(current, now) if current else None,
+            "recent": [_public(c, now) for c in self.recent],
+            "where": _user_frame(stack),
+            "stack": [f"{_shown(f.filename)}:{f.lineno} in {f.name}" for f in stack[-40:]],
+        }
+        trace = _flight_recorder()
+        if trace:
+            out["flight_recorder"] = trace
+        return out
+
+    def _gather(self, why: str) -> None:
+        """Rank 0: wait for every rank's answer (a dead or stuck one does not answer), then report."""
+        deadline = time.monotonic() + min(30.0, max(2.0, self.timeout_s * 0.2))
+        keys = [f"{self.prefix}/rank{r}" for r in range(self.world_size)]
+        while time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(self.poll_s)
+        answers = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        line = summary(answers, self.world_size)
+        report = {"why": why, "summary": line, "timeout_s": self.timeout_s, "ranks": answers}
+        path = Path(self.run_dir) / "hang-report.json" if self.run_dir else _temp_report()
+        try:
+            path.write_text(json.dumps(report, indent=1) + "\n")
+            where = f"every rank's stack and last collectives: {path}"
+            self.report_path = path
+        except OSError as exc:
+            where = f"(the report could not be written to {path}: {exc.strerror})"
+        print(f"ddpkit: hang: {line}. {where[0].upper()}{where[1:]}", file=sys.stderr, flush=True)
+
+
+def summary(answers: list[dict], world_size: int) -> str:
+    """One line: which rank is behind and where, and what the others wait in."""
+    waiting = [a for a in answers if _waits(a)]
+    busy = [a for a in answers if not _waits(a)]
+    silent = sorted(set(range(world_size)) - {a["rank"] for a in answers})
+    parts = []
+    if busy and waiting:
+        for a in busy:
+            if a["step"] is not None:
+                since = f"step {a['step']}, {a['since_progress_s']:.0f} s since its last step"
+            elif a.get("since_collective_s") is not None:
+                since = f"{a['since_collective_s']:.0f} s since its last collective"
+            else:
+                since = "no collective yet"
+            parts.append(f"rank {a['rank']} is behind: in {_at(a['where'])} ({since})")
+        parts.append(_waiting(waiting))
+    elif waiting:
+        groups: dict[tuple, list[dict]] = {}
+        for a in waiting:
+            groups.setdefault(_what(a), []).append(a)
+        if len(groups) == 1:
+            parts.append(_waiting(waiting) + " and none completes")
+        else:
+            ordered = sorted(groups.values(), key=len)
+            odd, rest = ordered[0], [a for g in ordered[1:] for a in g]
+            if len(odd) == len(ordered[-1]):  # no majority: say each
+                parts.append("the ranks wait in different collectives: " + "; ".join(_waiting(g) for g in ordered))
+            else:
+                parts.append(f"{_waiting(odd)}, a collective the others did not call; {_waiting(rest)}")
+    elif busy:
+        parts.append(
+            "no rank waits in a collective: " + "; ".join(f"rank {a['rank']} in {_at(a['where'])}" for a in busy)
+        )
+    if silent:
+        parts.append(f"{_ranks(silent)} did not answer (dead, or stuck outside Python)")
+    return "; ".join(parts)
+
+
+def _waits(answer: dict) -> bool:
+    """In one of ddpkit's collectives, or in a backward (DDP's gradient all-reduce)."""
+    return answer["collective"] is not None or any(
+        " in backward" in f or "run_backward" in f for f in answer["stack"][-4:]
+    )
+
+
+def _what(answer: dict) -> tuple:
+    c = answer["collective"]
+    return (c["op"], c["seq"]) if c else ("backward", answer["step"])
+
+
+def _waiting(group: list[dict]) -> str:
+    first = group[0]
+    c = first["collective"]
+    what = (
+        f"{c['op']} #{c['seq']} (at {c['called_at']})"
+        if c
+        else f"DDP's gradient all-reduce in the backward (step {first['step']}, at {_at(first['where'])})"
+    )
+    verb = "waits" if len(group) == 1 else "wait"
+    return f"{_ranks([a['rank'] for a in group])} {verb} in {what}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _at(where: dict | None) -> str:
+    return f"`{where['function']}` at {where['file']}:{where['line']}" if where else "an unknown place"
+
+
+def _public(entry: dict, now: float) -> dict:
+    out = {k: v for k, v in entry.items() if k != "started"}
+    if "took_s" not in entry:
+        out["waited_s"] = round(now - entry["started"], 1)
+    return out
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def _caller() -> str:
+    """file:line of the first frame outside ddpkit.dist and the standard library (contextlib): the
+    code that asked for the collective."""
+    frame = sys._getframe(2)
+    skip = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) in skip:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{_shown(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _user_frame(stack: list) -> dict | None:
+    """The innermost frame of the user's own code (not ddpkit, torch or the standard library); else
+    the innermost of ddpkit's."""
+    stdlib = os.path.dirname(os.__file__)
+    ours = None
+    for f in reversed(stack):
+        path = os.path.abspath(f.filename)
+        if path.startswith(_HERE):
+            ours = ours or f
+            continue
+        if "site-packages" in path or path.startswith(stdlib) or f.filename.startswith("<"):
+            continue
+        return {"function": f.name, "file": _shown(f.filename), "line": f.lineno}
+    if ours is not None:
+        return {"function": ours.name, "file": _shown(ours.filename), "line": ours.lineno}
+    return None
+
+
+def _flight_recorder() -> Any:
+    """torch's Flight Recorder dump for NCCL, where this torch has it and it is on; else None."""
+    if not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "").strip("0"):
+        return None
+    try:
+        import pickle
+
+        import torch
+
+        dump = torch._C._distributed_c10d._dump_nccl_trace()  # private: absent on some builds
+        return json.loads(json.dumps(pickle.loads(dump), default=str))
+    except Exception:  # noqa: BLE001 - no NCCL, an older torch: the stack and ddpkit's record remain
+        return None
+
+
+# torch's Flight Recorder for NCCL: a ring of the last collectives per rank, DDP's included, dumped on
+# a timeout. Set before the NCCL group is made, only where the user has not set them (stated in
+# README, "When it hangs"); the buffer is 2,000 entries of a few hundred bytes each.
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def flight_recorder_defaults(environ=os.environ) -> None:
+    for key, value in FLIGHT_RECORDER.items():
+        environ.setdefault(key, value)
+
+
+def flight_recorder_status(environ=os.environ) -> tuple[bool, str]:
+    """(whether this torch has the NCCL Flight Recorder, how it is or will be configured)."""
+    try:
+        import torch
+
+        available = torch.distributed.is_nccl_available() and hasattr(torch._C._distributed_c10d, "_dump_nccl_trace")
+    except Exception:  # noqa: BLE001 - a torch without distributed
+        available = False
+    settings = ", ".join(
+        f"{k}={environ.get(k, v)}{'' if k in environ else ' (ddpkit default)'}" for k, v in FLIGHT_RECORDER.items()
+    )
+    where = environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_ (torch default)")
+    return available, f"{settings}, dumps to {where}<rank>"
+
+
+def _temp_report() -> Path:
+    return Path(tempfile.gettempdir()) / f"ddpkit-hang-{os.environ.get(env.RUN_ID, os.getpid())}.json"
+
+
+# One watch per process (one process group per process): DistContext's collectives and the engine
+# reach it here; None outside a multi-rank group.
+WATCH: HangWatch | None = None
+
+
+@contextmanager
+def watched(op: str, tensor=None) -> Iterator[None]:
+    watch = WATCH
+    if watch is None:
+        yield
+        return
+    with watch.collective(op, tensor):
+        yield
+
+
+def progress(step: int, phase: str = "train") -> None:
+    if WATCH is not None:
+        WATCH.progress(step, phase)
+
+
+def idle() -> None:
+    """No step is due for a while (evaluation, the end of training): only collectives are watched."""
+    if WATCH is not None:
+        WATCH.idle()
+
+
+def report_to(run_dir: str) -> None:
+    """Where rank 0 writes the report: the run directory."""
+    if WATCH is not None:
+        WATCH.run_dir = run_dir
