@@ -83,7 +83,23 @@ def slurm(task: int, port: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("how", ["kubeflow ddpkit", "kubeflow torchrun", "slurm per gpu"])
+def slurm_node(node: int) -> dict:
+    """What srun sets for the task on node ``node`` of `srun --nodes 2 --ntasks-per-node 1` (one task per node)."""
+    return dict(
+        SLURM_JOB_ID="4243",
+        SLURM_STEP_ID="0",
+        SLURM_PROCID=str(node),
+        SLURM_LOCALID="0",
+        SLURM_NODEID=str(node),
+        SLURM_NTASKS="2",
+        SLURM_NNODES="2",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_TASKS_PER_NODE="1(x2)",
+        SLURM_JOB_NODELIST="127.0.0.1,localhost",
+    )
+
+
+@pytest.mark.parametrize("how", ["kubeflow ddpkit", "kubeflow torchrun", "slurm per gpu", "slurm per node"])
 def test_each_cluster_launch_trains_like_ddpkits_own_launcher(tmp_path, reference, how):
     run_dir, port = tmp_path / "run", free_port()
     args = [*TRAIN, "--run-dir", str(run_dir)]
@@ -93,9 +109,13 @@ def test_each_cluster_launch_trains_like_ddpkits_own_launcher(tmp_path, referenc
     elif how == "kubeflow torchrun":
         nodes = [([*TORCHRUN, *args], pet(n, port)) for n in (0, 1)]
         said = ""
-    else:
+    elif how == "slurm per gpu":
         nodes = [([*DDPKIT, *args], slurm(n, port)) for n in (0, 1)]
         said = "SLURM one task per GPU (SLURM_NTASKS=2 > SLURM_NNODES=1): each task is one rank, world size 2"
+    else:  # examples/slurm/train.sbatch's per-node command: each task's launcher starts its node's workers
+        per_node = ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ddpkit-4243"]
+        nodes = [([*DDPKIT, *args, *per_node], slurm_node(n)) for n in (0, 1)]
+        said = "SLURM one task per node (SLURM_NTASKS=2, SLURM_NNODES=2)"
     results = run_nodes(nodes)
     for r in results:
         assert r.returncode == 0, r.stderr
