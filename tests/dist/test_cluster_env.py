@@ -76,3 +76,26 @@ def test_pet_variables_become_the_launch_and_a_conflicting_flag_is_one_line(monk
         LaunchSpec.from_config(TrainConfig(device="cpu", nnodes=3, rdzv_endpoint="trainer-node-0-0:29400"))
     with pytest.raises(ConfigError, match="--rdzv-endpoint other:1 but PET_MASTER_ADDR says"):
         LaunchSpec.from_config(TrainConfig(device="cpu", rdzv_endpoint="other:1"))
+
+
+TASK = dict(SLURM_PROCID="3", SLURM_STEP_ID="0", SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_JOB_ID="12345")
+
+
+def test_an_srun_of_one_task_is_not_taken_for_one_task_per_gpu():
+    """SLURM_NTASKS_PER_NODE=8 inherited from the batch script made `srun -n1 ddpkit train --nproc 8` a
+    world of one, silently."""
+    assert env.slurm_per_gpu(dict(TASK, SLURM_NTASKS="1", SLURM_NNODES="1", SLURM_NTASKS_PER_NODE="8")) is None
+    assert env.slurm_per_gpu(dict(TASK, SLURM_NTASKS="8", SLURM_NNODES="2")) == (8, 2)
+
+
+def test_the_rendezvous_of_one_task_per_gpu_prefers_the_steps_own_and_a_job_port():
+    job = dict(TASK, SLURM_NTASKS="8", SLURM_NNODES="2", SLURM_JOB_NODELIST="a[1-4]", SLURM_TASKS_PER_NODE="4(x4)")
+    values, source = env.slurm_rank_env("", dict(job, SLURM_STEP_NODELIST="a[3-4]", SLURM_STEP_TASKS_PER_NODE="2,6"))
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"], values["LOCAL_WORLD_SIZE"]) == ("a3", "29845", "6")
+    assert "SLURM_STEP_NODELIST" in source  # 29500 + job id 12345 % 1000
+    values, source = env.slurm_rank_env("", dict(job, MASTER_ADDR="head", MASTER_PORT="4000"))
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"], source) == ("head", "4000", "MASTER_ADDR")
+    values, _ = env.slurm_rank_env("head", job)  # a host without a port: the job's port
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("head", "29845")
+    values, _ = env.slurm_rank_env("[::1]:7000", job)
+    assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("::1", "7000")

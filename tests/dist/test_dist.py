@@ -37,10 +37,15 @@ def test_more_processes_on_a_node_than_gpus_is_one_clear_error_on_every_rank():
 
 def test_nccl_barriers_name_the_ranks_gpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+
+    class Work:  # what barrier(async_op=True) returns; the hang watch keeps it until it completes
+        def wait(self):
+            return True
+
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw) or Work())
     DistContext(1, 1, 2, 2, torch.device("cuda", 1), "nccl").barrier()
     DistContext(1, 1, 2, 2, torch.device("cpu"), "gloo").barrier()
-    assert calls == [{"device_ids": [1]}, {}]
+    assert calls == [{"device_ids": [1], "async_op": True}, {"async_op": True}]
 
 
 def test_deterministic_sets_every_switch_and_restores_them(monkeypatch):

@@ -116,3 +116,28 @@ def test_the_summary_names_the_odd_rank_out_and_the_silent_ones():
         "ranks 0, 1 wait in all_reduce #12 (at train.py:30); rank 3 did not answer (dead, or stuck outside Python)"
     )
     assert summary([answer(0, ar), answer(1, ar)], 2).endswith("and none completes")
+
+
+def test_a_queued_collective_that_has_not_completed_is_waited_in():
+    """On NCCL the host returns once a collective is queued; the rank still waits in it until its work
+    completes (the watch once saw nothing there, and said no rank waited)."""
+    import torch
+
+    from ddpkit.dist.hangwatch import HangWatch
+
+    class Work:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+    watch = HangWatch(rank=2, world_size=4, timeout_s=2.0, store=None)  # not started: no thread, no store
+    work = Work()
+    with watch.collective("all_reduce", torch.ones(3)) as entry:
+        entry["work"] = work
+    watch.recent[-1]["started"] -= 5.0  # queued 5 s ago
+    assert watch._late() == "rank 2 waited 5 s in all_reduce #1"
+    assert watch.answer()["collective"]["op"] == "all_reduce" and watch.answer()["collective"]["waited_s"] >= 5
+    work.done = True
+    assert watch._late() == "" and watch.answer()["collective"] is None
+    assert "work" not in watch.answer()["recent"][0]  # the report holds plain values

@@ -103,9 +103,10 @@ def prestart_if_workers(nproc: str, max_restarts: int = 0, nnodes: int = 1) -> N
     torchrun the processes exist already."""
     import os
 
+    from ..dist.env import slurm_per_gpu
     from ..dist.prestart import prestart_workers
 
-    if "RANK" in os.environ:
+    if "RANK" in os.environ or slurm_per_gpu() is not None:  # each srun task is one rank: it forks none
         return
     n = visible_gpus() if str(nproc) == "auto" else int(nproc) if str(nproc).isdecimal() else 1
     if n > 1 or max_restarts > 0 or nnodes > 1:

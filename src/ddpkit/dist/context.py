@@ -56,15 +56,17 @@ class DistContext:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce; every rank must call it."""
         if self.world_size > 1:
-            with watched("all_reduce", tensor):
-                dist.all_reduce(tensor, op=op)
+            with watched("all_reduce", tensor) as entry:
+                entry["work"] = dist.all_reduce(tensor, op=op, async_op=True)
+                entry["work"].wait()  # what async_op=False does; the work stays in the watch's record
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from global rank ``src``; every rank must call it."""
         if self.world_size > 1:
-            with watched("broadcast", tensor):
-                dist.broadcast(tensor, src=src)
+            with watched("broadcast", tensor) as entry:
+                entry["work"] = dist.broadcast(tensor, src=src, async_op=True)
+                entry["work"].wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -72,17 +74,19 @@ class DistContext:
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with watched("all_gather", tensor):
-            dist.all_gather(parts, tensor.contiguous())
+        with watched("all_gather", tensor) as entry:
+            entry["work"] = dist.all_gather(parts, tensor.contiguous(), async_op=True)
+            entry["work"].wait()
         return torch.stack(parts)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            with watched("barrier"):
+            with watched("barrier") as entry:
                 if self.backend == "nccl":
-                    dist.barrier(device_ids=[self.device.index])
+                    entry["work"] = dist.barrier(device_ids=[self.device.index], async_op=True)
                 else:
-                    dist.barrier()
+                    entry["work"] = dist.barrier(async_op=True)
+                entry["work"].wait()
 
 
 def cpu_cores() -> int:
@@ -205,6 +209,9 @@ def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
         return None
     try:
         store = dist.distributed_c10d._get_default_store()  # private, stable since torch 1.x; guarded
+        # Its own connection: a TCPStore client serves one request at a time, and the main thread may
+        # wait on the store for long (NCCL's lazy connection setup at the first collective)
+        store = store.clone()
     except Exception:  # noqa: BLE001 - no store to meet in: the timeout alone says it
         return None
     attempt = f"{os.environ.get(env.RUN_ID, 'run')}/{os.environ.get(env.RESTART_COUNT, '0')}"

@@ -113,9 +113,15 @@ SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_ID = (
 )
 SLURM_NTASKS, SLURM_NNODES, SLURM_JOB_NODELIST = "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NODELIST"
 SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE = "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"
-DEFAULT_PORT = (
-    29500  # torchrun's default master port; under SLURM one task per GPU unless --rdzv-endpoint or MASTER_PORT says
+# The step's own (an srun inside a larger allocation): preferred to the job's where set
+SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NODELIST, SLURM_JOB_ID = (
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_ID",
 )
+# torchrun's default master port. Under SLURM one task per GPU (unless --rdzv-endpoint or MASTER_PORT says)
+# the job id is added modulo 1000, so that two jobs whose first node is the same do not meet on one port.
+DEFAULT_PORT = 29500
 # torchrun's own flags as environment variables (torchrun reads PET_<FLAG> as each flag's default): what
 # Kubeflow Trainer sets in every node's container. ddpkit reads them only when torchrun is not there.
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK = "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK"
@@ -180,12 +186,12 @@ def slurm_per_gpu(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None
         return None
     try:
         tasks, nodes = int(env[SLURM_NTASKS]), int(env.get(SLURM_NNODES, "1"))
-        per_node = int(env.get(SLURM_NTASKS_PER_NODE, "1").split("(")[0])
     except ValueError:
         raise ConfigError(
             f"SLURM_NTASKS={env[SLURM_NTASKS]!r}, SLURM_NNODES={env.get(SLURM_NNODES)!r} are not task and node counts"
         ) from None
-    return (tasks, nodes) if tasks > nodes or per_node > 1 else None
+    # Only the counts: SLURM_NTASKS_PER_NODE may be the batch script's, inherited by an `srun -n1`
+    return (tasks, nodes) if tasks > nodes else None
 
 
 def slurm_rank_env(endpoint: str = "", env: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str]:
@@ -193,21 +199,32 @@ def slurm_rank_env(endpoint: str = "", env: Mapping[str, str] = os.environ) -> t
     GROUP_RANK, MASTER_ADDR, MASTER_PORT), and where the address came from. ``endpoint``
     (``--rdzv-endpoint HOST:PORT``) wins over the first host of SLURM_JOB_NODELIST and MASTER_PORT (or 29500)."""
     node = int(env.get(SLURM_NODEID, "0"))
-    if SLURM_NTASKS_PER_NODE in env:
-        local_world = int(env[SLURM_NTASKS_PER_NODE].split("(")[0])
+    if SLURM_STEP_TASKS_PER_NODE in env:  # this step's, then the job's
+        local_world = tasks_on_node(env[SLURM_STEP_TASKS_PER_NODE], node)
     elif SLURM_TASKS_PER_NODE in env:
         local_world = tasks_on_node(env[SLURM_TASKS_PER_NODE], node)
+    elif SLURM_NTASKS_PER_NODE in env:
+        local_world = int(env[SLURM_NTASKS_PER_NODE].split("(")[0])
     else:
         local_world = int(env[SLURM_NTASKS])
+    default_port = DEFAULT_PORT + int(env.get(SLURM_JOB_ID, "0") or 0) % 1000
     if endpoint:
-        addr, _, port = endpoint.rpartition(":")
+        addr, port = endpoint.rsplit(":", 1) if ":" in endpoint.strip("[]").split("]")[-1] else (endpoint, "")
+        addr, port = addr.strip("[]"), port or str(default_port)
+        if not addr:
+            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: give HOST:PORT, or HOST")
         source = "--rdzv-endpoint"
+    elif env.get(MASTER_VARS[0]):
+        addr, port = env[MASTER_VARS[0]], env.get(MASTER_VARS[1]) or str(default_port)
+        source = "MASTER_ADDR"
     else:
-        hosts = expand_nodelist(env.get(SLURM_JOB_NODELIST, ""))
+        nodelist = env.get(SLURM_STEP_NODELIST) or env.get(SLURM_JOB_NODELIST, "")
+        hosts = expand_nodelist(nodelist)
         if not hosts:
             raise ConfigError("SLURM_JOB_NODELIST is not set: give --rdzv-endpoint HOST:PORT on the first node")
-        addr, port = hosts[0], env.get(MASTER_VARS[1]) or str(DEFAULT_PORT)
-        source = f"the first host of SLURM_JOB_NODELIST={env[SLURM_JOB_NODELIST]}"
+        addr, port = hosts[0], env.get(MASTER_VARS[1]) or str(default_port)
+        which = SLURM_STEP_NODELIST if env.get(SLURM_STEP_NODELIST) else SLURM_JOB_NODELIST
+        source = f"the first host of {which}={nodelist}"
     values = {
         RANK: env[SLURM_PROCID],
         LOCAL_RANK: env.get(SLURM_LOCALID, "0"),

@@ -8,10 +8,12 @@ A collective that never completes is most often a rank that never called it (pyt
 one rank still in its own code, or one that called another collective. gloo and NCCL then wait
 until ``--timeout-s`` and say only that they timed out. Here, when a rank has waited in a
 collective for ``TRIGGER_FRACTION`` of the timeout, or the training loop has made no step for that
-long, it raises a flag in the job's c10d store. Every rank's watch sees it and answers with what
+long, it raises a flag in the job's c10d store (a clone of the group's store: its own connection,
+so a main thread waiting on the store does not hold the watch up). Every rank's watch sees it and answers with what
 its main thread is doing: its Python stack (``sys._current_frames``), the collective it waits in
 and ddpkit's record of the last ones it issued (sequence numbers, op, shape, the line that called
-it), its step and the time since. Global rank 0's watch gathers the answers, writes one report
+it), its step and the time since. The watch of the rank that noticed (its main thread waits, so
+its watch is free) gathers the answers, writes one report
 (JSON, beside the run: ``RUN_DIR/hang-report.json``, or in the temp folder for ``ddpkit.launch``)
 and prints one line, e.g.
 
@@ -78,8 +80,10 @@ class HangWatch:
         self._thread.join(timeout=2 * self.poll_s + 1)
 
     @contextmanager
-    def collective(self, op: str, tensor=None) -> Iterator[None]:
-        """Around one collective of ddpkit's: recorded with its sequence number and caller."""
+    def collective(self, op: str, tensor=None) -> Iterator[dict]:
+        """Around one collective of ddpkit's: recorded with its sequence number and caller. The caller
+        puts the collective's ``work`` in the entry: on NCCL the host returns once it is queued, and
+        the entry stays pending until the work completes (``is_completed``, asked by the watch thread)."""
         self.seq += 1
         entry = {
             "seq": self.seq,
@@ -90,7 +94,7 @@ class HangWatch:
         }
         self.current = entry
         try:
-            yield
+            yield entry
         finally:
             entry["took_s"] = round(time.monotonic() - entry["started"], 4)
             self.current = None
@@ -105,9 +109,21 @@ class HangWatch:
         self.phase = ""
 
     # ------------------------------------------------------------------ the watch thread
+    def _waiting_in(self) -> dict | None:
+        """The collective this rank waits in: the one its host is in, else the oldest queued one (NCCL)
+        that has not completed."""
+        current = self.current
+        if current is not None:
+            return current
+        for entry in list(self.recent):  # a copy: the main thread appends meanwhile
+            work = entry.get("work")
+            if work is not None and not work.is_completed():
+                return entry
+        return None
+
     def _late(self) -> str:
         now = time.monotonic()
-        current = self.current
+        current = self._waiting_in()
         if current is not None and now - current["started"] > self.trigger_s:
             return f"rank {self.rank} waited {now - current['started']:.0f} s in {current['op']} #{current['seq']}"
         if self.phase and now - self.last_progress > self.trigger_s:
@@ -120,13 +136,17 @@ class HangWatch:
             try:
                 if not self._answered:
                     why = self._late()
+                    gatherer = False
                     if why and not self.store.check([flag]):
-                        self.store.set(flag, why)
+                        # The first rank to notice gathers: its main thread waits, so its watch is free
+                        # (rank 0 may be the one stuck). compare_set makes one of two at once the first.
+                        mine = f"{why} [{self.rank}]"
+                        gatherer = self.store.compare_set(flag, "", mine).decode() == mine
                     if self.store.check([flag]):
                         self.store.set(f"{self.prefix}/rank{self.rank}", json.dumps(self.answer()))
                         self._answered = True
-                        if self.rank == 0:
-                            self._gather(self.store.get(flag).decode())
+                        if gatherer:
+                            self._gather(self.store.get(flag).decode().rsplit(" [", 1)[0])
                             return
             except Exception:  # noqa: BLE001 - a store gone with the job, a dying process: never fail the run
                 return
@@ -135,7 +155,7 @@ class HangWatch:
         """What this rank's main thread is doing now."""
         frames = sys._current_frames().get(self._main)
         stack = traceback.extract_stack(frames) if frames is not None else []
-        current, now = self.current, time.monotonic()
+        current, now = self._waiting_in(), time.monotonic()
         out: dict[str, Any] = {
             "rank": self.rank,
             "host": socket.gethostname(),
@@ -147,7 +167,7 @@ class HangWatch:
             if self.recent
             else None,
             "collective": _public(current, now) if current else None,
-            "recent": [_public(c, now) for c in self.recent],
+            "recent": [_public(c, now) for c in list(self.recent)],  # a copy: the main thread appends
             "where": _user_frame(stack),
             "stack": [f"{_shown(f.filename)}:{f.lineno} in {f.name}" for f in stack[-40:]],
         }
@@ -157,7 +177,7 @@ class HangWatch:
         return out
 
     def _gather(self, why: str) -> None:
-        """Rank 0: wait for every rank's answer (a dead or stuck one does not answer), then report."""
+        """The rank that noticed: wait for every rank's answer (a dead or stuck one does not answer), then report."""
         deadline = time.monotonic() + min(30.0, max(2.0, self.timeout_s * 0.2))
         keys = [f"{self.prefix}/rank{r}" for r in range(self.world_size)]
         while time.monotonic() < deadline and not self.store.check(keys):
@@ -251,8 +271,10 @@ def _at(where: dict | None) -> str:
 
 
 def _public(entry: dict, now: float) -> dict:
+    entry = dict(entry)  # a copy: the main thread may be finishing it
+    work = entry.pop("work", None)
     out = {k: v for k, v in entry.items() if k != "started"}
-    if "took_s" not in entry:
+    if "took_s" not in entry or (work is not None and not work.is_completed()):
         out["waited_s"] = round(now - entry["started"], 1)
     return out
 
@@ -302,8 +324,10 @@ def _flight_recorder() -> Any:
 
         import torch
 
-        dump = torch._C._distributed_c10d._dump_nccl_trace()  # private: absent on some builds
-        return json.loads(json.dumps(pickle.loads(dump), default=str))
+        dump = pickle.loads(torch._C._distributed_c10d._dump_nccl_trace())  # private: absent on some builds
+        if isinstance(dump, dict) and isinstance(dump.get("entries"), list):
+            dump["entries"] = dump["entries"][-20:]  # 2,000 entries with stacks per rank would swamp the store
+        return json.loads(json.dumps(dump, default=str))
     except Exception:  # noqa: BLE001 - no NCCL, an older torch: the stack and ddpkit's record remain
         return None
 
@@ -330,8 +354,11 @@ def flight_recorder_status(environ=os.environ) -> tuple[bool, str]:
     settings = ", ".join(
         f"{k}={environ.get(k, v)}{'' if k in environ else ' (ddpkit default)'}" for k, v in FLIGHT_RECORDER.items()
     )
-    where = environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_ (torch default)")
-    return available, f"{settings}, dumps to {where}<rank>"
+    where = environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    return (
+        available,
+        f"{settings}, dumps to {where or '/tmp/nccl_trace_rank_'}<rank>{'' if where else ' (torch default)'}",
+    )
 
 
 def _temp_report() -> Path:
@@ -344,13 +371,14 @@ WATCH: HangWatch | None = None
 
 
 @contextmanager
-def watched(op: str, tensor=None) -> Iterator[None]:
+def watched(op: str, tensor=None) -> Iterator[dict]:
+    """Around a collective of DistContext's; put its ``work`` in the entry it gives."""
     watch = WATCH
     if watch is None:
-        yield
+        yield {}
         return
-    with watch.collective(op, tensor):
-        yield
+    with watch.collective(op, tensor) as entry:
+        yield entry
 
 
 def progress(step: int, phase: str = "train") -> None:
