@@ -28,6 +28,14 @@ def test_cpu_ranks_share_the_cores_and_a_single_process_gets_them_all():
     assert (ctx.rank, ctx.world_size, threads) == (0, 1, 2)
 
 
+def test_an_srun_task_bound_to_one_gpu_uses_it_as_device_0():
+    """srun --gpus-per-task=1: each task sees its own GPU only; LOCAL_RANK 1 once asked for cuda:1 (refused)."""
+    ctx, threads = plan({**WORKER, "DDPKIT_LAUNCHED_BY": "slurm"}, "cuda", gpu_count=1, cores=32)
+    assert ctx.device == torch.device("cuda", 0) and (ctx.rank, ctx.local_rank) == (5, 1) and threads == 8
+    with pytest.raises(ConfigError, match="runs 4 processes but sees 1 GPU"):  # not srun: still one clear error
+        plan(WORKER, "cuda", gpu_count=1, cores=32)
+
+
 def test_more_processes_on_a_node_than_gpus_is_one_clear_error_on_every_rank():
     for local_rank in ("0", "3"):  # rank 0 fails too, so the error is printed once, by rank 0
         env = {**WORKER, "LOCAL_RANK": local_rank}

@@ -111,6 +111,11 @@ def plan(environ: Mapping[str, str], device_type: str, gpu_count: int, cores: in
     else:
         rank, local_rank, world, local_world = 0, 0, 1, 1
     if device_type == "cuda":
+        if environ.get(env.LAUNCHED_BY) == "slurm" and gpu_count == 1 and local_world > 1:
+            # srun --gpus-per-task=1 (or --gpu-bind): each task sees its own GPU only, as device 0
+            return DistContext(rank, local_rank, world, local_world, torch.device("cuda", 0), "nccl"), cpu_threads(
+                local_world, cores
+            )
         # Checked on the node's process count, not this rank's index, so every rank of the
         # node fails alike and the error is printed once (by rank 0), not "invalid device ordinal".
         if local_world > gpu_count:
