@@ -48,6 +48,26 @@ def bench_finished(proc: subprocess.CompletedProcess, bench_json: Path) -> dict:
     return rep
 
 
+def run_nodes(commands: list, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (the "nodes" of one job, each ``cmd`` or ``(cmd, extra env)``), wait for
+    all; a node still running after ``timeout`` is killed."""
+    commands = [c if isinstance(c, tuple) else (c, {}) for c in commands]
+    procs = [
+        subprocess.Popen(cmd, env=cli_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd, extra in commands
+    ]
+    results = []
+    try:
+        for (cmd, _), p in zip(commands, procs):
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now (the kernel's choice), for a test's rendezvous endpoint."""
     with socket.socket() as s:

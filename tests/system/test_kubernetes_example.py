@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import yaml
-from clirun import ROOT, free_port, read_jsonl
-from test_launch_envs import run_nodes
+from clirun import ROOT, free_port, read_jsonl, run_nodes
 
 pytestmark = pytest.mark.multiprocess  # starts processes
 

@@ -11,13 +11,12 @@ convolution's sums split by thread differ in their last bit.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from clirun import cli_env, free_port, read_jsonl
+from clirun import free_port, read_jsonl, run_nodes
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -28,23 +27,6 @@ TRAIN = [
 ]
 DDPKIT = [sys.executable, "-m", "ddpkit"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "-m", "ddpkit"]
-
-
-def run_nodes(commands: list[tuple[list[str], dict]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    procs = [
-        subprocess.Popen(cmd, env=cli_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd, extra in commands
-    ]
-    results = []
-    try:
-        for (cmd, _), p in zip(commands, procs):
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 import uuid
 
 import pytest
-from clirun import cli_env, free_port, read_jsonl
+from clirun import cli_env, free_port, read_jsonl, run_nodes
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -44,23 +44,6 @@ TRAIN = [
     "60",
     "--no-plots",
 ]  # plots are tested in test_loggers.py
-
-
-def run_nodes(commands: list[list[str]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    procs = [
-        subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd in commands
-    ]
-    results = []
-    try:
-        for cmd, p in zip(commands, procs):
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
 
 
 def check_two_node_run(run_dir, results) -> None:
