@@ -87,7 +87,7 @@ def call(path: str, args: str, flag: str, seed: int) -> Any:
     if not callable(fn):
         raise ConfigError(f"{flag} {path}: {type(fn).__name__} is not callable; name a function or a class")
     try:
-        with _seeded(seed):
+        with seeded(seed):
             return fn(**kwargs)
     except Exception as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
@@ -95,17 +95,30 @@ def call(path: str, args: str, flag: str, seed: int) -> Any:
 
 
 @contextmanager
-def _seeded(seed: int):
+def generators_kept():
+    """torch's (CPU, and every initialised CUDA device's), numpy's and Python's global generators as they
+    were before, afterwards: code run here on the user's behalf (a seeded factory, a trial step, a probe)
+    leaves the user's script's random streams where they were."""
     import numpy as np
     import torch
 
     np_state, py_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []):
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
         try:
             yield
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
+
+
+@contextmanager
+def seeded(seed: int):
+    """:func:`generators_kept`, with all three seeded with ``seed`` inside."""
+    import numpy as np
+    import torch
+
+    with generators_kept():
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        yield

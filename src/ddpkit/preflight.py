@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
@@ -30,7 +27,7 @@ from .dist.context import cpu_cores
 from .dist.launcher import LaunchSpec
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, raised_at
 from .identity import Fingerprint, data_fingerprint, file_fingerprint, with_code
-from .importpath import is_import_path, resolve
+from .importpath import generators_kept, is_import_path, resolve
 from .models import model_for
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
@@ -238,7 +235,7 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
         pass
     where = f"a training step of {task.identity} with model {cfg.model} on a batch of {cfg.dataset}"
     batch = sample_batch(splits)
-    with _rngs_kept():  # dropout's draws here leave your script's generators as they were
+    with generators_kept():  # dropout's draws here leave your script's generators as they were
         try:
             loss, outputs = task.loss(trial, batch)
         except DdpkitError:
@@ -266,18 +263,6 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
                 return None
             raise ConfigError(f"{where}: backward fails: {raised_at(exc)}") from None
     return [name for name, p in trial.named_parameters() if p.requires_grad and p.grad is None]
-
-
-@contextmanager
-def _rngs_kept():
-    """torch's CPU, numpy's and Python's global generators as they were before, afterwards."""
-    np_state, py_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            np.random.set_state(np_state)
-            random.setstate(py_state)
 
 
 def _needs_the_workers(exc: Exception, model: nn.Module) -> bool:

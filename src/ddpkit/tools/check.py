@@ -68,6 +68,7 @@ from ..errors import (
     TaskError,
     WorkersFailed,
 )
+from ..importpath import generators_kept
 from ..models import model_for
 from ..preflight import sample_batch
 from ..run.checkpoint import read_weights
@@ -461,13 +462,12 @@ def randomness_probe(model: nn.Module, task, batch, dtype: str) -> Randomness | 
     if dtype == "float64":
         batch = tree_map(lambda t: t.double() if t.is_floating_point() else t, batch)
     grads, draws, states = [], {}, {"before": {}, "after": {}}
-    saved = _generator_states()
-    try:
+    with generators_kept():
         for seed in (1, 2):
             probe = copy.deepcopy(model).train()
             if dtype == "float64":
                 probe = probe.double()
-            torch.manual_seed(seed)
+            torch.manual_seed(seed)  # restored by generators_kept, as numpy's and Python's
             np.random.seed(seed)
             random.seed(seed)
             hooks = [_watch(name, m, draws, states) for name, m in probe.named_modules()] if seed == 1 else []
@@ -487,12 +487,6 @@ def randomness_probe(model: nn.Module, task, batch, dtype: str) -> Randomness | 
             grads.append(
                 {"loss": loss.detach()} | {n: p.grad for n, p in probe.named_parameters() if p.grad is not None}
             )
-    finally:
-        torch.random.set_rng_state(saved[0])
-        if saved[1]:  # torch.manual_seed above reseeded every CUDA generator too
-            torch.cuda.set_rng_state_all(saved[1])
-        np.random.set_state(saved[2])
-        random.setstate(saved[3])
     moved = []
     for name, g in grads[0].items():
         other = grads[1].get(name)
