@@ -196,3 +196,103 @@ def test_a_global_batch_is_the_same_samples_at_every_world_size_from_any_step(so
         one = global_batches(1, epoch, start)
         assert len(one) == 103 // 24 - start and all(len(b) == 24 for b in one)
         assert global_batches(2, epoch, start) == one and global_batches(4, epoch, start) == one
+
+
+def test_eval_batches_index_where_the_data_lives_and_are_unchanged():
+    """The eval index is made once on the data's device (a host index into device-resident data is a
+    synchronous host-to-device copy per batch); the batches are this rank's every world-th sample."""
+    from ddpkit.data import TensorData
+    from ddpkit.data.loader import EvalSource, Preprocess
+
+    d = data(103)
+    pre = Preprocess(META, torch.device("cpu"), False)
+    for rank, world, batch in ((0, 1, 16), (1, 2, 16), (2, 4, 7), (3, 4, 256)):
+        src = EvalSource(d, pre, cfg(), ctx(rank, world), batch)
+        assert src.index.device == d.images.device and src.index.dtype == torch.long
+        own = list(range(rank, 103, world))
+        chunks = [own[i : i + batch] for i in range(0, len(own), batch)]
+        got = list(src.batches())
+        assert len(got) == len(chunks)
+        for (x, y), idx in zip(got, chunks):
+            assert torch.equal(x, pre.eval(d.images[idx])) and torch.equal(y, d.labels[idx])
+
+        tensors = TensorData({"x": d.images.float(), "y": d.labels})
+        src = EvalSource(tensors, Preprocess(None, torch.device("cpu"), False), cfg(), ctx(rank, world), batch)
+        assert src.index.device == d.images.device
+        got = list(src.batches())
+        assert len(got) == len(chunks)
+        for b, idx in zip(got, chunks):
+            assert torch.equal(b["x"], d.images[idx].float()) and torch.equal(b["y"], d.labels[idx])
+
+
+# ---------------------------------------------------------------- the data path, the same on every rank
+def path_cfg(**kw):
+    return SimpleNamespace(**{**dict(join=False, data_path="auto", device_data_fraction=0.25, dataset="x"), **kw})
+
+
+@pytest.mark.parametrize(
+    "kind, nbytes, free, flags, expected",
+    [
+        ("image", 100, 400, {}, "device"),  # a quarter of the free memory holds it
+        ("image", 101, 400, {}, "host"),
+        ("tensor", 101, 400, {}, "loader"),
+        ("tensor", 100, 400, {}, "device"),
+        ("image", 10**12, None, {}, "device"),  # off CUDA the data is in host memory either way
+        ("tensor", 1, None, {"data_path": "host"}, "device"),  # a TensorData is indexed where it is
+        ("image", 10**12, 1, {"data_path": "device"}, "device"),  # asked for: as asked
+        ("image", 1, 10**12, {"data_path": "host"}, "host"),
+        ("image", 1, 10**12, {"join": True}, "loader"),
+        ("stream", 0, 10**12, {}, "loader"),
+    ],
+)
+def test_the_data_path_is_decided_from_size_and_free_memory_alone(kind, nbytes, free, flags, expected):
+    from ddpkit.data.loader import path_for
+
+    assert path_for(kind, nbytes, free, path_cfg(**flags)) == expected
+
+
+def test_a_streamed_dataset_asked_onto_the_device_is_refused():
+    from ddpkit.data.loader import path_for
+    from ddpkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--data-path host needs an in-memory dataset; x streams"):
+        path_for("stream", 0, None, path_cfg(data_path="host"))
+
+
+def test_no_collective_at_world_1_or_off_cuda(monkeypatch):
+    """Skipped alike on every rank: at world 1, and where no rank has a GPU."""
+    from ddpkit.data.loader import choose_path, free_device_bytes, least_free_bytes
+
+    monkeypatch.setattr(DistContext, "all_reduce", lambda *a, **kw: pytest.fail("a collective"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (400, 800))
+    one_gpu = DistContext(0, 0, 1, 1, torch.device("cuda", 0), "nccl")
+    assert free_device_bytes(one_gpu) == 400 and least_free_bytes(one_gpu, 400) == 400
+    assert choose_path(data(), path_cfg(), one_gpu) == "host"  # 103 * 192 + 103 * 8 bytes > 400 / 4
+    assert free_device_bytes(ctx(1, 2)) is None and least_free_bytes(ctx(1, 2), None) is None
+    assert choose_path(data(), path_cfg(), ctx(1, 2)) == "device"
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_free_gpu_memory_choose_the_same_path():
+    """Regression: each rank chose from its own free memory, so with another process on one GPU one rank
+    held the train set on the device and another staged it from the host (other data code, and the
+    test set moved to the device on one rank only). 1700 bytes: a quarter of 10000 holds it, of 2000 not."""
+    from workers import data_path_on_a_busy_gpu
+
+    from ddpkit.dist.launcher import run_workers
+
+    assert run_workers(data_path_on_a_busy_gpu, ((10_000, 2_000),), 2) == ["host", "host"]
+    assert run_workers(data_path_on_a_busy_gpu, ((80 * 2**30, 10_000),), 2) == ["device", "device"]
+
+
+@pytest.mark.multiprocess
+def test_the_least_free_memory_is_agreed_in_one_collective_on_every_rank_whatever_the_flags():
+    from workers import least_free_per_rank
+
+    from ddpkit.dist.launcher import run_workers
+
+    ranks = run_workers(least_free_per_rank, ((80 * 2**30, 3 * 2**32 + 5),), 2)  # past 32 bits: int64
+    for rank in ranks:
+        assert rank["least"] == 3 * 2**32 + 5 and rank["cpu"] is None
+        assert rank["reduces"] == 4  # one per choose_path, also where the flags decide alone
+    assert ranks[0]["paths"] == ranks[1]["paths"] == ["loader", "host", "device", "device"]

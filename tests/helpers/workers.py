@@ -181,3 +181,228 @@ def identity_per_rank(ctx) -> str:
         said = "refused: " + str(exc).split(":")[0]
     refused = ctx.all_reduce(torch.tensor([float(said != "agreed")])).item()  # how many ranks refused
     return f"{said} (on {refused:.0f} ranks)"
+
+
+class _BroadcastCounter:
+    """Counts ``torch.distributed.broadcast`` calls while active (DistContext looks it up at each call)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __enter__(self):
+        self._real = dist.broadcast
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._real(*args, **kwargs)
+
+        dist.broadcast = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.broadcast = self._real
+
+
+def _rank_buffers(model: nn.Module, rank: int) -> None:
+    """Every buffer set to values that differ per rank (and per buffer)."""
+    with torch.no_grad():
+        for i, buf in enumerate(model.buffers()):
+            buf.copy_(torch.arange(buf.numel()).view_as(buf) + 100 * rank + 10 * i)
+
+
+def _all_ranks(ok: bool) -> bool:
+    flag = torch.tensor([float(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def coalesced_broadcast() -> dict:
+    """DistContext.broadcast_many at world size 2: rank 0's values everywhere, one broadcast per
+    (device, dtype) group, each tensor's own strides kept."""
+    with distributed("cpu") as ctx:
+        model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(4), nn.BatchNorm1d(5))
+        expected = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(4), nn.BatchNorm1d(5))
+        _rank_buffers(model, ctx.rank)
+        _rank_buffers(expected, 0)
+        with _BroadcastCounter() as bn_count:
+            ctx.broadcast_many(list(model.buffers()))
+        bn_equal = all(torch.equal(a, b) for a, b in zip(model.buffers(), expected.buffers()))
+        bn_dtypes = all(a.dtype == b.dtype for a, b in zip(model.buffers(), expected.buffers()))
+
+        nhwc = (torch.arange(2 * 3 * 4 * 5.0).view(2, 3, 4, 5) + ctx.rank).contiguous(memory_format=torch.channels_last)
+        mixed = [nhwc, torch.full((3,), float(ctx.rank), dtype=torch.float64), torch.tensor(7 + ctx.rank)]
+        ptr = nhwc.data_ptr()
+        with _BroadcastCounter() as mixed_count:
+            ctx.broadcast_many(mixed)
+        mixed_ok = (
+            torch.equal(nhwc, torch.arange(2 * 3 * 4 * 5.0).view(2, 3, 4, 5))
+            and nhwc.is_contiguous(memory_format=torch.channels_last)
+            and nhwc.data_ptr() == ptr
+            and torch.equal(mixed[1], torch.zeros(3, dtype=torch.float64))
+            and mixed[2].item() == 7
+        )
+        with _BroadcastCounter() as empty_count:
+            ctx.broadcast_many([])
+        return {
+            "world": ctx.world_size,
+            "bn_equal": _all_ranks(bn_equal and bn_dtypes),
+            "bn_broadcasts": bn_count.calls,
+            "mixed_ok": _all_ranks(mixed_ok),
+            "mixed_broadcasts": mixed_count.calls,
+            "empty_broadcasts": empty_count.calls,
+        }
+
+
+def coalesced_engine(run_dir: str) -> dict:
+    """The engine's own buffer broadcasts at world size 2 (the ConvNet, BatchNorm-only buffers): after the
+    DDP wrap and before an evaluation, rank 0's buffers everywhere, in one broadcast per dtype."""
+    from ddpkit.config import TrainConfig
+    from ddpkit.data import load_dataset
+    from ddpkit.models import build_model
+    from ddpkit.train.ddp import wrap
+    from ddpkit.train.engine import Engine
+
+    with distributed("cpu") as ctx:
+        cfg = TrainConfig(
+            dataset="synthetic",
+            synthetic_shape="1,12,12",
+            synthetic_size=64,
+            batch_size=16,
+            model="convnet",
+            epochs=1,
+            progress=False,
+            run_dir=run_dir,
+        ).resolved()
+        model = build_model("convnet", 1, 12, 12, 10)
+        expected = build_model("convnet", 1, 12, 12, 10)
+        _rank_buffers(model, ctx.rank)
+        _rank_buffers(expected, 0)
+        n_buffers = len(list(model.buffers()))
+        with _BroadcastCounter() as wrap_count:
+            raw, ddp, _ = wrap(model, cfg, ctx, static_graph=True)
+        wrap_equal = all(torch.equal(a, b) for a, b in zip(raw.buffers(), expected.buffers()))
+
+        engine = Engine(
+            cfg, ctx, build_model("convnet", 1, 12, 12, 10), load_dataset(cfg), Classification(), static_graph=True
+        )
+        _rank_buffers(engine.raw, ctx.rank)
+        with _BroadcastCounter() as eval_count:
+            engine._evaluate()
+        eval_equal = all(torch.equal(a, b) for a, b in zip(engine.raw.buffers(), expected.buffers()))
+        return {
+            "wrapped": ddp is not None,
+            "buffers": n_buffers,
+            "wrap_equal": _all_ranks(wrap_equal),
+            "wrap_broadcasts": wrap_count.calls,
+            "eval_equal": _all_ranks(eval_equal),
+            "eval_broadcasts": eval_count.calls,
+        }
+
+
+def agree_on_steps(run_dir: str, steps: tuple) -> list[str]:
+    """Checkpointer._agree_on at world size 2, rank r at ``steps[r]``: what every rank said."""
+    from ddpkit.config import TrainConfig
+    from ddpkit.errors import RunDirError
+    from ddpkit.run.checkpoint import Checkpointer
+
+    with distributed("cpu") as ctx:
+        ckpt = Checkpointer(run_dir, ctx, TrainConfig(run_dir=run_dir).resolved())
+        try:
+            ckpt._agree_on(steps[ctx.rank])
+            said = "agreed"
+        except RunDirError as exc:
+            said = str(exc)
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, said)
+        return gathered
+
+
+def data_path_on_a_busy_gpu(free_bytes: tuple) -> list[str]:
+    """Every rank's ``choose_path`` when each sees ``free_bytes[rank]`` free on its GPU (other processes on
+    one of the GPUs), as rank 0 gathers them. The GPU is a label: ``torch.cuda.mem_get_info`` answers
+    for it, and the process group is gloo on the CPU."""
+    from ddpkit.data.loader import choose_path
+    from ddpkit.dist.context import DistContext
+
+    with distributed("cpu") as ctx:
+        real = torch.cuda.mem_get_info
+        torch.cuda.mem_get_info = lambda device=None: (free_bytes[ctx.rank], 80 * 2**30)
+        try:
+            on_gpu = DistContext(
+                ctx.rank,
+                ctx.local_rank,
+                ctx.world_size,
+                ctx.local_world_size,
+                torch.device("cuda", ctx.local_rank),
+                "gloo",
+            )
+            data = ImageData(torch.zeros(100, 1, 3, 3, dtype=torch.uint8), torch.zeros(100, dtype=torch.long))
+            cfg = SimpleNamespace(join=False, data_path="auto", device_data_fraction=0.25, dataset="synthetic")
+            path = choose_path(data, cfg, on_gpu)  # 900 + 800 bytes: resident where a quarter of free holds it
+        finally:
+            torch.cuda.mem_get_info = real
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, path)
+        return gathered
+
+
+def least_free_per_rank(free_bytes: tuple) -> list[dict]:
+    """``least_free_bytes`` at world 2 with each rank's own value, and how many all-reduces ``choose_path``
+    runs whatever the flags (every rank must run the same collectives)."""
+    from ddpkit.data.loader import choose_path, least_free_bytes
+    from ddpkit.dist.context import DistContext
+
+    with distributed("cpu") as ctx:
+        least = least_free_bytes(ctx, free_bytes[ctx.rank])
+        cpu_none = least_free_bytes(ctx, None)  # off CUDA: no collective, on every rank alike
+        real_reduce, real_info, calls = dist.all_reduce, torch.cuda.mem_get_info, []
+        dist.all_reduce = lambda *a, **kw: calls.append(1) or real_reduce(*a, **kw)
+        torch.cuda.mem_get_info = lambda device=None: (free_bytes[ctx.rank], 80 * 2**30)
+        try:
+            on_gpu = DistContext(ctx.rank, ctx.local_rank, 2, 2, torch.device("cuda", ctx.rank), "gloo")
+            data = ImageData(torch.zeros(100, 1, 3, 3, dtype=torch.uint8), torch.zeros(100, dtype=torch.long))
+            flags = ({"join": True}, {"data_path": "host"}, {"data_path": "device"}, {"data_path": "auto"})
+            base = dict(join=False, data_path="auto", device_data_fraction=0.25, dataset="x")
+            paths = [choose_path(data, SimpleNamespace(**{**base, **f}), on_gpu) for f in flags]
+        finally:
+            dist.all_reduce, torch.cuda.mem_get_info = real_reduce, real_info
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, {"least": least, "cpu": cpu_none, "reduces": len(calls), "paths": paths})
+        return gathered
+
+
+def user_model_on_another_gpu_in_rank_1() -> list[dict]:
+    """``own_copy`` at world 2 where rank 1 alone finds the model on a GPU not its own (the check is
+    stubbed: the tensors are on the CPU and count as foreign on rank 1): what each rank printed, and
+    whether its copied optimizer steps its copied model's parameters."""
+    import contextlib
+    import io
+
+    from ddpkit.train import workers as train_workers
+
+    with distributed("cpu") as ctx:
+        model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()  # state to copy
+        real = train_workers.foreign_devices
+        train_workers.foreign_devices = lambda devices, mine: (
+            [torch.device("cpu")] if ctx.rank == 1 and mine == ctx.device else []
+        )
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                copied, copy_opt = train_workers.own_copy(ctx, (model, opt))
+        finally:
+            train_workers.foreign_devices = real
+        params = {id(p) for p in copied.parameters()}
+        state = [t for s in copy_opt.state.values() for t in s.values() if t.dim()]
+        mine = {
+            "said": said.getvalue(),
+            "steps_copy": {id(p) for g in copy_opt.param_groups for p in g["params"]} == params,
+            "state_copied": set(map(id, copy_opt.state)) == params
+            and not {t.data_ptr() for t in state} & {t.data_ptr() for s in opt.state.values() for t in s.values()},
+        }
+        gathered = [None] * ctx.world_size
+        dist.all_gather_object(gathered, mine)
+        return gathered

@@ -109,3 +109,15 @@ def test_another_world_size_is_taken_but_not_for_a_join_run(tmp_path):
         else:
             with pytest.raises(RunDirError, match=expect):
                 ckpt.load_latest()
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_on_the_snapshot_step_exactly_past_float32s_range(tmp_path):
+    """float32 holds integers exactly only up to 2**24: 2**24 + 1 and 2**24 once compared as equal."""
+    from workers import agree_on_steps
+
+    from ddpkit.dist.launcher import run_workers
+
+    said = run_workers(agree_on_steps, (str(tmp_path), (2**24 + 1, 2**24)), 2)
+    assert len(said) == 2 and all(f"(steps {2**24} and {2**24 + 1})" in s for s in said), said
+    assert run_workers(agree_on_steps, (str(tmp_path), (2**24 + 1, 2**24 + 1)), 2) == ["agreed", "agreed"]

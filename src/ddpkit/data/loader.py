@@ -362,27 +362,63 @@ def _dataloader(
     )
 
 
-def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
-    """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here."""
+def free_device_bytes(ctx: DistContext) -> int | None:
+    """This rank's free memory on its GPU, in bytes; None off CUDA (the data is in host memory anyway)."""
+    if ctx.device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(ctx.device)
+    return free
+
+
+def least_free_bytes(ctx: DistContext, free: int | None) -> int | None:
+    """The least of every rank's ``free`` (one all-reduce MIN). Other processes on a GPU make each
+    rank's free memory differ, and ranks that chose apart would run different data code.
+
+    Every rank calls it; it skips the collective only where every rank does alike: at world 1, and
+    off CUDA (``free`` is None on every rank then). The value starts on the host: over gloo (a shared
+    GPU) it is reduced there, NCCL needs it on the device.
+    """
+    if free is None or ctx.world_size == 1:
+        return free
+    where = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    least = ctx.all_reduce(torch.tensor([free], dtype=torch.int64, device=where), op=torch.distributed.ReduceOp.MIN)
+    return int(least.item())  # once per run, before the first step
+
+
+def path_for(kind: str, nbytes: int, free: int | None, cfg: TrainConfig) -> str:
+    """``device``, ``host`` or ``loader`` for a train set of ``kind`` (``image``: an ImageData, ``tensor``:
+    a TensorData, ``stream``: any other Dataset) and ``nbytes`` bytes, with ``free`` bytes free on the
+    device (the least over ranks; None off CUDA). Pure: every rank given the same values decides alike."""
     if getattr(cfg, "join", False):
         return "loader"  # its sampler is the one that neither pads nor drops
-    if not isinstance(data, (ImageData, TensorData)):
+    if kind == "stream":
         if cfg.data_path in ("device", "host"):
             raise ConfigError(
                 f"--data-path {cfg.data_path} needs an in-memory dataset; {cfg.dataset} streams from disk"
             )
         return "loader"
-    if cfg.data_path == "host" and isinstance(data, TensorData):
+    if cfg.data_path == "host" and kind == "tensor":
         return "device"  # a TensorData is indexed where it is; on CPU that is host memory
     if cfg.data_path != "auto":
         return cfg.data_path
-    if ctx.device.type != "cuda":
+    if free is None:
         return "device"
-    free, _ = torch.cuda.mem_get_info(ctx.device)
-    nbytes = data.nbytes() if isinstance(data, TensorData) else data.images.numel() + data.labels.numel() * 8
     if nbytes <= cfg.device_data_fraction * free:
         return "device"
-    return "host" if isinstance(data, ImageData) else "loader"
+    return "host" if kind == "image" else "loader"
+
+
+def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
+    """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here, the same on every
+    rank. Every rank calls it (one all-reduce on CUDA at world > 1, whatever the flags)."""
+    free = least_free_bytes(ctx, free_device_bytes(ctx))
+    if isinstance(data, TensorData):
+        kind, nbytes = "tensor", data.nbytes()
+    elif isinstance(data, ImageData):
+        kind, nbytes = "image", data.images.numel() + data.labels.numel() * 8  # uint8 images, int64 labels
+    else:
+        kind, nbytes = "stream", 0
+    return path_for(kind, nbytes, free, cfg)
 
 
 def make_train_source(splits: DataSplits, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
@@ -404,7 +440,15 @@ class EvalSource:
         self.data, self.pre, self.ctx, self.batch = data, pre, ctx, batch
         self.indices = range(ctx.rank, len(data), ctx.world_size)
         self.loader = None
-        if not isinstance(data, (ImageData, TensorData)):
+        self.index = None
+        if isinstance(data, (ImageData, TensorData)):
+            # Made once, where the data lives, and sliced per batch: a host index into device-resident
+            # data is a synchronous host-to-device copy at every batch
+            where = data.images.device if isinstance(data, ImageData) else _device_of(data)
+            self.index = torch.arange(ctx.rank, len(data), ctx.world_size, device=where)
+            # the same tensor unless a user's labels live on another device than their images
+            self._label_index = self.index.to(data.labels.device if isinstance(data, ImageData) else where)
+        else:
             self.loader = _dataloader(data, list(self.indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn)
 
     def batches(self) -> Iterator:
@@ -415,11 +459,12 @@ class EvalSource:
                 yield (self.pre.eval(b[0]), b[1]) if self.pre.meta is not None else self.pre.cast(b)
             return
         for start in range(0, len(self.indices), self.batch):
-            idx = torch.tensor(self.indices[start : start + self.batch])
+            idx = self.index[start : start + self.batch]
             if isinstance(data, TensorData):
-                yield self.pre.cast(to_device(data.take(idx.to(_device_of(data))), ctx.device))
+                yield self.pre.cast(to_device(data.take(idx), ctx.device))
             else:
-                yield self.pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), data.labels[idx].to(ctx.device)
+                labels = data.labels[self._label_index[start : start + self.batch]]
+                yield self.pre.eval(data.images[idx].to(ctx.device, non_blocking=True)), labels.to(ctx.device)
 
 
 def _device_of(data: TensorData) -> torch.device:

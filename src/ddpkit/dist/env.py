@@ -7,6 +7,7 @@ worker leaves its error for the agent), ``TORCHELASTIC_RUN_ID``.
 
 ddpkit's own, set by the launcher for its workers (private: a user never sets them):
 ``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``.
+Set by the user: ``DDPKIT_SHARE_GPU=1`` (every CUDA rank of a node on ``cuda:0``, over gloo: for development).
 
 Set for the workers when the user has not: ``OMP_NUM_THREADS``, ``CUBLAS_WORKSPACE_CONFIG``,
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, ``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME`` (see where each is set).
@@ -42,7 +43,12 @@ T0 = "DDPKIT_T0"  # when the user launched the run (time.time(), repr), for summ
 RUN_LOCKED = "DDPKIT_RUN_LOCKED"  # the resolved run dir whose lock this job's launcher already holds
 LAUNCHER_PID = "DDPKIT_LAUNCHER_PID"  # so a worker can tell its launcher died before it started
 FORKED_WORKER = "DDPKIT_FORKED_WORKER"  # "1": forked from the launcher, so one intra-op thread (OpenMP)
-TO_WORKERS = (T0, RUN_LOCKED)  # set by the launcher before it launches; passed on to the workers
+# "1" (set by the user, for development): every CUDA rank of a node on cuda:0 over gloo, since NCCL
+# refuses two ranks on one GPU; more processes than GPUs is then allowed
+SHARE_GPU = "DDPKIT_SHARE_GPU"
+# Passed on to the workers: set by the launcher before it launches, or by the user (a forkserver
+# started earlier has the environment of its start, not this one's)
+TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU)
 
 # set for the workers where the user has not
 OMP_NUM_THREADS = "OMP_NUM_THREADS"

@@ -199,9 +199,10 @@ def resolve_nproc(nproc: str, device: str) -> int:
     if nproc == "auto":
         return max(1, gpus)
     n = int(nproc)
-    if gpus and n > gpus:
+    if gpus and n > gpus and os.environ.get(names.SHARE_GPU) != "1":  # shared: every rank on cuda:0 (dist.context)
         raise ConfigError(
-            f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); use --nproc {gpus} or --nproc auto"
+            f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); use --nproc {gpus} or --nproc auto "
+            f"(or, for testing, {names.SHARE_GPU}=1: every rank on cuda:0, over gloo)"
         )
     return n
 

@@ -237,12 +237,15 @@ class Checkpointer:
         """Every rank must resume from the same snapshot (a rank that could not read a file would not)."""
         if self.ctx.world_size == 1:
             return
-        lo = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MIN).item()
-        hi = self.ctx.all_reduce(torch.tensor([float(step)], device=self.ctx.device), op=dist.ReduceOp.MAX).item()
-        if lo != hi:
+        # int64: float32 holds steps exactly only up to 2**24. MAX of (step, -step) is (hi, -lo): one all-reduce.
+        both = self.ctx.all_reduce(
+            torch.tensor([step, -step], dtype=torch.int64, device=self.ctx.device), op=dist.ReduceOp.MAX
+        )
+        hi, neg_lo = both.tolist()
+        if hi != -neg_lo:
             raise RunDirError(
-                f"ranks disagree on the newest readable snapshot in {self.dir} (steps {lo:.0f} and "
-                f"{hi:.0f}): some rank cannot read a file the others can; check that every node sees "
+                f"ranks disagree on the newest readable snapshot in {self.dir} (steps {-neg_lo} and "
+                f"{hi}): some rank cannot read a file the others can; check that every node sees "
                 f"the same run directory"
             )
 

@@ -54,8 +54,7 @@ def wrap(
             find_unused_parameters=bool(cfg.find_unused_parameters),  # set by preflight, which says why
         )
         if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
-            for buf in raw.buffers():
-                ctx.broadcast(buf)
+            ctx.broadcast_many(list(raw.buffers()))
         register_comm_hook(ddp, cfg.comm_hook)
     wrapped = ddp or raw
     if cfg.compile:

@@ -7,8 +7,9 @@ even on error) and evaluate. What each needs travels as one :class:`Job`.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ def _train(job: Job, ctx: DistContext) -> dict:
     # this copy's parameters. Without a copy, spawned ranks on a node would share the
     # tensors torch.multiprocessing put in shared memory, and an in-process run would
     # train the caller's object in place.
-    model, optimizer, scheduler = copy.deepcopy((job.model, job.optimizer, job.scheduler))
+    model, optimizer, scheduler = own_copy(ctx, (job.model, job.optimizer, job.scheduler))
     if model is None:
         model = model_for(cfg, splits.meta)
     # Registry models use every parameter every step, so DDP may assume a static graph.
@@ -111,7 +112,7 @@ def eval_worker(job: Job) -> dict:
     with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         splits = job.splits or load_dataset(cfg, download=False)
         if job.model is not None:
-            model = copy.deepcopy(job.model)
+            (model,) = own_copy(ctx, (job.model,))
             if cfg.dtype == "float64":
                 model.double()
         else:
@@ -122,3 +123,64 @@ def eval_worker(job: Job) -> dict:
         )
         result, _ = evaluate(model, source, job.task, cfg, ctx)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}
+
+
+# ---------------------------------------------------------------------- the user's model, copied per rank
+def user_tensors(model: nn.Module | None, optimizer: Any = None) -> list[torch.Tensor]:
+    """The tensors of a user's model (parameters, buffers) and optimizer (its state), each once."""
+    found: dict[int, torch.Tensor] = {}
+    if model is not None:
+        for t in [*model.parameters(), *model.buffers()]:
+            found.setdefault(id(t), t)
+    if isinstance(optimizer, torch.optim.Optimizer):  # not a factory: an optimizer with its state
+        settings = [v for group in optimizer.param_groups for k, v in group.items() if k != "params"]  # a tensor lr
+        for value in [*settings, *(v for state in optimizer.state.values() for v in state.values())]:
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def foreign_devices(devices: Iterable[torch.device], mine: torch.device) -> list[torch.device]:
+    """The CUDA devices among ``devices`` other than this rank's ``mine``, in order: where a deep copy
+    would put a second copy on another rank's GPU. Pure."""
+    return sorted({d for d in devices if d.type == "cuda" and d != mine}, key=lambda d: d.index or 0)
+
+
+def copy_onto(objects: tuple, staged: Iterable[torch.Tensor], device: torch.device) -> tuple:
+    """A deep copy of ``objects`` in which each tensor of ``staged`` comes out on ``device``, copied
+    through host memory: never a second copy where it lives. The originals are not touched. The
+    copies take the others' places in the one deep copy (its memo), so the copied optimizer's
+    parameters and state are the copied model's, as in a plain deep copy."""
+    memo: dict[int, Any] = {}
+    for t in staged:
+        if isinstance(t, nn.parameter.UninitializedTensorMixin) or type(t) not in (torch.Tensor, nn.Parameter):
+            continue  # a lazy or subclassed tensor: copied where it is, as before
+        moved = t.detach().to("cpu", copy=True).to(device)  # always a new tensor, never one on the GPU it was on
+        memo[id(t)] = type(t)(moved, t.requires_grad) if isinstance(t, nn.Parameter) else moved
+    return copy.deepcopy(objects, memo)
+
+
+def own_copy(ctx: DistContext, objects: tuple) -> tuple:
+    """This rank's deep copy of the user's (model, optimizer, scheduler), on its own device.
+
+    Under torchrun every rank's script builds the model itself, typically with ``.to("cuda")``:
+    cuda:0 in every rank. A deep copy there would put one more model per rank on GPU 0 (then
+    DDP's copy on the rank's own GPU): those tensors go through host memory to this rank's
+    device instead. Said once for the job (one all-reduce, every rank), by global rank 0.
+    """
+    model, optimizer = objects[0], objects[1] if len(objects) > 1 else None
+    tensors = user_tensors(model, optimizer)
+    foreign = foreign_devices((t.device for t in tensors), ctx.device)
+    flag = ctx.all_reduce(torch.tensor([float(bool(foreign))], device=ctx.device), op=dist.ReduceOp.MAX)
+    if flag.item() > 0 and ctx.is_main:  # once per run, at start-up
+        where = ", ".join(map(str, foreign_devices((t.device for t in tensors), torch.device("cpu")))) or "a GPU"
+        print(
+            f"ddpkit: warning: the model passed in is on {where}, not on the own device of some ranks: each of "
+            f"those copied it to its own device through host memory, but keeps a CUDA context on {where} (a few "
+            f"hundred MiB per process); build the model on the CPU, or on cuda:LOCAL_RANK "
+            f"(torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before building it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    staged = [t for t in tensors if t.device in foreign]
+    return copy_onto(objects, staged, ctx.device)
