@@ -31,29 +31,44 @@ class Accumulator:
         self.sums = torch.zeros(k, dtype=torch.float64, device=device)
         self.counts = torch.zeros(k, dtype=torch.float64, device=device)
         self.host_sums, self.host_counts = [0.0] * k, [0.0] * k
-        self._index: dict[tuple, torch.Tensor] = {}
+        # one 0-d view per slot, for the parts added one by one (reset and load keep them: in place)
+        self._sum_slots, self._count_slots = self.sums.unbind(0), self.counts.unbind(0)
 
-    @torch.no_grad()
     def add(self, values: list[tuple]) -> None:
         """``values``: one (sum, count) per name, each a tensor or a number. No host sync."""
-        self._add(self.sums, self.host_sums, [v[0] for v in values])
-        self._add(self.counts, self.host_counts, [v[1] for v in values])
+        self._add(self.sums, self._sum_slots, self.host_sums, [v[0] for v in values])
+        self._add(self.counts, self._count_slots, self.host_counts, [v[1] for v in values])
 
-    def _add(self, dev: torch.Tensor, host: list, parts: list) -> None:
-        tensors, where = [], []
-        for i, part in enumerate(parts):
+    @staticmethod
+    def _add(dev: torch.Tensor, slots: tuple, host: list, parts: list) -> None:
+        """Each part added in float64, as ``part.to(float64)`` rounds it: exact for float64 parts, and
+        the same bits whether the parts go through one stack or one by one. No autograd: a part that
+        requires grad is detached (the common ones, a detached loss and a count, do not)."""
+        where, dtype = dev.device, None
+        for part in parts:  # the common case: 0-d tensors of one dtype on this device, none needing grad
+            if (
+                not isinstance(part, torch.Tensor)
+                or part.ndim
+                or part.requires_grad
+                or (dtype is not None and part.dtype != dtype)
+                or part.device != where
+            ):
+                break
+            dtype = part.dtype
+        else:
+            if parts:
+                stacked = torch.stack(parts)
+                dev += stacked if dtype == torch.float64 else stacked.to(torch.float64)
+            return
+        for i, part in enumerate(parts):  # numbers on the host, tensors one by one
             if isinstance(part, torch.Tensor):
-                tensors.append(part.detach().to(device=self.device, dtype=torch.float64).reshape(()))
-                where.append(i)
+                if part.requires_grad:
+                    part = part.detach()
+                if part.device != where or part.is_complex():  # the in-place add casts a real part to float64
+                    part = part.to(device=where, dtype=torch.float64)
+                slots[i].add_(part.reshape(()) if part.ndim else part)
             else:
                 host[i] += float(part)
-        if len(tensors) == len(parts):
-            dev += torch.stack(tensors)
-        elif tensors:
-            key = tuple(where)
-            if key not in self._index:
-                self._index[key] = torch.tensor(where, device=self.device)
-            dev.index_add_(0, self._index[key], torch.stack(tensors))
 
     def local(self) -> torch.Tensor:
         """[sums..., counts...] of this rank, on the device: one small host-to-device copy."""

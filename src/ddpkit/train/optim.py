@@ -1,13 +1,16 @@
 """Optimizer, learning-rate schedule, mixed precision and weight EMA, built from the config.
 
 All schedules are per step (not per epoch) and are plain LambdaLR factors, so their
-state is two integers and a resumed run continues on exactly the same curve.
+state is two integers and a resumed run continues on exactly the same curve. The built-in
+schedule is a :class:`TableLR`: a LambdaLR whose learning rates are computed once, before the
+run, so that a step of it is a table look-up (the same floats, and the same saved state).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from array import array
 
 import torch
 from torch import nn
@@ -110,8 +113,69 @@ class ScheduleFactor:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, ScheduleFactor(cfg.schedule, total_steps, cfg.warmup_frac))
+class TableLR(torch.optim.lr_scheduler.LambdaLR):
+    """A :class:`~torch.optim.lr_scheduler.LambdaLR` whose learning rates are looked up, not computed, per step.
+
+    ``table[g][step]`` is param group ``g``'s lr after ``step`` scheduler steps (``last_epoch == step``),
+    for ``step`` in ``0..steps``: exactly ``base_lr * lr_lambda(step)``, the float LambdaLR computes
+    there, made once at construction (and again after :meth:`load_state_dict`). Each ``table[g]`` is
+    an ``array('d')`` of Python floats' bits, so ``torch.frombuffer(table[g], dtype=torch.float64)``
+    puts it on a device as it is (for a step captured in a CUDA graph, which cannot call Python).
+    Past ``steps`` (a run that goes on after its schedule's end) the lr is computed as LambdaLR does.
+
+    ``lr_lambda`` must be a pure function of the step (as :class:`ScheduleFactor` is). Everything else is
+    LambdaLR's: ``get_last_lr()``, ``last_epoch``, the optimizer's ``initial_lr``, and the state dict,
+    whose keys and values are LambdaLR's (a snapshot written with a LambdaLR loads into it and goes
+    on along the same curve, and the other way round). Tensor learning rates take LambdaLR's own step.
+    """
+
+    table: tuple[array, ...] | None = None  # None until built, and for tensor learning rates
+    _OWN = ("table", "_steps")  # attributes of this class only: never in the state dict
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda, steps: int, last_epoch: int = -1):
+        self._steps = max(0, int(steps))
+        super().__init__(optimizer, lr_lambda, last_epoch)  # its first step(), before the table: LambdaLR's
+        self._build()
+
+    def _build(self) -> None:
+        self.table = None
+        if any(isinstance(v, torch.Tensor) for v in [*self.base_lrs, *(g["lr"] for g in self.optimizer.param_groups)]):
+            return
+        factors: dict[int, list[float]] = {}  # per distinct lambda (one, shared by every group, usually)
+        columns = []
+        for fn, base_lr in zip(self.lr_lambdas, self.base_lrs, strict=True):
+            if id(fn) not in factors:
+                factors[id(fn)] = [fn(step) for step in range(self._steps + 1)]
+            columns.append(array("d", [base_lr * f for f in factors[id(fn)]]))
+        self.table = tuple(columns)
+
+    def step(self, epoch: int | None = None) -> None:
+        table = self.table
+        # LambdaLR's own step: before the table is built, for a step given (deprecated), and for the
+        # second step, where LRScheduler warns if the optimizer has not stepped yet
+        if table is None or epoch is not None or self._step_count == 1:
+            super().step(epoch)
+            return
+        self._step_count += 1
+        step = self.last_epoch = self.last_epoch + 1
+        if step <= self._steps:
+            lrs = [column[step] for column in table]
+        else:
+            lrs = [base_lr * fn(step) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k not in self._OWN}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in self._OWN})
+        self._build()  # the loaded base_lrs and schedule settings
+
+
+def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> TableLR:
+    return TableLR(opt, ScheduleFactor(cfg.schedule, total_steps, cfg.warmup_frac), total_steps)
 
 
 def lr_policy(cfg: TrainConfig, opt: torch.optim.Optimizer, user_optimizer: bool, sched, user_scheduler: bool) -> str:
@@ -164,9 +228,37 @@ def changes(cfg: TrainConfig, applies_conv: bool) -> str:
 
 
 def autocast(cfg: TrainConfig, device: torch.device):
+    """The context the forward runs in: ``cfg.amp``'s autocast, or, with amp off, :class:`NoAutocast`
+    (nothing to do, unless the caller has an autocast on)."""
     if cfg.amp in (None, "none"):
-        return torch.autocast(device.type, enabled=False)
+        return NoAutocast(device.type)
     return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.amp == "bf16" else torch.float16)
+
+
+class NoAutocast:
+    """Amp off: the same as ``torch.autocast(device_type, enabled=False)``, at the cost of a flag read.
+
+    A disabled torch.autocast costs host time at every entry (it saves and sets autocast's dtype,
+    cache and nesting state). It changes something only inside an autocast that is on (a caller's,
+    around ``Trainer.fit()`` in-process, say), which it turns off; this enters one only then, and
+    otherwise does nothing. Reusable, and re-entrant.
+    """
+
+    __slots__ = ("device_type", "_entered")
+
+    def __init__(self, device_type: str):
+        self.device_type, self._entered = device_type, []
+
+    def __enter__(self) -> None:
+        inner = torch.autocast(self.device_type, enabled=False) if torch.is_autocast_enabled(self.device_type) else None
+        if inner is not None:
+            inner.__enter__()
+        self._entered.append(inner)
+
+    def __exit__(self, *exc) -> None:
+        inner = self._entered.pop()
+        if inner is not None:
+            inner.__exit__(*exc)
 
 
 def build_scaler(cfg: TrainConfig, device: torch.device):
@@ -175,25 +267,51 @@ def build_scaler(cfg: TrainConfig, device: torch.device):
 
 
 class EMA:
-    """Exponential moving average of the weights (and a copy of the buffers), updated per step."""
+    """Exponential moving average of the weights (and a copy of the buffers), updated per step.
+
+    ``update`` is one ``_foreach_lerp_`` over the parameters and one ``_foreach_copy_`` per buffer
+    dtype, with no walk of the modules: the buffers are found through (module, name) pairs taken at
+    construction, so a buffer a model replaces (``self.buf = self.buf + 1`` in its forward) rather
+    than updates in place is still the one copied, as a walk would find it.
+    """
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
         self.module = _clone(model)
         self.params = [p for p in self.module.parameters()]
         self.src = [p for p in model.parameters()]
+        self._model = model
+        # [(EMA's buffer slots, the model's)] per (dtype, device): one fused copy each on CUDA
+        groups: dict[tuple, tuple[list, list]] = {}
+        for (name, b), (ema_name, _) in zip(model.named_buffers(), self.module.named_buffers(), strict=True):
+            pair = groups.setdefault((b.dtype, b.device), ([], []))
+            pair[0].append(_slot(self.module, ema_name))
+            pair[1].append(_slot(model, name))
+        self.buffer_groups = list(groups.values())
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        torch._foreach_lerp_(self.params, [p.detach() for p in self.src], 1 - self.decay)
-        for b_ema, b in zip(self.module.buffers(), model.buffers()):
-            b_ema.copy_(b)
+        """The weights' average moves towards the parameters of the model this EMA was made of, and
+        the buffers are copied from ``model`` (the same one, in the engine)."""
+        torch._foreach_lerp_(self.params, self.src, 1 - self.decay)  # under no_grad: no detach needed
+        if model is not self._model:  # another model's buffers: found by a walk, as they always were
+            for b_ema, b in zip(self.module.buffers(), model.buffers()):
+                b_ema.copy_(b)
+            return
+        for ema_slots, slots in self.buffer_groups:
+            torch._foreach_copy_([m._buffers[n] for m, n in ema_slots], [m._buffers[n] for m, n in slots])
 
     def state_dict(self) -> dict:
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state)
+
+
+def _slot(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the module that holds buffer ``name``, its name there)."""
+    owner, _, attr = name.rpartition(".")
+    return model.get_submodule(owner), attr
 
 
 def _clone(model: nn.Module) -> nn.Module:
