@@ -16,6 +16,10 @@ prints the table. Every check runs through ddpkit's public API or its CLI, as a 
 | the same without --deterministic | reported: whether CUDA kernels alone keep it bitwise |
 | world 2 over NCCL (2+ GPUs), and a user model already on the GPU | runs; accuracy as world 1 |
 | --sync-bn: torch's SyncBatchNorm vs ddpkit's all-reduce one (2+ GPUs) | reported: step time of each |
+| --cuda-graph on: captured vs a capture forced to fail, 60 steps | model.pt bitwise equal; vs off: the float32 lr |
+| kill-and-resume with --cuda-graph on, --deterministic | model.pt bitwise equal to an uninterrupted run |
+| the eager step and evaluation under torch.cuda.set_sync_debug_mode("error") | no hidden host sync |
+| step times: bare and ddpkit, eager and graph, interleaved | ddpkit graph within 10% of the bare graph |
 
 Warm-up is excluded from every timing and reported: a discarded first run initialises the
 CUDA context, cuDNN's heuristics and the allocator. ``--tiny`` runs the same procedures on
@@ -188,7 +192,7 @@ def world_one_overhead(env: Env) -> Check:
     return c
 
 
-def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
+def _kill_and_resume(env: Env, deterministic: bool, extra: tuple = ()) -> tuple[bool, dict]:
     n, batch, kill_at = (1000, 50, 25) if env.tiny else (12_800, 128, 130)
     args = [
         "--dataset",
@@ -218,6 +222,7 @@ def _kill_and_resume(env: Env, deterministic: bool) -> tuple[bool, dict]:
         "1",
     ]
     args += ["--deterministic"] if deterministic else []
+    args += list(extra)
     ref, killed = Path(env.run_dir()), Path(env.run_dir())
     done = subprocess.run(
         [sys.executable, "-m", "ddpkit", "train", *args, "--run-dir", str(ref)],
@@ -319,6 +324,130 @@ def syncbn_implementations(env: Env) -> Check:
     return c
 
 
+def _model(run_dir: str) -> dict:
+    return torch.load(Path(run_dir) / "model.pt", map_location="cpu", weights_only=True)
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def graph_vs_eager(env: Env) -> Check:
+    c = Check(
+        "--cuda-graph on: captured vs forced to fall back (DDPKIT_CUDA_GRAPH_FAIL=all), MNIST, 60 steps, "
+        "--deterministic",
+        "model.pt bitwise equal (replay = the eager step, both with the float32 lr); against --cuda-graph off "
+        "only the lr's float32 rounding differs (reported)",
+    )
+    if env.tiny:
+        c.verdict = "skipped: needs CUDA (tests/train/test_graph.py emulates the capture on the CPU)"
+        return c
+    import os
+
+    from ddpkit.train.graph import FORCE_FAILURE
+
+    kw = dict(epochs=1, batch_size=128, limit_train=60 * 128, deterministic=True)
+    on_dir, fell_dir, off_dir = env.run_dir(), env.run_dir(), env.run_dir()
+    on = env.train(cuda_graph="on", run_dir=on_dir, **kw)
+    os.environ[FORCE_FAILURE] = "all"
+    try:
+        fell = env.train(cuda_graph="on", run_dir=fell_dir, **kw)
+    finally:
+        del os.environ[FORCE_FAILURE]
+    env.train(cuda_graph="off", run_dir=off_dir, **kw)
+    a, b, ref = _model(on_dir), _model(fell_dir), _model(off_dir)
+    differing = _differing(a, b)
+    off_gap = max((a[k].double() - ref[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+    c.figures = {
+        "status": [on.get("cuda_graph"), fell.get("cuda_graph")],
+        "differing_tensors": differing,
+        "max_abs_difference_from_off": off_gap,
+    }
+    c.measured = (
+        f"{on.get('cuda_graph')} / {fell.get('cuda_graph')}; "
+        + ("bitwise equal" if not differing else f"{len(differing)} tensors differ")
+        + f"; largest weight difference from --cuda-graph off {off_gap:.3g}"
+    )
+    captured = str(on.get("cuda_graph", "")).startswith("captured")
+    c.verdict = "met" if captured and not differing and str(fell.get("cuda_graph")).startswith("fell") else "missed"
+    return c
+
+
+def graph_resume(env: Env) -> Check:
+    c = Check("SIGKILL mid-epoch and resume with --cuda-graph on, --deterministic", "model.pt bitwise equal")
+    if env.tiny:
+        c.verdict = "skipped: needs CUDA"
+        return c
+    equal, c.figures = _kill_and_resume(env, deterministic=True, extra=("--cuda-graph", "on"))
+    c.measured = "bitwise equal" if equal else f"{len(c.figures['differing_tensors'])} tensors differ"
+    c.verdict = "met" if equal else "missed"
+    return c
+
+
+def no_hidden_syncs(env: Env) -> Check:
+    c = Check(
+        'the eager step and the evaluation batches under torch.cuda.set_sync_debug_mode("error")',
+        "no host sync in the default, --clip-grad-norm + --ema, and --amp bf16 steps, nor in EvalSource",
+    )
+    if env.tiny:
+        c.verdict = "skipped: needs CUDA (tests/train/test_engine.py spies on .item() and friends on the CPU)"
+        return c
+    import tempfile
+
+    from step_floor import mnist_engine
+
+    device = torch.device("cuda", 0)
+    found = {}
+    for name, kw in (("default", {}), ("clip+ema", dict(clip_grad_norm=1.0, ema=0.99)), ("bf16", dict(amp="bf16"))):
+        with tempfile.TemporaryDirectory() as run_dir:
+            engine = mnist_engine(device, 128, run_dir, **kw)
+            batches = engine.train_src.batches(0)
+            engine._step((next(batches),))  # the first step checks shapes once (a host read, on purpose)
+            torch.cuda.synchronize()
+            try:
+                torch.cuda.set_sync_debug_mode("error")
+                for _ in range(3):
+                    engine._step((next(batches),))
+                for _ in engine.eval_src.batches():
+                    pass
+                found[name] = "none"
+            except RuntimeError as exc:
+                found[name] = str(exc).splitlines()[0][:200]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    c.figures = found
+    c.measured = "; ".join(f"{k}: {v}" for k, v in found.items())
+    c.verdict = "met" if all(v == "none" for v in found.values()) else "missed"
+    return c
+
+
+def graph_step_times(env: Env) -> Check:
+    c = Check(
+        "step times, MNIST ConvNet, batch 128: bare eager, ddpkit eager, bare graph, ddpkit graph (interleaved)",
+        "ddpkit's graph step within 10% of the bare graph step (3% once metrics are fused)",
+    )
+    if env.tiny:
+        c.verdict = "skipped: needs CUDA"
+        return c
+    from step_floor import engine_graph_step, engine_step, graphed, variant
+
+    device, rounds = torch.device("cuda", 0), []
+    for _ in range(3):
+        rounds.append(
+            {
+                "bare eager": variant(device, 128, 300),
+                "ddpkit eager": engine_step(device, 128, 300),
+                "bare graph": graphed(device, 128, 300),
+                "ddpkit graph": engine_graph_step(device, 128, 300),
+            }
+        )
+    med = {k: 1e3 * statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    c.figures = {"ms_per_step_median": med, "rounds_s": rounds}
+    c.measured = ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
+    c.verdict = env.judge(med["ddpkit graph"] <= 1.10 * med["bare graph"])
+    return c
+
+
 CHECKS = [
     mnist_accuracy,
     seed_vs_ddpkit,
@@ -328,6 +457,10 @@ CHECKS = [
     nondeterministic_resume,
     world_two,
     syncbn_implementations,
+    graph_vs_eager,
+    graph_resume,
+    no_hidden_syncs,
+    graph_step_times,
 ]
 
 

@@ -17,6 +17,7 @@ put where it belongs:
 | bare, CUDA graph | the whole step replayed as one graph: the launch-free floor (fixed lr) |
 
 | ddpkit Engine._step | ddpkit's own step, world 1 (no DDP there), on the real MNIST |
+| ddpkit, --cuda-graph on | the same step captured and replayed by ddpkit (train/graph.py), with its lr table and metrics |
 
 Writes ``floor.json`` and ``profile_engine.txt``, the profiler's table of ddpkit's step.
 """
@@ -99,37 +100,66 @@ def variant(device, batch, steps, *, task=False, ddp=False, profile_to=None, cud
     return per_step
 
 
-def engine_step(device, batch, steps, profile_to=None) -> float:
-    """ddpkit's own step (Engine._step) on the real MNIST, device-resident, world 1, in this process."""
-    import tempfile
-
+def mnist_engine(device, batch: int, run_dir: str, cuda_graph: str = "off", **kw):
+    """ddpkit's Engine on the real MNIST, device-resident, world 1, in this process (recipe "mnist":
+    float32 like the bare step; auto picks bf16 on CPUs with native bf16)."""
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
     from ddpkit.dist.context import DistContext
     from ddpkit.models import build_model
     from ddpkit.train.engine import Engine
 
+    cfg = TrainConfig(
+        dataset="mnist",
+        recipe="mnist",
+        batch_size=batch,
+        epochs=1,
+        device=device.type,
+        progress=False,
+        log_every=10**6,
+        run_dir=run_dir,
+        cuda_graph=cuda_graph,
+        **kw,
+    ).resolved()
+    ctx = DistContext(0, 0, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(0)
+    return Engine(cfg, ctx, build_model(cfg.model, 1, 28, 28, 10), load_dataset(cfg), Classification(classes=10))
+
+
+def engine_step(device, batch, steps, profile_to=None) -> float:
+    """ddpkit's own step (Engine._step)."""
+    import tempfile
+
     torch.backends.cudnn.benchmark = False
     with tempfile.TemporaryDirectory() as run_dir:
-        # recipe "mnist": float32 like the bare step (auto picks bf16 on CPUs with native bf16)
-        cfg = TrainConfig(
-            dataset="mnist",
-            recipe="mnist",
-            batch_size=batch,
-            epochs=1,
-            device=device.type,
-            progress=False,
-            log_every=10**6,
-            run_dir=run_dir,
-        ).resolved()
-        ctx = DistContext(0, 0, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
-        torch.manual_seed(0)
-        engine = Engine(cfg, ctx, build_model(cfg.model, 1, 28, 28, 10), load_dataset(cfg), Classification(classes=10))
+        engine = mnist_engine(device, batch, run_dir)
         batches = engine.train_src.batches(0)
         step = lambda i: engine._step((next(batches),))  # noqa: E731
         per_step = time_steps(step, min(steps, engine.steps_per_epoch - 60), device)
         if profile_to is not None:
             profile(step, device, profile_to)
+    return per_step
+
+
+def engine_graph_step(device, batch, steps) -> float:
+    """ddpkit's step under --cuda-graph on (train/graph.py): warm-up and capture happen within
+    time_steps' warm-up, then replays."""
+    import tempfile
+
+    from ddpkit.train.graph import GraphedSteps
+
+    torch.backends.cudnn.benchmark = False
+    with tempfile.TemporaryDirectory() as run_dir:
+        engine = mnist_engine(device, batch, run_dir, cuda_graph="on")
+        engine.graph = GraphedSteps(engine)
+        slots = engine.graph.epoch(0, 0)
+
+        def step(i):
+            next(slots)
+            engine.graph.step()
+
+        per_step = time_steps(step, min(steps, engine.steps_per_epoch - 60), device)
+        assert engine.graph.status.startswith("captured"), engine.graph.status
     return per_step
 
 
@@ -192,6 +222,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             rows["bare, cudnn.benchmark"] = variant(device, b, args.steps, cudnn_benchmark=True)
             rows["bare, CUDA graph"] = graphed(device, b, args.steps)
+            rows["ddpkit, --cuda-graph on"] = engine_graph_step(device, b, args.steps)
     finally:
         dist.destroy_process_group()
     table = {k: {"ms_per_step": 1e3 * v, "samples_per_s": b / v} for k, v in rows.items()}

@@ -225,6 +225,14 @@ class TrainConfig:
         "deterministic kernels (torch, cuDNN, cuBLAS): bitwise-identical reruns "
         "and resumes on CUDA too, at some speed cost",
     )
+    cuda_graph: str = _f(
+        "auto",
+        "train",
+        "capture the whole training step as one CUDA graph after warm-up and replay it (its lr read as "
+        "float32): on | off | auto (off until its GPU acceptance run; then on at world 1 for ddpkit's own "
+        "model, task, optimizer and schedule). A failed capture falls back to the eager step",
+        ("auto", "on", "off"),
+    )
     log_every: int = _f(
         50, "train", "steps between metric logs, NaN checks and SIGTERM checks (the only host syncs in an epoch)"
     )
@@ -451,20 +459,31 @@ class TrainConfig:
             "log",
             "plots",
         }
-    )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py)
+    )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py). Not cuda_graph: on CUDA it
+    # reads the lr as float32 (train/graph.py, DeviceLR)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
 
+    # Identity keys added after run directories were named by this hash, left out of it at their
+    # default: an unfinished run named by an older ddpkit keeps its name, so rerunning its command
+    # after an upgrade resumes it.
+    HASHED_UNLESS_DEFAULT = {"cuda_graph": "auto"}
+
     def hash(self) -> str:
-        blob = json.dumps(self.identity(), sort_keys=True, default=str)
+        kept = {
+            k: v
+            for k, v in self.identity().items()
+            if not (k in self.HASHED_UNLESS_DEFAULT and v == self.HASHED_UNLESS_DEFAULT[k])
+        }
+        blob = json.dumps(kept, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # Identity keys a run dir written before ddpkit 0.3 leaves empty: such a run is matched on the rest.
     RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
     # Keys a run dir written before they existed lacks altogether: such a run is matched on the rest. Their
     # empty value is a real one ("" = no arguments), so only a missing key means "not recorded".
-    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args"})
+    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args", "cuda_graph"})
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""

@@ -31,6 +31,7 @@ from .importpath import generators_kept, is_import_path, resolve
 from .models import model_for
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
+from .train.graph import blockers
 from .train.task import Classification, Task
 
 
@@ -58,6 +59,12 @@ def preflight(
             f"(--batch-size {cfg.batch_size} over {world} ranks)"
         )
     check_installed(parse_loggers(cfg.log))  # before the data loads: a missing package is a quick error
+    cant_capture = blockers(cfg, spec.device_type, spec.world_size) if cfg.cuda_graph == "on" else []
+    if cant_capture:  # what only a rank knows (its data path, a user scheduler) is checked there, alike
+        raise ConfigError(
+            f"--cuda-graph on cannot capture this run: {'; '.join(cant_capture)}. Use --cuda-graph auto "
+            f"(it says why it stays off) or off"
+        )
     if isinstance(optimizer, torch.optim.Optimizer) and model is None:
         raise ConfigError(
             "an optimizer object needs the model it was built on: pass model=... too, or a factory "

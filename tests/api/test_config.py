@@ -279,3 +279,16 @@ def test_the_registries_are_keyed_by_the_names_the_config_accepts():
     from ddpkit.run.loggers import LOGGERS
 
     assert tuple(DATASETS) == DATASET_NAMES and tuple(MODELS) == MODEL_NAMES and tuple(LOGGERS) == LOGGER_NAMES
+
+
+def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
+    """cuda_graph joined the identity after run dirs were named by the hash: at its default the hash is
+    the one an older ddpkit computed (so a rerun after an upgrade finds and resumes its run), and any
+    other value changes it."""
+    import hashlib
+    import json
+
+    cfg = TrainConfig(dataset="mnist", recipe="mnist", epochs=1).resolved()
+    older = {k: v for k, v in cfg.identity().items() if k != "cuda_graph"}
+    assert cfg.hash() == hashlib.sha256(json.dumps(older, sort_keys=True, default=str).encode()).hexdigest()
+    assert dataclasses.replace(cfg, cuda_graph="on").hash() != cfg.hash()

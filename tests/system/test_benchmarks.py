@@ -56,9 +56,9 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "acceptance.json").read_text())
     verdicts = {c["name"].split(",")[0]: c["verdict"] for c in report["checks"]}
-    assert len(verdicts) == 8 and not [v for v in verdicts.values() if v.startswith(("error", "skipped: out"))]
+    assert len(verdicts) == 12 and not [v for v in verdicts.values() if v.startswith(("error", "skipped: out"))]
     assert verdicts["SIGKILL mid-epoch"] == "met"
-    assert sum(v.startswith("skipped: needs") for v in verdicts.values()) == 2  # the two CUDA-only ones
+    assert sum(v.startswith("skipped: needs") for v in verdicts.values()) == 6  # the CUDA-only ones
     assert "| check | target | measured | verdict |" in (tmp_path / "acceptance.md").read_text()
 
 
@@ -84,3 +84,51 @@ def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
         assert side[key] is not None and side[key] > 0, key
     assert side["runs"]["one_step"]["startup_s"] > 0 and side["runs"]["one_step"]["teardown_s"] >= 0
     assert "| 1-step run: wall |" in proc.stdout
+
+
+def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):
+    """benchmarks/host_cost.py --quick: every cut's row, old and new side by side, with the same results
+    (its figures are not judged here)."""
+    out = tmp_path / "host_cost.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--quick", "--out", str(out)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["environment"]["quick"] is True and report["environment"]["device"] == "cpu"
+    rows = report["rows"]
+    assert [r["cut"] for r in rows] == ["a", "a", "b", "b", "c", "d", "d", "e"]
+    for row in rows:
+        assert len(row["old_runs_us"]) == len(row["new_runs_us"]) == row["repeats"] == 3, row["name"]
+        assert row["old_us"] > 0 and row["new_us"] > 0 and row["new_over_old"] > 0, row["name"]
+        assert row.get("same_result", True) is True, row["name"]  # the new piece computed what the old one did
+    assert "| cut | what | old µs | new µs | new/old | saved µs |" in proc.stdout
+
+
+def test_the_world_two_on_one_gpu_script_runs_its_cpu_mode(tmp_path):
+    """benchmarks/world2_one_gpu.py --device cpu, its quickest check: two ranks with --sync-bn give
+    step 1's loss of one rank with BatchNorm over the same global batch (the GPU run shares cuda:0)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "world2_one_gpu.py"),
+            "--device",
+            "cpu",
+            "--only",
+            "syncbn",
+            "--out",
+            str(tmp_path),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "world2.json").read_text())["checks"]["syncbn"]
+    assert result["passed"] and result["relative_difference"] <= 1e-5
+    assert "| syncbn | passed |" in (tmp_path / "world2.md").read_text()

@@ -37,6 +37,7 @@ from ..run.recorder import MetricLogger
 from ..run.rundir import write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
+from .graph import GraphedSteps, decide
 from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
 from .optim import (
     EMA,
@@ -140,6 +141,18 @@ class Engine:
             else build_schedule(self.opt, cfg, self.total_steps)
         )
         self.lr_policy = lr_policy(cfg, self.opt, optimizer is not None, self.sched, scheduler is not None)
+        self._advance_lr = self.sched.step  # the graph's device lookup under --cuda-graph (train/graph.py)
+        self.user_scheduler = scheduler is not None
+        # What --cuda-graph auto leaves to --cuda-graph on: code whose Python a replay would not run
+        self.user_code = ", ".join(
+            what
+            for what, mine in (
+                ("model", not static_graph),  # static_graph: a registry model (train/workers.py)
+                ("optimizer", optimizer is not None),
+                ("loss or metrics", type(task) is not Classification or bool(task.metrics)),
+            )
+            if mine
+        )
         self.changes = changes(cfg, uses_conv(self.raw))
         self.scaler = build_scaler(cfg, ctx.device)
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
@@ -169,6 +182,10 @@ class Engine:
         self._last_eval: tuple | None = None  # (global step, result, local sums) of the newest evaluation
         self._stop = StopSignal()
         self._nan_warned = False
+        self.graph_decision = decide(cfg, ctx, self)
+        if self.graph_decision.use and ctx.device.type == "cuda":  # the fused kernels read a tensor lr as float32
+            self.changes = ", ".join(c for c in (self.changes, "lr rounded to float32 (CUDA graph)") if c != "none")
+        self.graph: GraphedSteps | None = None  # built in fit(), after a resume has set the lr and the step
 
     # ------------------------------------------------------------------ state
     def _stateful(self) -> dict:
@@ -186,6 +203,8 @@ class Engine:
             key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer" else part.state_dict()
             for key, part in self._stateful().items()
         }
+        if self.graph is not None:  # its lrs are device tensors; a snapshot keeps plain floats
+            state["optimizer"] = self.graph.optimizer_state(state["optimizer"])
         now, mid_epoch = time.perf_counter(), self.pos.step_in_epoch > 0
         timing = dataclasses.replace(
             self.timing,
@@ -261,6 +280,8 @@ class Engine:
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
+            if self.graph_decision.use:
+                self.graph = GraphedSteps(self)
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
             write_config(self.cfg, self.ctx, self.identity)
@@ -280,6 +301,7 @@ class Engine:
                 resumed_at_step=self.pos.global_step if snap else None,
                 resumed_from_world=snap["world_size"] if snap else None,
                 restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
+                cuda_graph=str(self.graph_decision),
             )
             with self._stop:
                 while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
@@ -322,7 +344,11 @@ class Engine:
         self._epoch_t0 = time.perf_counter() - self.timing.epoch_elapsed_s
         self._begin_intervals()
         totals = self.interval.totals
-        micro = self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
+        micro = (
+            self.graph.epoch(self.pos.epoch, self.pos.step_in_epoch)
+            if self.graph is not None
+            else self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
+        )
         with self._join():
             for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
                 if self._first_step_at is None:
@@ -331,6 +357,8 @@ class Engine:
                     self._compile_step(group)
                     self._epoch_t0 += self.timing.compile_time_s
                     self._interval_start(time.perf_counter(), totals)
+                elif self.graph is not None:
+                    self.graph.step()  # gathers its own batch on the device
                 else:
                     self._step(group)
                 self.pos.step_in_epoch += 1
@@ -384,14 +412,18 @@ class Engine:
         self.pos.step_in_epoch += missing
         self.pos.global_step += missing
         if not isinstance(self.opt, ZeroRedundancyOptimizer):  # ZeRO's own join hook keeps its shards
+            # (state tensor, its device copy): NCCL broadcasts device tensors only, and some state lives
+            # on the CPU (Adam's step count); a tensor already on the device is its own copy
+            pairs = []
             for group in self.opt.param_groups:
                 for p in group["params"]:
                     state = self.opt.state.get(p, {})
                     for key in sorted(state):
                         if torch.is_tensor(state[key]):
-                            on_device = state[key].to(self.ctx.device)  # e.g. Adam's step count lives on the CPU
-                            self.ctx.broadcast(on_device)
-                            state[key].copy_(on_device)
+                            pairs.append((state[key], state[key].to(self.ctx.device)))
+            self.ctx.broadcast_many([on_device for _, on_device in pairs])
+            for kept, on_device in pairs:
+                kept.copy_(on_device)
         self._log_interval()
 
     def _step(self, micro: tuple) -> None:
@@ -413,7 +445,7 @@ class Engine:
             self.acc.add(self._no_metrics + [(norm, 1)])
         self.scaler.step(self.opt)
         self.scaler.update()
-        self.sched.step()
+        self._advance_lr()
         if self.ema is not None:
             self.ema.update(self.raw)
 
@@ -550,8 +582,7 @@ class Engine:
         # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
         # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
         # what model.pt (rank 0's) will hold.
-        for buf in model.buffers():
-            self.ctx.broadcast(buf)
+        self.ctx.broadcast_many(list(model.buffers()))
         return evaluate(model, self.eval_src, self.task, self.cfg, self.ctx)
 
     def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
@@ -615,6 +646,7 @@ class Engine:
             "per_rank": per_rank,
             "ddp_timers": ddp_timers(self.ddp),
             "diverged_at_step": self.watch.diverged_at_step,
+            "cuda_graph": self.graph.status if self.graph is not None else str(self.graph_decision),
         }
         write_summary(cfg.run_dir, summary, ctx)
         self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
