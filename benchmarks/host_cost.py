@@ -75,23 +75,20 @@ class OldEMA:
         return self.module.state_dict()
 
 
-class OldAccumulator:
-    """ddpkit's Accumulator before the cut (the parts a step uses)."""
+class OldAccumulator(Accumulator):
+    """ddpkit's Accumulator.add before the cut: each part detached, converted and reshaped, then stacked
+    (the rest, local/state/load, is today's: the cut changed only add)."""
 
     def __init__(self, names: tuple[str, ...], device: torch.device):
-        self.names, self.device = tuple(names), device
-        k = len(self.names)
-        self.sums = torch.zeros(k, dtype=torch.float64, device=device)
-        self.counts = torch.zeros(k, dtype=torch.float64, device=device)
-        self.host_sums, self.host_counts = [0.0] * k, [0.0] * k
+        super().__init__(names, device)
         self._index: dict[tuple, torch.Tensor] = {}
 
     @torch.no_grad()
     def add(self, values: list[tuple]) -> None:
-        self._add(self.sums, self.host_sums, [v[0] for v in values])
-        self._add(self.counts, self.host_counts, [v[1] for v in values])
+        self._old_add(self.sums, self.host_sums, [v[0] for v in values])
+        self._old_add(self.counts, self.host_counts, [v[1] for v in values])
 
-    def _add(self, dev: torch.Tensor, host: list, parts: list) -> None:
+    def _old_add(self, dev: torch.Tensor, host: list, parts: list) -> None:
         tensors, where = [], []
         for i, part in enumerate(parts):
             if isinstance(part, torch.Tensor):

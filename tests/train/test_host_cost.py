@@ -13,12 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import _load_benchmark
 from torch import nn
 
 from ddpkit.config import TrainConfig
 from ddpkit.models import ConvNet
 from ddpkit.train.metrics import Accumulator
 from ddpkit.train.optim import EMA, ScheduleFactor, TableLR, autocast, build_schedule
+
+# The old pieces, as they were before the cut: one copy, the benchmark's (benchmarks/host_cost.py)
+OLD = _load_benchmark("host_cost")
+OldEMA, OldAccumulator = OLD.OldEMA, OLD.OldAccumulator
 
 FIXTURE_SNAPSHOT = Path(__file__).parents[1] / "fixtures" / "run_v0.2_step6" / "checkpoints" / "snapshot-000000006.pt"
 KINDS = [("constant", 0.0), ("cosine", 0.1), ("onecycle", 0.15), ("cosine", 0.0), ("onecycle", 0.0)]
@@ -173,24 +178,6 @@ def test_the_table_schedule_still_warns_of_a_step_before_the_optimizers():
 
 
 # ------------------------------------------------------------------ EMA
-class OldEMA:
-    """ddpkit's EMA before the cut: the update walked the modules and copied each buffer."""
-
-    def __init__(self, model, decay):
-        self.decay = decay
-        self.module = copy.deepcopy(model)
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-        self.params = [p for p in self.module.parameters()]
-        self.src = [p for p in model.parameters()]
-
-    @torch.no_grad()
-    def update(self, model):
-        torch._foreach_lerp_(self.params, [p.detach() for p in self.src], 1 - self.decay)
-        for b_ema, b in zip(self.module.buffers(), model.buffers()):
-            b_ema.copy_(b)
-
-
 class Counting(nn.Module):
     """A model that replaces (rather than updates in place) a buffer in its forward."""
 
@@ -256,35 +243,6 @@ def test_the_ema_keeps_updating_its_own_buffers_after_load_state_dict():
 
 
 # ------------------------------------------------------------------ the accumulator
-class OldAccumulator(Accumulator):
-    """Accumulator.add before the cut: each part detached, converted and reshaped, then stacked."""
-
-    def __init__(self, names, device):
-        super().__init__(names, device)
-        self._index = {}
-
-    @torch.no_grad()
-    def add(self, values):
-        self._old_add(self.sums, self.host_sums, [v[0] for v in values])
-        self._old_add(self.counts, self.host_counts, [v[1] for v in values])
-
-    def _old_add(self, dev, host, parts):
-        tensors, where = [], []
-        for i, part in enumerate(parts):
-            if isinstance(part, torch.Tensor):
-                tensors.append(part.detach().to(device=self.device, dtype=torch.float64).reshape(()))
-                where.append(i)
-            else:
-                host[i] += float(part)
-        if len(tensors) == len(parts):
-            dev += torch.stack(tensors)
-        elif tensors:
-            key = tuple(where)
-            if key not in self._index:
-                self._index[key] = torch.tensor(where, device=self.device)
-            dev.index_add_(0, self._index[key], torch.stack(tensors))
-
-
 def awkward(x: float):
     """Values whose float64 sums round at every add."""
     return x * math.pi * 1e-3 + 1 / 3
