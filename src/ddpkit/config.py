@@ -93,6 +93,13 @@ class TrainConfig:
         ("auto", "device", "host", "loader"),
     )
     device_data_fraction: float = _f(0.25, "data", "max fraction of free device memory the resident train set may take")
+    shuffle_in_batch: bool = _f(
+        False,
+        "data",
+        "each global batch's samples in another order of their own, drawn from (seed, epoch): the same steps "
+        "summed in another float order; on only for ddpkit check's noise run",
+        cli=False,
+    )
     # [model]
     model: Optional[str] = _f(
         None,
@@ -239,7 +246,9 @@ class TrainConfig:
     # [run]
     run_dir: str = _f("", "run", "run directory (default: runs/<dataset>-<model>-<config hash>)")
     device: str = _f("auto", "run", "auto | cpu | cuda", ("auto", "cpu", "cuda"))
-    timeout_s: float = _f(600.0, "run", "collective timeout in seconds; a stalled rank fails the job after this")
+    timeout_s: float = _f(
+        600.0, "run", "collective timeout in seconds (3 to 100,000,000); a stalled rank fails the job after this"
+    )
     progress: bool = _f(True, "run", "rich progress bar on rank 0")
     log: str = _f(
         "",
@@ -261,9 +270,16 @@ class TrainConfig:
     resume: str = _f(
         "auto",
         "run",
-        "auto: continue from the run dir's newest snapshot (or return its result if "
-        "finished) | never: refuse a run dir that already holds a run",
+        "auto: continue a killed run from the run dir's newest snapshot | never: refuse a run dir that "
+        "already holds a run",
         ("auto", "never"),
+    )
+    reuse_finished: bool = _f(
+        False,
+        "run",
+        "return a finished run's stored result instead of training, when its config and everything ddpkit "
+        "reads of what you passed in match and nothing is unreadable. Off: a finished run trains again "
+        "(in the next free default run dir; a --run-dir you named is refused, nothing overwritten)",
     )
     on_nan: str = _f(
         "stop",
@@ -350,6 +366,7 @@ class TrainConfig:
         for name, value in positive.items():
             if value is None or value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        check_timeout_s(self.timeout_s)
         if not str(self.optimizer).startswith("custom:") and (self.lr is None or not self.lr > 0):
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.clip_grad_norm < float("inf"):
@@ -392,6 +409,8 @@ class TrainConfig:
         for name, value in nonneg.items():
             if value is not None and value < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {value}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"--seed {self.seed} is out of range: give a whole number from 0 to 2**63-1 ({SEED_MAX})")
         for name in ("warmup_frac", "label_smoothing", "ema"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
@@ -409,11 +428,8 @@ class TrainConfig:
                 f"--max-restarts {self.max_restarts} resumes from snapshots, and a --comm-hook powersgd run "
                 f"cannot resume exactly (its error feedback is not in snapshots); drop one of them"
             )
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ConfigError(
-                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
-                f"that every node can reach, with a free port), the same on every node"
-            )
+        # --nnodes > 1 without --rdzv-endpoint is refused at launch (dist/launcher.py: LaunchSpec.from_config),
+        # where SLURM's and Kubeflow's variables, which may give the endpoint, are read
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -442,6 +458,7 @@ class TrainConfig:
             "num_workers",
             "progress",
             "resume",
+            "reuse_finished",
             "nproc",
             "data_path",
             "device_data_fraction",
@@ -468,7 +485,7 @@ class TrainConfig:
     # Identity keys added after run directories were named by this hash, left out of it at their
     # default: an unfinished run named by an older ddpkit keeps its name, so rerunning its command
     # after an upgrade resumes it.
-    HASHED_UNLESS_DEFAULT = {"cuda_graph": "auto"}
+    HASHED_UNLESS_DEFAULT = {"cuda_graph": "auto", "shuffle_in_batch": False}
 
     def hash(self) -> str:
         kept = {
@@ -483,7 +500,7 @@ class TrainConfig:
     RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
     # Keys a run dir written before they existed lacks altogether: such a run is matched on the rest. Their
     # empty value is a real one ("" = no arguments), so only a missing key means "not recorded".
-    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args", "cuda_graph"})
+    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args", "cuda_graph", "shuffle_in_batch"})
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""
@@ -559,6 +576,29 @@ def _field_types() -> dict[str, tuple[type, bool]]:
             optional,
         )
     return out
+
+
+# --timeout-s, in seconds. Below 3 s a healthy run's own pauses (a rank starting later than another,
+# rank 0 writing a snapshot) outlast it, and the hang watch looks at half of it. Above 1e8 s (3 years,
+# no timeout in effect): timedelta ends at 8.6e13 s, and the process group's deadline (now + timeout,
+# in int64 nanoseconds) overflows near 9.2e9 s, which gloo reports as a connect timeout.
+TIMEOUT_S_RANGE = (3.0, 1e8)
+
+
+def check_timeout_s(value: float, name: str = "--timeout-s") -> None:
+    """A one-line ConfigError unless ``value`` is in TIMEOUT_S_RANGE (``name``: how the caller gave it)."""
+    low, high = TIMEOUT_S_RANGE
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not low <= value <= high:  # NaN too
+        raise ConfigError(
+            f"{name} {f'{value:.10g}' if number else repr(value)} is out of range: give {low:g} to {high:,.0f} "
+            f"seconds (the collectives' timeout; the hang watch reports at half of it)"
+        )
+
+
+# --seed's largest value: what an int64 holds. torch.manual_seed takes up to 2**64-1, but ddpkit adds the
+# epoch to it (data/loader.py), and numpy's SeedSequence (run/checkpoint.py reseed) takes no negative seed.
+SEED_MAX = 2**63 - 1
 
 
 def check_value(name: str, value: Any, source: str = "") -> Any:

@@ -128,10 +128,49 @@ class WorkersFailed(Exception):
         self.reported, self.exit_code = reported, exit_code
 
 
+def article(noun: str) -> str:
+    """``noun`` after its indefinite article, by its first letter: "an int", "a str", "an IterableDataset"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def raised_at(exc: BaseException) -> str:
     """``Type: first line of the message (file.py:line)``: an exception of your code, and where it was
-    raised, for a one-line error that names it (the traceback is not shown)."""
+    raised, for a one-line error that names it (the traceback is not shown). Where it was raised inside a
+    library (torch, numpy, ddpkit itself), the line of your code that called into it."""
     frames = traceback.extract_tb(exc.__traceback__)
     text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    at = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    frame = next((f for f in reversed(frames) if not _library(f.filename)), frames[-1] if frames else None)
+    at = f" ({shown_path(frame.filename)}:{frame.lineno})" if frame else ""
     return f"{type(exc).__name__}: {text}{at}" if text else f"{type(exc).__name__}{at}"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__))
+_INSTALLED = ("site-packages", "dist-packages")
+
+
+def _library(filename: str) -> bool:
+    """Whether a frame's file is not the user's own: ddpkit's, an installed package's, the standard
+    library's, or Python's own (``<frozen runpy>``)."""
+    path = os.path.abspath(filename)
+    return (
+        filename.startswith("<")
+        or path.startswith(_PACKAGE + os.sep)
+        or path.startswith(_STDLIB + os.sep)
+        or any(part in _INSTALLED for part in path.split(os.sep))
+    )
+
+
+def shown_path(filename: str) -> str:
+    """A source file as an error line names it: relative to the working directory when it lies below it,
+    ``site-packages/pkg/...`` inside an installed package, else absolute (never ``../../..``)."""
+    path = os.path.abspath(filename)
+    parts = path.split(os.sep)
+    for i, part in enumerate(parts):
+        if part in _INSTALLED:
+            return os.sep.join(parts[i:])
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith(os.pardir) else rel

@@ -18,6 +18,19 @@ from pathlib import Path
 from .errors import ConfigError, RunDirError
 
 
+def size_text(nbytes: int) -> str:
+    """A size in bytes, in the largest binary unit it fills, to three significant digits: 612 bytes,
+    1.5 KiB, 48.9 MiB (a snapshot of a few KiB on a full disk was "0.0 MiB")."""
+    if nbytes < 1024:
+        return f"{nbytes} byte{'' if nbytes == 1 else 's'}"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+
+
 def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: str = "--run-dir") -> str:
     """An OSError while writing ``path``, said in the user's terms; ``flag`` is the command's flag
     that chooses where it goes."""
@@ -26,8 +39,8 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: s
             free = shutil.disk_usage(path.parent).free
         except OSError:
             free = None
-        need = f"it needs {size / 2**20:.1f} MiB" if size is not None else "it needs more"
-        have = f", {free / 2**20:.1f} MiB are free there" if free is not None else ""
+        need = f"it needs {size_text(size)}" if size is not None else "it needs more"
+        have = f", {size_text(free)} {'is' if free == 1 else 'are'} free there" if free is not None else ""
         what = "no space left" if exc.errno == errno.ENOSPC else "disk quota exceeded"
         return (
             f"{what} writing {path} ({need}{have}); free some space or point {flag} elsewhere. "

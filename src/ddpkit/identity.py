@@ -10,15 +10,20 @@ What is read (never values drawn through ``__getitem__`` or ``forward``, which m
 
 - **code**: the bytecode and constants of each function of your own (not the standard library's or
   an installed package's), and what it reaches: the module-level names it uses (values, functions,
-  classes), the values it closes over, its default arguments, a ``functools.partial``'s arguments,
-  a callable object's class and attributes, every method of your own classes;
+  classes), the names it reaches through a module of your own (``mycfg.SCALE``), the values it
+  closes over, its default arguments, a ``functools.partial``'s arguments, a callable object's class
+  and attributes, every method and class attribute of your own classes (``act = staticmethod(torch.relu)``);
 - **model**: parameter and buffer names, shapes and dtypes, ``repr`` (layer types and settings),
-  and the code and plain attributes of each of your own module classes;
+  the code and attributes (private ones too) of each of your own module classes, and each library
+  module's constructor settings: its public attributes of plain values (``num_heads``, ``norm_first``),
+  which ``repr`` may not show. A module your code reaches (a loss's ``nn.CrossEntropyLoss``) is read
+  the same way, with its buffers (``weight=``) by content;
 - **data**: each split's length, class code and attributes; tensors and arrays by content (SHA-256),
   files a dataset names (an ImageFolder's images included) by relative path, size and modification
-  time, as ``make`` and ``rsync``'s quick check do. A folder named by a dataset is not listed (it may
-  hold logs, caches or the run dir itself, which change with every run): the list a dataset keeps
-  is read instead;
+  time, as ``make`` and ``rsync``'s quick check do; the ``collate_fn``'s code and the ``meta`` given.
+  A folder named by a dataset is not listed (it may hold logs, caches or the run dir itself, which
+  change with every run): the list a dataset keeps is read instead, and a folder none of whose files
+  is read is listed in ``unproven`` (its files are read by name only);
 - **optimizer** and **scheduler**: class, each parameter group's settings and size, the scheduler's
   state at step 0 (a factory is called once for this, a scheduler factory with a nominal 1000 steps).
 
@@ -33,6 +38,8 @@ which part differs.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -47,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, raised_at
+from .errors import ConfigError, article, raised_at
 
 # Where the standard library, installed packages and ddpkit itself live: code there is named, not read.
 _LIBRARY_DIRS = tuple(
@@ -59,6 +66,12 @@ _LIBRARY_DIRS = tuple(
 _SCHEDULE_PROBE_STEPS = 1000  # the total_steps a scheduler factory is called with to read its settings
 _MAX_DEPTH = 5  # object attributes followed this deep
 _TEXT = 100  # part values longer than this (characters) are kept as a digest
+# What ddpkit reads, by version (in identity.json): a run dir fingerprinted by an older reading
+# (none written: 1) lacks the parts added since, so its tags cannot be compared with today's.
+READING = 2
+# Attributes every nn.Module has (its parameters, buffers, children, hooks keyed by global handle
+# numbers, the training flag): read through their own paths, or not part of what a module computes.
+_MODULE_BASE = frozenset(vars(nn.Module()))
 
 
 def _digest(obj: Any) -> str:
@@ -83,7 +96,7 @@ class Fingerprint:
         return f"{self.name}#{self.digest}"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "parts": self.parts, "unproven": list(self.unproven)}
+        return {"name": self.name, "parts": self.parts, "unproven": list(self.unproven), "reading": READING}
 
 
 def _in_library(filename: str) -> bool:
@@ -98,6 +111,46 @@ def _module_in_library(name: str) -> bool:
     if path is None:  # __main__ of python -c or a notebook is yours; builtins are not
         return name in sys.builtin_module_names or name == "builtins"
     return _in_library(path)
+
+
+def _module_object_in_library(module: types.ModuleType) -> bool:
+    """Whether a module object (``import mycfg``) is the standard library's, a package's or ddpkit's."""
+    path = getattr(module, "__file__", None)
+    if path:
+        return _in_library(path)
+    spec = getattr(module, "__spec__", None)
+    if module.__name__ in sys.builtin_module_names or getattr(spec, "origin", None) in ("built-in", "frozen"):
+        return True
+    folders = list(getattr(module, "__path__", None) or [])  # a namespace package: where its folders are
+    return bool(folders) and all(_in_library(os.path.join(f, "")) for f in folders)
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A library module's setting worth reading: a number, a string, a dtype, a function or class (by
+    name), or a short list or dict of these. Not an object: a compiled module's context holds the
+    machine's thread count and handles, which differ between nodes and runs."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)):
+        return True
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, functools.partial, type)):
+        return True
+    if isinstance(v, (list, tuple)) and depth < 3 and len(v) <= 64:
+        return all(_plain(x, depth + 1) for x in v)
+    if isinstance(v, dict) and depth < 3 and len(v) <= 64:
+        return all(isinstance(k, str) and _plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def _module_settings(module: nn.Module):
+    """(name, value) of what a module holds beyond its parameters, buffers, children and hooks. Your own
+    module classes: every attribute, private ones too. A library module (``nn.MultiheadAttention``): its
+    public attributes of plain values, the settings its constructor was given (``num_heads``), which
+    ``repr`` may not show; its private ones are derived state or handles (a compiled module's id)."""
+    mine = not _module_in_library(type(module).__module__)
+    for k, x in vars(module).items():
+        if k in _MODULE_BASE or k.startswith("__"):
+            continue
+        if mine or (not k.startswith("_") and _plain(x)):
+            yield k, x
 
 
 def _const(k: Any) -> Any:
@@ -135,6 +188,10 @@ class _Reader:
         self._seen: set[int] = set()
         self._open: set[int] = set()  # containers being read: one that holds itself stops there
         self.data = False  # reading a dataset: its file paths are read by size and mtime
+        self._read: list[str] = []  # files read by size and mtime, and folders whose file list was read
+        self._folders: list[tuple[str, str]] = []  # (label, path) of folders a dataset names
+        self._modules_open: set[str] = set()  # modules being read through (pkg.sub.CONST): one naming itself stops
+        self._layers: dict[int, str] = {}  # the model's own modules by id -> path: referenced, not read again
 
     def fingerprint(self, name: str) -> Fingerprint:
         return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)))
@@ -180,14 +237,40 @@ class _Reader:
         if fn.__defaults__ or fn.__kwdefaults__:
             label = f"{fn.__qualname__} defaults"
             self.parts[label] = self.value([fn.__defaults__, fn.__kwdefaults__], label, 1)
-        scope = fn.__globals__
-        for var in _names(code):
-            if var in scope and not isinstance(scope[var], types.ModuleType):
-                label = f"global {fn.__module__}.{var}"
-                if label not in self.parts:
-                    self.parts[label] = "..."  # taken before reading: a function that names itself stops here
-                    self.parts[label] = self.value(scope[var], label, 1)
+        scope, names = fn.__globals__, _names(code)
+        for var in names:
+            if var not in scope:
+                continue
+            if isinstance(scope[var], types.ModuleType):
+                self.module(scope[var], names)
+                continue
+            label = f"global {fn.__module__}.{var}"
+            if label not in self.parts:
+                self.parts[label] = "..."  # taken before reading: a function that names itself stops here
+                self.parts[label] = self.value(scope[var], label, 1)
         return name
+
+    def module(self, module: types.ModuleType, names: list[str]) -> None:
+        """What code reaches through a module of your own (``import mycfg`` ... ``mycfg.SCALE``): each
+        name it uses that the module defines (code names attributes and globals alike; one read too
+        many is harmless), and through its submodules (``pkg.sub.CONST``)."""
+        if _module_object_in_library(module) or module.__name__ in self._modules_open:
+            return
+        self._modules_open.add(module.__name__)
+        try:
+            own = vars(module)
+            for var in names:
+                if var not in own or var.startswith("__"):
+                    continue
+                if isinstance(own[var], types.ModuleType):
+                    self.module(own[var], names)
+                    continue
+                label = f"global {module.__name__}.{var}"
+                if label not in self.parts:
+                    self.parts[label] = "..."
+                    self.parts[label] = self.value(own[var], label, 1)
+        finally:
+            self._modules_open.discard(module.__name__)
 
     def cls(self, klass: type) -> str:
         name = f"{klass.__module__}.{klass.__qualname__}"
@@ -199,12 +282,18 @@ class _Reader:
         for attr, member in vars(klass).items():
             if attr.startswith("__") and attr not in ("__init__", "__call__", "__getitem__", "__len__", "__iter__"):
                 continue
-            inner = getattr(member, "__func__", None) or getattr(member, "fget", None) or member
-            if isinstance(inner, types.FunctionType):
-                self.function(inner)
-            elif not callable(member) and not isinstance(member, (property, staticmethod, classmethod)):
+            if isinstance(member, property):
+                inner = [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+            elif isinstance(member, functools.cached_property):
+                inner = [member.func]
+            else:  # a staticmethod or classmethod: what it wraps (staticmethod(torch.relu) is a builtin)
+                inner = [getattr(member, "__func__", member)]
+            if all(isinstance(f, types.FunctionType) for f in inner):
+                for f in inner:
+                    self.function(f)
+            else:  # a class attribute: a value, a builtin function or a class it uses
                 label = f"class {klass.__qualname__}.{attr}"
-                self.parts[label] = self.value(member, label, 1)
+                self.parts[label] = self.value(inner[0] if len(inner) == 1 else inner, label, 1)
         return name
 
     # ---------------------------------------------------------------- values
@@ -224,7 +313,9 @@ class _Reader:
         try:
             text = self._value(v, label, depth)
         except Exception as exc:  # noqa: BLE001 - a user object's repr or attribute may raise anything
-            self.unproven.append(f"{label}: a {type(v).__qualname__} that could not be read ({type(exc).__name__})")
+            self.unproven.append(
+                f"{label}: {article(type(v).__qualname__)} that could not be read ({type(exc).__name__})"
+            )
             text = type(v).__qualname__
         finally:
             self._open.discard(id(v))
@@ -236,7 +327,10 @@ class _Reader:
         if v is None or isinstance(v, (bool, int, float, complex, bytes, range, torch.dtype)):
             return repr(v)
         if isinstance(v, str):
-            return self._file(v) if self.data and _is_file(v) else repr(v)
+            return self._path(v, repr(v), label) if self.data else repr(v)
+        if self.data and isinstance(v, os.PathLike):  # a pathlib.Path: the same as its string
+            path = os.fspath(v)
+            return self._path(path, repr(v), label) if isinstance(path, str) else repr(v)
         if isinstance(v, torch.Tensor):
             if isinstance(v, nn.Parameter) or v.requires_grad:  # weights: their layout, never their values
                 return f"parameter {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
@@ -264,10 +358,8 @@ class _Reader:
             return self.callable(v, label)
         if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
             return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', v.__name__)}"
-        if isinstance(v, nn.Module):  # a module referenced by code: its structure (its weights are state)
-            if not _module_in_library(type(v).__module__):
-                self.cls(type(v))
-            return f"module sha {_digest(repr(v))[:16]}"
+        if isinstance(v, nn.Module):
+            return self._module(v, label, depth)
         if isinstance(v, torch.optim.lr_scheduler.LRScheduler):  # a scheduler's own schedulers (SequentialLR)
             self.scheduler(v, label)
         return self._object(v, label, depth)
@@ -290,12 +382,54 @@ class _Reader:
         self.unproven.append(f"{label}: a {kind.__qualname__} whose state ddpkit cannot read")
         return kind.__qualname__
 
+    def _module(self, v: nn.Module, label: str, depth: int) -> str:
+        """A module reached by code (a loss's ``nn.CrossEntropyLoss``, a teacher network): its settings
+        (:func:`_module_settings`), parameters by shape, buffers by content (a loss's class ``weight=`` is
+        an input, not a weight trained), and its children, read alike."""
+        if id(v) in self._layers:  # a layer of the model being read (a block keeping its parent): by path
+            return f"the model's {self._layers[id(v)] or 'root'}"
+        kind = type(v)
+        if not _module_in_library(kind.__module__):
+            self.cls(kind)
+        if depth > 2 * _MAX_DEPTH:  # deeper than any model nests its layers: its structure only
+            return f"module sha {_digest(repr(v))[:16]}"
+        if not self._once(v):
+            return f"{kind.__qualname__} (again)"
+        items = [f"{k}={self.value(x, label, depth + 1)}" for k, x in _module_settings(v)]
+        items += [f"{k}={self.value(p, label, depth + 1)}" for k, p in v._parameters.items()]
+        items += [f"{k}={'None' if b is None else _tensor(b)}" for k, b in v._buffers.items()]
+        items += [f"{k}={self.value(m, label, depth + 1)}" for k, m in v._modules.items()]
+        return f"{kind.__qualname__}({', '.join(items)})"
+
+    def _path(self, path: str, text: str, label: str) -> str:
+        """A path a dataset names: a file by what is there now (:meth:`_file`); a folder by its name,
+        noted for :meth:`folders_unread`."""
+        if _is_file(path):
+            return self._file(path)
+        if _is_folder(path):
+            self._folders.append((label, path))
+        return text
+
     def _file(self, path: str) -> str:
         """A file named by a dataset, by what is there now: its size and modification time. Folders are
         not listed (one may hold logs, caches or the run dir itself): a dataset that lists a folder keeps
         the list (as ImageFolder's ``samples``), and that is read."""
         st = os.stat(path)
+        self._read.append(os.path.realpath(path))
         return f"{path!r} ({st.st_size} bytes, mtime {st.st_mtime_ns})"
+
+    def folders_unread(self) -> None:
+        """Each folder a dataset names of which no file was read (a dataset that keeps only its folder's
+        path and opens files by name in ``__getitem__``): an edit there changes nothing ddpkit reads, so it
+        goes to ``unproven``, never to "data by content"."""
+        read = [os.path.join(p, "") for p in self._read]  # a trailing separator: /data/a is not in /data/ab
+        for label, path in self._folders:
+            folder = os.path.join(os.path.realpath(path), "")
+            if not any(p.startswith(folder) or folder.startswith(p) for p in read):
+                self.unproven.append(
+                    f"{label}: the folder {path!r} is read by name only, not its files (ddpkit lists no folder: "
+                    f"keep the list of files in the dataset to have them read)"
+                )
 
     def scheduler(self, sched: Any, label: str) -> None:
         """A scheduler's code: its class, its lr lambdas, and the schedulers it runs (SequentialLR...)."""
@@ -328,6 +462,7 @@ class _Reader:
         if isinstance(samples, list) and samples and isinstance(samples[0], tuple) and hasattr(data, "root"):
             try:  # torchvision's ImageFolder/DatasetFolder, ddpkit's image folders
                 self.parts[f"{label} files"] = _files(samples, str(data.root))
+                self._read.append(os.path.realpath(data.root))  # its folder's files: read
             except OSError as exc:
                 self.unproven.append(f"{label} files: {exc.filename}: {exc.strerror}")
             rest = {k: x for k, x in vars(data).items() if k not in ("samples", "imgs", "targets")}
@@ -342,6 +477,10 @@ class _Reader:
 
 def _is_file(text: str) -> bool:
     return 0 < len(text) < 4096 and "\0" not in text and os.path.isfile(text)
+
+
+def _is_folder(text: str) -> bool:
+    return 0 < len(text) < 4096 and "\0" not in text and os.path.isdir(text)
 
 
 def _tensor(t: torch.Tensor) -> str:
@@ -379,22 +518,31 @@ def model_fingerprint(model: nn.Module) -> Fingerprint:
     count = sum(v.numel() for v in model.parameters())
     shape = _digest([layout, repr(model)])[:16]
     reader.parts["structure"] = f"{count:,} parameters in {len(layout)} tensors, sha {shape}"
+    reader._layers = {id(m): path for path, m in model.named_modules()}
     for path, module in model.named_modules():
-        kind = type(module)
-        if _module_in_library(kind.__module__):
-            continue
-        reader.cls(kind)
-        for k, x in vars(module).items():
-            if not k.startswith("_") and k != "training":
-                label = f"{path or type(model).__name__}.{k}"
-                reader.parts[label] = reader.value(x, label, 1)
+        if not _module_in_library(type(module).__module__):
+            reader.cls(type(module))
+        for k, x in _module_settings(module):  # a part each: a refusal names the layer and the setting
+            label = f"{path or type(model).__name__}.{k}"
+            reader.parts[label] = reader.value(x, label, 1)
     return reader.fingerprint(type(model).__name__)
 
 
-def data_fingerprint(train: Any, test: Any) -> Fingerprint:
+def data_fingerprint(train: Any, test: Any, collate_fn: Any = None, meta: Any = None) -> Fingerprint:
+    """The data's content; with ``collate_fn`` (its code) and ``meta`` (its fields) when they are given:
+    parts only then, so data passed without them keeps the tag older ddpkit gave it."""
     reader = _Reader()
     reader.dataset(train, "train")
     reader.dataset(test, "test")
+    reader.folders_unread()
+    reader.data = False  # what follows is code and settings, not files
+    if collate_fn is not None:
+        reader.parts["collate code"] = reader.callable(collate_fn, "collate")
+    if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
+        for f in dataclasses.fields(meta):
+            reader.parts[f"meta {f.name}"] = reader.value(getattr(meta, f.name), f"meta {f.name}", 1)
+    elif meta is not None:
+        reader.parts["meta"] = reader.value(meta, "meta", 1)
     return reader.fingerprint(type(train if train is not None else test).__name__)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, article
 from .importpath import call, is_import_path
 
 
@@ -176,7 +176,7 @@ def own_model(cfg: TrainConfig) -> nn.Module:
     are), so every command that builds it again starts from the same weights."""
     model = call(cfg.model, cfg.model_args, "--model", cfg.seed)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(f"--model {cfg.model} returned {article(type(model).__name__)}, not a torch.nn.Module")
     return model
 
 

@@ -90,7 +90,8 @@ def preflight(
         )
     # Held in memory where it fits (once per node: the workers receive it through shared memory).
     splits = materialize(splits, cfg, available_memory_bytes())
-    if cfg.data_path in ("device", "host") and not isinstance(splits.train, (ImageData, TensorData)):
+    held = isinstance(splits.train, (ImageData, TensorData)) and splits.collate_fn is None
+    if cfg.data_path in ("device", "host") and not held:
         raise ConfigError(
             f"--data-path {cfg.data_path} needs a dataset held in memory, and {cfg.dataset} is not "
             f"({splits.note}); use --data-path loader or auto"
@@ -99,6 +100,14 @@ def preflight(
     own_model = model is not None  # the registry models use every parameter in every step (DDP's static graph)
     if model is None:
         model = model_for(cfg, splits.meta)
+    if not any(p.requires_grad for p in model.parameters()):  # else the optimizer's own traceback, or at world 2
+        count = sum(1 for _ in model.parameters())  # the trial step's "loss cut off the graph", which it is not
+        why = f"all {count} are frozen: requires_grad=False" if count else "it has none"
+        raise ConfigError(
+            f"the model has no trainable parameters ({why}): "
+            f"there is nothing to train; unfreeze some (requires_grad_(True)), or call Trainer.evaluate() to "
+            f"evaluate it as it is"
+        )
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
@@ -176,7 +185,7 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> N
 def sample_batch(splits: DataSplits, n: int = 2) -> Any:
     """A batch of the first ``n`` training samples, shaped as the training loop will see it, on the CPU."""
     data = splits.train
-    if isinstance(data, ImageData):
+    if isinstance(data, ImageData) and splits.collate_fn is None:
         x, y = data.images[:n], data.labels[:n]
     else:
         items = [data[i] for i in range(min(n, len(data)))]

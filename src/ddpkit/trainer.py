@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, default_collate
 
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
@@ -38,7 +38,7 @@ from .data.materialize import materialize
 from .data.types import infer_meta
 from .dist import env
 from .dist.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
-from .errors import ConfigError, DataError, RunDirError
+from .errors import ConfigError, DataError, RunDirError, article
 from .identity import (
     Fingerprint,
     code_fingerprint,
@@ -119,10 +119,11 @@ class Trainer:
         # kept in RUN_DIR/identity.json so a refusal can say which part differs.
         prints: dict[str, Fingerprint] = {}
         if train_data is not None or test_data is not None:
+            given = meta  # read when given; one inferred from the data is a function of what is read
             meta = meta or infer_meta(train_data if train_data is not None else test_data)
             self.splits = DataSplits(train_data, test_data, meta, collate_fn)
             if not is_import_path(cfg.dataset):  # by import path: read as data_digest, as the built-in data
-                prints["dataset"] = data_fingerprint(train_data, test_data)
+                prints["dataset"] = data_fingerprint(train_data, test_data, collate_fn, given)
         if model is not None:
             # By import path the config keeps the path (so every command can build it again) and the
             # fingerprint goes to model_digest; a model passed in is named by its fingerprint.
@@ -187,8 +188,9 @@ class Trainer:
         cfg, finished = self._existing(cfg, identity)
         if finished is not None:
             print(
-                f"ddpkit: {cfg.run_dir} already holds this finished run (matched on {matched_on(identity)}); "
-                f"returning its result. To train again, pass a new run_dir (--run-dir), or delete {cfg.run_dir}"
+                f"ddpkit: {cfg.run_dir} already holds this finished run, and "
+                + ("--reuse-finished asks for it" if cfg.reuse_finished else "torchrun restarted the job after it")
+                + f" (matched on {matched_on(identity)}); returning its result without training"
                 + (f". --log {cfg.log} applies to runs that train" if cfg.log else "")
             )
             print(format_record({"event": "summary", **summary_fields(finished)}))
@@ -214,42 +216,36 @@ class Trainer:
     def _existing(self, cfg: TrainConfig, identity: dict) -> tuple[TrainConfig, dict | None]:
         """(the config to run, the finished run's summary to return or None).
 
-        A finished run is returned only when everything passed in could be read and matches. When
-        something could not be read (``unproven``), a finished run is never returned: with the
-        default run dir the run trains in the next one (``runs/NAME-2``, ...), where a rerun after a
-        kill resumes it; with a run dir you named, it is refused. An unfinished run resumes either
-        way: the config, the code and everything readable match, and a kill is why runs are rerun.
+        The identity guards a resume; it never proves a finished run unchanged (no reading of a
+        program can: an edit it does not read looks the same). So a finished run is returned only when
+        the user asks (``reuse_finished``) and everything passed in was read and matches. Otherwise a
+        rerun of a finished run trains again: with the default run dir in the next free one
+        (``runs/NAME-2``, ..., where a rerun after a kill resumes it), and with a run dir the user named
+        it is refused, nothing overwritten. An unfinished run resumes either way: the config and
+        everything readable match, and a kill is why runs are rerun.
         """
         doubts = unproven(identity)
-        if doubts:
-            print(
-                f"ddpkit: note: ddpkit cannot read {'; '.join(doubts)}. This run resumes after a kill, but once "
-                f"finished it is never returned for a rerun (it cannot be told from another): see README, Run identity"
-            )
         finished = check_run_dir(cfg, identity)
-        if finished is None or not doubts:
-            if doubts and RunFiles(cfg.run_dir).checkpoints.exists():
-                print(
-                    f"ddpkit: resuming {cfg.run_dir}, matched on everything but what cannot be read: "
-                    f"{'; '.join(doubts)}"
-                )
-            return cfg, finished
-        why = "; ".join(doubts)
+        if finished is None:
+            return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
+        if (cfg.reuse_finished and not doubts) or env.restart_count() > 0:
+            return cfg, finished  # asked for; or this very job, restarted by torchrun's agent after it finished
+        why = (
+            f"ddpkit cannot tell whether this run is the same: it cannot read {'; '.join(doubts)}"
+            if doubts
+            else "reuse_finished (--reuse-finished) is off"
+        )
         if self.config.run_dir:
             raise RunDirError(
-                f"{cfg.run_dir} holds a finished run, and ddpkit cannot tell whether this run is the same ({why}); "
-                f"pass a new run_dir, or delete {cfg.run_dir} to train again"
+                f"{cfg.run_dir} holds a finished run, left as it is ({why}); to train again pass a new run_dir "
+                f"(--run-dir) or delete it" + ("" if doubts else "; to return its result, pass --reuse-finished")
             )
         base = cfg.run_dir
         for n in range(2, 1000):
             cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
-            finished = check_run_dir(cfg, identity)
-            if finished is None:
+            if check_run_dir(cfg, identity) is None:
                 doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
-                print(
-                    f"ddpkit: {base} holds a finished run that ddpkit cannot tell from this one ({why}); "
-                    f"{doing} {cfg.run_dir}"
-                )
+                print(f"ddpkit: {base} holds a finished run of this config ({why}); {doing} {cfg.run_dir}")
                 return cfg, None
         raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
 
@@ -306,38 +302,74 @@ def as_objects(cfg: TrainConfig, model=None, train=None, test=None, meta=None, c
 def from_loaders(train, test, cfg: TrainConfig, collate_fn):
     """``train_data``/``test_data`` as the map-style datasets ddpkit shards by index. A DataLoader gives its
     dataset, its ``collate_fn``, its ``num_workers`` and (for train, when ``batch_size`` is unset) its
-    batch size as the global batch, so a ported single-process script keeps its maths; its sampler and
-    shuffling are replaced by DistributedSampler's order, and that is said in one line. An
-    IterableDataset, or anything without ``__len__`` and ``__getitem__``, is a one-line DataError."""
-    from torch.utils.data import DataLoader, IterableDataset
-
+    batch size, or its plain ``BatchSampler``'s, as the global batch, so a ported single-process script keeps
+    its maths; its sampler and shuffling are replaced by DistributedSampler's order, its last partial batch
+    dropped, and that is said in one line. An IterableDataset, anything without ``__len__`` and
+    ``__getitem__``, a DataLoader with ``batch_size=None`` or with a batch sampler of its own is a one-line
+    DataError."""
     out = []
     for data, which in ((train, "train_data"), (test, "test_data")):
         if isinstance(data, DataLoader):
             loader, data = data, data.dataset
+            _map_style(data, which)
+            batches = _batch_sampler(loader, which)
             kept = ["its dataset"]
             if loader.collate_fn is not default_collate and collate_fn is None:
                 collate_fn, kept = loader.collate_fn, [*kept, "collate_fn"]
             if which == "train_data" and cfg.num_workers is None and loader.num_workers:
                 cfg, kept = dataclasses.replace(cfg, num_workers=loader.num_workers), [*kept, "num_workers"]
-            if which == "train_data" and cfg.batch_size is None and loader.batch_size:
-                cfg = dataclasses.replace(cfg, batch_size=loader.batch_size)
-                kept.append(f"batch_size {loader.batch_size} as the global batch (split over the ranks)")
+            if which == "train_data" and cfg.batch_size is None:
+                cfg = dataclasses.replace(cfg, batch_size=batches.batch_size)
+                whose = "its batch_sampler's " if loader.batch_size is None else ""
+                kept.append(f"{whose}batch_size {batches.batch_size} as the global batch (split over the ranks)")
+            dropped = ""
+            partial = len(data) % cfg.batch_size if which == "train_data" and cfg.batch_size else 0
+            if partial and not batches.drop_last and not cfg.join:  # the loader kept it; ddpkit's steps are whole
+                dropped = f"; the last partial batch of each epoch ({partial} samples) is dropped (--join keeps it)"
             print(
                 f"ddpkit: {which} is a DataLoader: ddpkit uses {', '.join(kept)}; its sampler "
-                f"({type(loader.sampler).__name__}) is replaced by DistributedSampler's order (seeded with --seed)"
+                f"({type(batches.sampler).__name__}) is replaced by DistributedSampler's order (seeded with --seed)"
+                + dropped
             )
         if data is None:
             out.append(None)
             continue
-        if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-            kind = "an IterableDataset" if isinstance(data, IterableDataset) else f"a {type(data).__name__}"
-            raise DataError(
-                f"{which} is {kind}, which ddpkit cannot split among ranks by index: pass a map-style dataset "
-                f"(with __len__ and __getitem__), e.g. your samples in a list or a TensorDataset"
-            )
+        _map_style(data, which)
         out.append(data)
     return out[0], out[1], cfg, collate_fn
+
+
+def _map_style(data, which: str) -> None:
+    """A one-line DataError unless ``data`` can be split among ranks by index."""
+    if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        kind = "an IterableDataset" if isinstance(data, IterableDataset) else article(type(data).__name__)
+        raise DataError(
+            f"{which} is {kind}, which ddpkit cannot split among ranks by index: pass a map-style dataset "
+            f"(with __len__ and __getitem__), e.g. your samples in a list or a TensorDataset"
+        )
+
+
+def _batch_sampler(loader, which: str):
+    """The loader's ``BatchSampler``: its own (made from ``batch_size``) or a plain one passed as ``batch_sampler``,
+    whose batch size and sampler ddpkit can honour. ddpkit batches single samples by index, so a loader without
+    automatic batching (``batch_size=None``: each dataset item is already a batch, and its collate_fn is
+    ``default_convert``, not a collate) or with a batch sampler of the user's own (batches ddpkit cannot make
+    on each rank) is a one-line DataError."""
+    bs = loader.batch_sampler
+    instead = "pass DataLoader(dataset, batch_size=N, ...) or the dataset itself" + (
+        " with batch_size=N (--batch-size N)" if which == "train_data" else ""
+    )
+    if bs is None:
+        raise DataError(
+            f"{which} is a DataLoader with batch_size=None (automatic batching off: each item of its dataset is "
+            f"taken as a whole batch); ddpkit batches single samples by index: {instead}"
+        )
+    if type(bs) is not BatchSampler:  # a subclass may choose its batches in its own __iter__
+        raise DataError(
+            f"{which} is a DataLoader with its own batch_sampler ({type(bs).__name__}), which ddpkit cannot follow: "
+            f"it makes each rank's batches itself, by index, in DistributedSampler's order; {instead}"
+        )
+    return bs
 
 
 def run_evaluation(cfg: TrainConfig, task: Task, splits: DataSplits, model: nn.Module | None = None) -> dict:

@@ -103,11 +103,16 @@ def test_frozen():
         (dict(amp="fp8"), "--amp 'fp8' is not one of"),
         (dict(nproc="two"), "--nproc must be a positive integer or 'auto'"),
         (dict(recipe="fast"), "unknown recipe 'fast'"),
-        (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (dict(seed=2**64), r"--seed 18446744073709551616 is out of range: give a whole number from 0 to 2\*\*63-1"),
+        (dict(seed=-1), "--seed -1 is out of range"),
         (dict(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint must be HOST:PORT, got 'node0'"),
         (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
         (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
         (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
+        # 1e30 was an OverflowError on every rank (timedelta); 0.5 a finished run's exit 3 (rank 0's plots)
+        (dict(timeout_s=1e30), r"--timeout-s 1e\+30 is out of range: give 3 to 100,000,000 seconds"),
+        (dict(timeout_s=2.5), r"--timeout-s 2.5 is out of range: give 3 to 100,000,000 seconds"),
+        (dict(timeout_s=1e8 + 1), r"--timeout-s 100000001 is out of range"),
         # CUDA-graph modes break with BatchNorm under DDP (pytorch/pytorch#139207, #161302)
         (dict(compile_mode="reduce-overhead"), "--compile-mode 'reduce-overhead' is not one of"),
         (dict(compile_mode="max-autotune"), "--compile-mode 'max-autotune' is not one of"),
@@ -116,6 +121,11 @@ def test_frozen():
 def test_invalid_values_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs).resolved()
+
+
+def test_the_timeout_bounds_themselves_are_accepted():
+    for value in (3, 3.0, 600.0, 1e8):
+        assert TrainConfig(timeout_s=value).resolved().timeout_s == value
 
 
 def test_toml_round_trip_and_identity(tmp_path):
@@ -282,13 +292,14 @@ def test_the_registries_are_keyed_by_the_names_the_config_accepts():
 
 
 def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
-    """cuda_graph joined the identity after run dirs were named by the hash: at its default the hash is
-    the one an older ddpkit computed (so a rerun after an upgrade finds and resumes its run), and any
-    other value changes it."""
+    """cuda_graph and shuffle_in_batch joined the identity after run dirs were named by the hash: at their
+    defaults the hash is the one an older ddpkit computed (so a rerun after an upgrade finds and resumes
+    its run), and any other value changes it."""
     import hashlib
     import json
 
     cfg = TrainConfig(dataset="mnist", recipe="mnist", epochs=1).resolved()
-    older = {k: v for k, v in cfg.identity().items() if k != "cuda_graph"}
+    older = {k: v for k, v in cfg.identity().items() if k not in ("cuda_graph", "shuffle_in_batch")}
     assert cfg.hash() == hashlib.sha256(json.dumps(older, sort_keys=True, default=str).encode()).hexdigest()
     assert dataclasses.replace(cfg, cuda_graph="on").hash() != cfg.hash()
+    assert dataclasses.replace(cfg, shuffle_in_batch=True).hash() != cfg.hash()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import plain_ddp
@@ -189,3 +190,64 @@ def test_a_model_specific_lr_never_lands_on_your_own_optimizer():
     yours = recipes.apply(TrainConfig(dataset="synthetic", model="cnn", optimizer="custom:AdamW#1a2b3c4d"))
     assert yours.lr is None and yours.schedule == "constant"
     assert recipes.apply(TrainConfig(dataset="synthetic", model="cnn")).lr == 0.02
+
+
+def times50(items):
+    """A collate_fn that changes the data: the inputs multiplied by 50."""
+    x, y = torch.utils.data.default_collate(items)
+    return x * 50, y
+
+
+@pytest.mark.parametrize("given", ["collate_fn=", "a DataLoader's"])
+def test_your_collate_fn_makes_every_batch_of_a_tensor_dataset(tmp_path, given):
+    """Regression: a TensorDataset with a collate_fn (passed beside it, or in a DataLoader over it) was
+    indexed in memory and the collate never ran: the run trained as if none were given. Trained in float64,
+    a run with the collate must equal, bitwise, one on inputs multiplied by 50 ahead, and differ from one
+    on the inputs as they are."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from user_code import RegressionMLP, mse, regression_data
+
+    x, y = regression_data(64, 0, dtype=torch.float64).tensors
+
+    def trained(name: str, data, **kw) -> tuple[dict, dict]:
+        torch.manual_seed(0)
+        model = RegressionMLP(dtype=torch.float64)
+        cfg = TrainConfig(nproc="1", device="cpu", batch_size=16, epochs=2, dtype="float64", num_workers=0)
+        result = Trainer(
+            dataclasses.replace(cfg, progress=False, run_dir=str(tmp_path / name)),
+            model=model,
+            train_data=data,
+            test_data=regression_data(16, 1, dtype=torch.float64),
+            loss_fn=mse,
+            **kw,
+        ).fit()
+        records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return model.state_dict(), next(r for r in records if r["event"] == "start")
+
+    plain, plain_start = trained("plain", TensorDataset(x, y))
+    scaled, _ = trained("scaled", TensorDataset(x * 50, y))
+    if given == "collate_fn=":
+        ours, start = trained("collate", TensorDataset(x, y), collate_fn=times50)
+    else:
+        ours, start = trained("collate", DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=times50))
+    assert not all(torch.equal(plain[k], scaled[k]) for k in plain)  # the collate changes what is learnt
+    assert all(torch.equal(ours[k], scaled[k]) for k in plain)  # and it made every training batch
+    assert plain_start["data_path"] == "device-resident" and "indexed in place" in plain_start["data"]
+    assert start["data_path"] == "dataloader" and "train streamed (a collate_fn is given" in start["data"]
+
+
+def test_data_path_device_with_a_collate_fn_is_refused_before_launch(tmp_path):
+    """Regression: --data-path device took a TensorDataset given with a collate_fn as held in memory and
+    indexed it, the collate never called; batches that only a DataLoader makes cannot be held in memory."""
+    from torch.utils.data import TensorDataset
+    from user_code import RegressionMLP, mse, regression_data
+
+    from ddpkit.errors import ConfigError
+
+    x, y = regression_data(64, 0).tensors
+    cfg = TrainConfig(nproc="1", device="cpu", batch_size=16, data_path="device", run_dir=str(tmp_path / "r"))
+    data = TensorDataset(x, y)
+    trainer = Trainer(cfg, model=RegressionMLP(), train_data=data, test_data=data, loss_fn=mse, collate_fn=times50)
+    with pytest.raises(ConfigError, match=r"--data-path device needs a dataset held in memory.*a collate_fn is given"):
+        trainer.fit()
+    assert not (tmp_path / "r").exists()  # nothing written

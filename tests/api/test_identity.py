@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 
 import identity_code
@@ -30,8 +31,8 @@ def kill_after_last_snapshot(run_dir):
     (run_dir / "summary.json").unlink()
 
 
-def fit(run_dir=None, model=None, optimizer=None, train=None, **kw):
-    cfg = TrainConfig(**SMALL, **({"run_dir": str(run_dir)} if run_dir else {}))
+def fit(run_dir=None, model=None, optimizer=None, train=None, reuse=False, **kw):
+    cfg = TrainConfig(**SMALL, reuse_finished=reuse, **({"run_dir": str(run_dir)} if run_dir else {}))
     return Trainer(
         cfg,
         model=model or RegressionMLP(),
@@ -128,30 +129,63 @@ def test_an_unseeded_random_augmentation_still_resumes_its_own_run(tmp_path):
 
 
 # ---------------------------------------------------------------- what cannot be read
+def starts(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["event"] == "start"]
+
+
 def test_what_cannot_be_read_resumes_after_a_kill_but_is_never_returned_finished(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     fp = data_fingerprint(identity_code.Streamed(32), None)
     assert fp.unproven == ("train.handle: a lock whose state ddpkit cannot read",)
     first = fit(train=identity_code.Streamed(64))  # the default run dir
-    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ddpkit: note:")]
-    assert len(note) == 1 and "cannot read train.handle: a lock" in note[0]  # said on the first run already
-    second = fit(train=identity_code.Streamed(64))
+    assert "train.handle: a lock" in starts(first.run_dir)[0]["not_read"]  # said on the [start] line
+    capsys.readouterr()
+    second = fit(train=identity_code.Streamed(64), reuse=True)  # asked for, but it cannot be told from another
     out = capsys.readouterr().out
     assert second.run_dir == first.run_dir.with_name(first.run_dir.name + "-2")
-    assert "cannot tell from this one" in out and "train.handle: a lock" in out and "already holds" not in out
+    assert "cannot tell whether this run is the same" in out and "train.handle: a lock" in out
+    assert "already holds" not in out
     kill_after_last_snapshot(second.run_dir)
     third = fit(train=identity_code.Streamed(64))  # a kill: resumes its own run
     assert third.run_dir == second.run_dir and "resuming" in capsys.readouterr().out
-    with pytest.raises(RunDirError, match="cannot tell whether this run is the same .*train.handle: a lock"):
-        fit(first.run_dir, train=identity_code.Streamed(64))  # a run dir you name: refused, never returned
+    resumed = starts(third.run_dir)[-1]
+    assert resumed["resumed_at_step"] == first["steps"] and "train.handle: a lock" in resumed["not_read"]
+    with pytest.raises(RunDirError, match="cannot tell whether this run is the same: .*train.handle: a lock"):
+        fit(first.run_dir, train=identity_code.Streamed(64), reuse=True)  # a run dir you name: refused
+
+
+def test_a_finished_run_trains_again_unless_asked_and_a_named_run_dir_is_left_as_it_is(tmp_path, monkeypatch, capsys):
+    """Regression (issue 33): a rerun returned a finished run's figures after edits the identity does not
+    read (a constant in another module, a loss's settings, a collate). The identity guards a resume; it
+    never proves a finished run unchanged, so a finished run is returned only when asked."""
+    monkeypatch.chdir(tmp_path)
+    first = fit()  # the default run dir
+    capsys.readouterr()
+    second = fit()
+    out = capsys.readouterr().out
+    assert second.run_dir == first.run_dir.with_name(first.run_dir.name + "-2") and "already holds" not in out
+    assert "(reuse_finished (--reuse-finished) is off); training in" in out
+    assert [r.get("resumed_at_step") for r in starts(second.run_dir)] == [None]  # trained from step 0
+    named = tmp_path / "named"
+    fit(named)
+    before = {p.name: p.read_bytes() for p in named.iterdir() if p.is_file() and p.name != ".lock"}
+    with pytest.raises(RunDirError, match=r"holds a finished run, left as it is .* pass --reuse-finished"):
+        fit(named)
+    assert {p.name: p.read_bytes() for p in named.iterdir() if p.is_file() and p.name != ".lock"} == before
+    capsys.readouterr()
+    returned = fit(named, reuse=True)  # asked for: returned, nothing trained
+    assert "already holds this finished run, and --reuse-finished asks for it" in capsys.readouterr().out
+    assert returned.summary == json.loads((named / "summary.json").read_text())
+    assert len(starts(named)) == 1
 
 
 def test_a_finished_run_returned_says_what_it_matched_on(tmp_path, capsys):
     fit(tmp_path / "r", optimizer=adamw(1e-3))
     capsys.readouterr()
-    fit(tmp_path / "r", optimizer=adamw(1e-3))
+    fit(tmp_path / "r", optimizer=adamw(1e-3), reuse=True)
     out = capsys.readouterr().out
-    assert "already holds this finished run (matched on the config, dataset TensorDataset (content)" in out
+    assert "asks for it (matched on the config, dataset TensorDataset (content)" in out
     assert (
         "model RegressionMLP (structure, code and attributes)" in out and "optimizer AdamW (class and settings)" in out
     )
@@ -368,5 +402,271 @@ def test_modules_that_build_modules_of_their_own_are_read_whole(tmp_path, capsys
     run = tmp_path / "r"
     fit(run, model=identity_code.Stack())
     capsys.readouterr()
-    fit(run, model=identity_code.Stack())
+    fit(run, model=identity_code.Stack(), reuse=True)
     assert "already holds this finished run" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- issue 33: edits the identity did not read
+def said(key, a, b):
+    """How a refusal names what differs between two fingerprints."""
+    from ddpkit.run.rundir import describe_difference
+
+    return describe_difference(key, a.tag, b.tag, {key: a.to_json()}, {key: b.to_json()})
+
+
+def test_a_constant_read_through_another_module_of_yours_is_read(tmp_path, monkeypatch):
+    """Case 1: `identity_cfg.SCALE` in a forward was skipped (module objects were), so an edit resumed a run."""
+    import identity_cfg
+
+    base = model_fingerprint(identity_code.ConfigNet())
+    assert model_fingerprint(identity_code.ConfigNet()).tag == base.tag
+    monkeypatch.setattr(identity_cfg, "SCALE", 2.0)
+    edited = model_fingerprint(identity_code.ConfigNet())
+    assert edited.tag != base.tag and "global identity_cfg.SCALE 1.0 -> 2.0" in said("model", base, edited)
+    monkeypatch.setattr(identity_cfg, "SCALE", 1.0)
+    first = fit(tmp_path / "r", model=identity_code.ConfigNet())
+    kill_after_last_snapshot(first.run_dir)
+    monkeypatch.setattr(identity_cfg, "SCALE", 2.0)
+    with pytest.raises(RunDirError, match=r"model ConfigNet: global identity_cfg\.SCALE 1\.0 -> 2\.0"):
+        fit(tmp_path / "r", model=identity_code.ConfigNet())
+    monkeypatch.setattr(identity_cfg, "SCALE", 1.0)
+    fit(tmp_path / "r", model=identity_code.ConfigNet())  # unchanged: resumes
+    assert [r.get("resumed_at_step") for r in starts(first.run_dir)] == [None, first["steps"]]
+
+
+def test_a_library_loss_held_by_your_loss_is_read_by_its_settings_and_weights(monkeypatch):
+    """Case 2: nn.CrossEntropyLoss was read by repr, which shows none of label_smoothing, weight, reduction."""
+    from torch import nn
+
+    from ddpkit.identity import code_fingerprint
+
+    def loss_with(ce):
+        monkeypatch.setattr(identity_code, "CE", ce)
+        return code_fingerprint("task", {"loss_fn": identity_code.ce_loss})
+
+    tags = {}
+    for name, ce in [
+        ("plain", nn.CrossEntropyLoss()),
+        ("plain again", nn.CrossEntropyLoss()),
+        ("label_smoothing", nn.CrossEntropyLoss(label_smoothing=0.3)),
+        ("reduction", nn.CrossEntropyLoss(reduction="sum")),
+        ("weight", nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))),
+        ("weight again", nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))),
+        ("other weight", nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 4.0]))),
+    ]:
+        tags[name] = loss_with(ce)
+    assert tags["plain"].tag == tags["plain again"].tag and tags["weight"].tag == tags["weight again"].tag
+    edits = ("plain", "label_smoothing", "reduction", "weight", "other weight")
+    assert len({tags[k].tag for k in edits}) == len(edits)
+    assert "global identity_code.CE CrossEntropyLoss(" in said("task", tags["plain"], tags["label_smoothing"])
+    assert "label_smoothing=0.3" in said("task", tags["plain"], tags["label_smoothing"])
+    held = [code_fingerprint("task", {"loss_fn": identity_code.Smoothed(s)}) for s in (0.0, 0.0, 0.3)]
+    assert held[0].tag == held[1].tag != held[2].tag  # held by a callable object
+    assert said("task", held[0], held[2]).endswith(
+        "-> Smoothed(ce=CrossEntropyLoss(reduction='mean', ignore_index=-100, label_smoothing=0.3, weight=None))"
+    )
+
+
+def test_library_layer_settings_that_repr_and_shapes_do_not_show_are_read():
+    """Case 3: nn.TransformerEncoderLayer's nhead and norm_first change neither repr nor a parameter's shape."""
+    base = identity_code.Encoder()
+    assert repr(identity_code.Encoder(nhead=4)) == repr(base)  # what was read before could not tell them apart
+    fp = model_fingerprint(base)
+    assert model_fingerprint(identity_code.Encoder()).tag == fp.tag and fp.unproven == ()
+    heads, first = (
+        model_fingerprint(identity_code.Encoder(nhead=4)),
+        model_fingerprint(identity_code.Encoder(norm_first=True)),
+    )
+    assert heads.tag != fp.tag != first.tag
+    assert (
+        said("model", fp, heads) == "model Encoder: layer.self_attn.num_heads 2 -> 4, layer.self_attn.head_dim 8 -> 4"
+    )
+    assert said("model", fp, first) == "model Encoder: layer.norm_first False -> True"
+
+
+def test_private_and_class_attributes_of_your_classes_are_read(monkeypatch):
+    """Case 4: `self._scale` (private) and `act = staticmethod(torch.relu)` (a class attribute) were skipped."""
+    fp = model_fingerprint(identity_code.Activated())
+    assert model_fingerprint(identity_code.Activated()).tag == fp.tag
+    scaled = model_fingerprint(identity_code.Activated(scale=2.0))
+    assert said("model", fp, scaled) == "model Activated: Activated._scale 1.0 -> 2.0"
+    monkeypatch.setattr(identity_code.Activated, "act", staticmethod(torch.tanh))
+    tanh = model_fingerprint(identity_code.Activated())
+    assert re.fullmatch(r"model Activated: class Activated\.act [\w.]*\.relu -> [\w.]*\.tanh", said("model", fp, tanh))
+
+
+def test_the_collate_fn_and_meta_passed_to_the_trainer_are_read():
+    """Case 5: only the datasets were fingerprinted, so another collate_fn or meta was the same run."""
+    from ddpkit.data import Meta
+
+    def dataset_field(**kw):
+        trainer = Trainer(
+            TrainConfig(**SMALL), model=RegressionMLP(), train_data=regression_data(64, 0), loss_fn=mse, **kw
+        )
+        return trainer.config.dataset, trainer.fingerprints["dataset"]
+
+    plain, _ = dataset_field()
+    assert dataset_field()[0] == plain  # and data passed without them keeps its tag
+    pad0, fp0 = dataset_field(collate_fn=functools.partial(identity_code.pad_collate, pad=0.0))
+    pad1, fp1 = dataset_field(collate_fn=functools.partial(identity_code.pad_collate, pad=1.0))
+    assert dataset_field(collate_fn=functools.partial(identity_code.pad_collate, pad=0.0))[0] == pad0
+    assert len({plain, pad0, pad1}) == 3 and fp0["parts"]["collate code"].startswith("partial(")
+    assert fp0["parts"]["collate arguments"] != fp1["parts"]["collate arguments"]
+    meta = dict(channels=1, height=1, width=4, mean=(0.0,), std=(1.0,))
+    one, fp = dataset_field(meta=Meta(classes=1, **meta))
+    assert dataset_field(meta=Meta(classes=1, **meta))[0] == one != plain
+    assert dataset_field(meta=Meta(classes=1, **{**meta, "std": (2.0,)}))[0] != one and fp["parts"]["meta std"]
+
+
+def test_a_dataset_that_keeps_only_a_folder_path_is_not_matched_by_content(tmp_path):
+    """Case 7: a folder's path was read as a string, so its files could change and the run still "matched on
+    ... data by content". Now the folder is noted as read by name only (unproven): never returned finished."""
+    from ddpkit.data.folder import ImageFiles
+
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"{i}.txt").write_text(f"{i} 1 2 3")
+    fp = data_fingerprint(identity_code.FolderData(str(folder)), None)
+    assert fp.unproven == (
+        f"train.root: the folder {str(folder)!r} is read by name only, not its files (ddpkit lists no folder: keep "
+        f"the list of files in the dataset to have them read)",
+    )
+    listed = identity_code.FolderData(str(folder))
+    listed.files = sorted(str(p) for p in folder.iterdir())  # a dataset that keeps its file list: read
+    assert data_fingerprint(listed, None).unproven == ()
+    from PIL import Image
+
+    for cls in ("a", "b"):
+        (tmp_path / "img" / cls).mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "img" / cls / "0.png")
+    assert data_fingerprint(ImageFiles(tmp_path / "img", 4), None).unproven == ()  # its images are read
+    fit(tmp_path / "r", train=identity_code.FolderData(str(folder)))
+    with pytest.raises(RunDirError, match="read by name only"):
+        fit(tmp_path / "r", train=identity_code.FolderData(str(folder)), reuse=True)
+
+
+@pytest.mark.multiprocess
+def test_what_is_read_now_is_the_same_in_every_process():
+    """Library settings, class and private attributes, modules' constants, folders: the same identity under
+    every string hash seed (an unordered set's order, an id, would differ)."""
+    import subprocess
+    import sys
+
+    from clirun import cli_env
+
+    script = (
+        "import identity_code as c, torch; from ddpkit.identity import model_fingerprint, code_fingerprint, "
+        "data_fingerprint; print(model_fingerprint(c.Encoder()).tag, model_fingerprint(c.Activated()).tag, "
+        "model_fingerprint(c.ConfigNet()).tag, code_fingerprint('t', {'l': c.ce_loss, 's': c.Smoothed(0.1)}).tag, "
+        "data_fingerprint(c.FolderData('/'), None, c.pad_collate).tag)"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", script], env=cli_env(PYTHONHASHSEED=seed), capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(seen) == 1, seen
+
+
+# ---------------------------------------------------------------- case 6: eval and show-data rebuild by import path
+ID33_CFG = "SCALE = 1.0\nBRIGHT = 1.0\n"
+ID33_NETS = """
+import id33cfg
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self, classes=3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, classes))
+
+    def forward(self, x):
+        return self.net(x) * id33cfg.SCALE
+
+
+def net(classes=3):
+    return Scaled(classes)
+"""
+ID33_DATA = """
+import id33cfg
+import torch
+from torch.utils.data import TensorDataset
+
+
+def pictures(n=64):
+    x = torch.rand(n, 3, 8, 8) * id33cfg.BRIGHT
+    y = x.mean((2, 3)).argmax(1)
+    return TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:])
+"""
+
+
+@pytest.fixture
+def by_path(tmp_path, monkeypatch):
+    """A run of a model and data named by import path, trained here; its modules in tmp_path."""
+    import sys
+
+    for name, text in (("id33cfg", ID33_CFG), ("id33nets", ID33_NETS), ("id33data", ID33_DATA)):
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(
+        **{**SMALL, "log_every": 50}, model="id33nets:net", dataset="id33data:pictures", run_dir=str(tmp_path / "r")
+    )
+    result = Trainer(cfg).fit()
+    yield result
+    for name in ("id33cfg", "id33nets", "id33data"):
+        sys.modules.pop(name, None)
+
+
+def test_show_data_refuses_a_model_or_data_its_import_path_no_longer_builds(by_path, tmp_path, monkeypatch, capsys):
+    """Case 6: show-data --predictions rebuilt the model and data without comparing them with the run's."""
+    import importlib
+    import sys
+
+    from ddpkit.tools.showdata import show_data
+
+    shown = show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)  # unchanged: shown
+    assert shown["count"] == 16 and 0 <= shown["right"] <= 16
+    monkeypatch.setattr(sys.modules["id33cfg"], "SCALE", 2.0)
+    with pytest.raises(
+        RunDirError, match=r"--model id33nets:net no longer builds .*global id33cfg\.SCALE 1\.0 -> 2\.0"
+    ):
+        show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+    monkeypatch.setattr(sys.modules["id33cfg"], "SCALE", 1.0)
+    monkeypatch.setattr(sys.modules["id33cfg"], "BRIGHT", 0.5)
+    with pytest.raises(
+        RunDirError, match=r"--dataset id33data:pictures no longer builds .*id33cfg\.BRIGHT 1\.0 -> 0\.5"
+    ):
+        show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+    monkeypatch.setattr(sys.modules["id33cfg"], "BRIGHT", 1.0)
+    # A run fingerprinted by an older ddpkit (which read less, and wrote no "reading"): its code compares.
+    identity = json.loads((by_path.run_dir / "identity.json").read_text())
+    (by_path.run_dir / "identity.json").write_text(json.dumps({k: {**fp, "reading": 1} for k, fp in identity.items()}))
+    capsys.readouterr()
+    show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+    assert "fingerprinted by an older ddpkit; its model_digest compares on code only" in capsys.readouterr().out
+    (tmp_path / "id33nets.py").write_text(ID33_NETS.replace("* id33cfg.SCALE", "* id33cfg.SCALE * 2"))
+    importlib.reload(sys.modules["id33nets"])
+    with pytest.raises(RunDirError, match=r"model_digest Scaled: code Scaled\.forward changed \(recorded by another"):
+        show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+
+
+@pytest.mark.multiprocess
+def test_eval_refuses_a_model_its_import_path_no_longer_builds(by_path, tmp_path):
+    """Case 6: `ddpkit eval` scored model.pt on a model whose forward had changed (test loss 1.831 for a run
+    that scored 1.417), with no warning."""
+    import shutil as sh
+
+    from clirun import run_cli
+
+    ok = run_cli("eval", str(by_path.run_dir), "--nproc", "1", "--device", "cpu", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["test_loss"] == by_path["test_loss"]  # unchanged
+    (tmp_path / "id33cfg.py").write_text(ID33_CFG.replace("SCALE = 1.0", "SCALE = 2.0  # edited"))
+    sh.rmtree(tmp_path / "__pycache__", ignore_errors=True)
+    refused = run_cli("eval", str(by_path.run_dir), "--nproc", "1", "--device", "cpu", cwd=tmp_path)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--model id33nets:net no longer builds" in lines[0]
+    assert "model_digest Scaled: global id33cfg.SCALE 1.0 -> 2.0" in lines[0]

@@ -253,7 +253,8 @@ def test_an_edited_model_is_a_new_run_never_a_stale_result(tmp_path):
     assert c.dataset != a.dataset  # a dataset of another size is another run too
     run = str(tmp_path / "r")
     Trainer(TrainConfig(nproc="1", run_dir=run, **SMALL), model=RegressionMLP(hidden=16), **data).fit()
-    with pytest.raises(RunDirError, match="different config \\(model RegressionMLP: structure 97 parameters .* -> 193"):
+    said = "different config \\(model RegressionMLP: net.0.out_features 16 -> 32, .*structure 97 parameters .* -> 193"
+    with pytest.raises(RunDirError, match=said):
         Trainer(TrainConfig(nproc="1", run_dir=run, **SMALL), model=RegressionMLP(hidden=32), **data).fit()
 
 
@@ -414,10 +415,11 @@ def test_a_finished_run_says_how_to_train_again(tmp_path, capsys):
     cfg = TrainConfig(nproc=1, run_dir=str(tmp_path / "r"), **SMALL)  # nproc as a plain int
     Trainer(cfg, **args).fit()
     capsys.readouterr()
-    Trainer(cfg, **args).fit()
-    out = capsys.readouterr().out
-    assert "already holds this finished run" in out and "pass a new run_dir (--run-dir), or delete" in out
-    assert "--resume never" not in out  # which refuses, rather than training again
+    with pytest.raises(RunDirError) as refused:  # a run dir you named: left as it is
+        Trainer(cfg, **args).fit()
+    said = str(refused.value)
+    assert "holds a finished run, left as it is" in said and "pass a new run_dir (--run-dir) or delete it" in said
+    assert "pass --reuse-finished" in said and "--resume never" not in said
 
 
 @pytest.mark.parametrize(
@@ -563,6 +565,62 @@ def test_a_dataloader_is_taken_as_users_hold_their_data(tmp_path, capsys):
     assert len(said) == 1
     assert "its dataset, collate_fn, batch_size 16 as the global batch" in said[0] and "RandomSampler" in said[0]
     assert result["steps"] == 4 and result["global_batch_size"] == 16 and seen  # its collate_fn made the batches
+
+
+def test_a_dataloaders_batch_sampler_gives_its_batch_size(tmp_path, capsys):
+    """Regression: a DataLoader built with batch_sampler=BatchSampler(...) has batch_size None, so its batch
+    was lost and the run was refused for a "--batch-size 256" nobody gave (the recipe's, over 44 samples)."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    data = regression_data(44, 0)
+    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), batch_size=8, drop_last=False))
+    cfg = TrainConfig(nproc="1", device="cpu", epochs=1, progress=False, num_workers=0, run_dir=str(tmp_path / "r"))
+    result = Trainer(cfg, model=RegressionMLP(), train_data=loader, test_data=regression_data(16, 1), loss_fn=mse).fit()
+    said = [line for line in capsys.readouterr().out.splitlines() if "is a DataLoader" in line]
+    assert len(said) == 1
+    assert "its batch_sampler's batch_size 8 as the global batch" in said[0]
+    assert "RandomSampler" in said[0]  # the sampler inside the BatchSampler, not the loader's unused default
+    assert "the last partial batch of each epoch (4 samples) is dropped" in said[0]  # its drop_last=False, said
+    assert result["global_batch_size"] == 8 and result["steps"] == 44 // 8
+
+
+class Buckets(torch.utils.data.Sampler):
+    """A batch sampler of the user's own: batches it chooses (here, by parity), which ddpkit cannot follow."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        yield from ([i for i in range(self.n) if i % 2 == p] for p in (0, 1))
+
+    def __len__(self):
+        return 2
+
+
+@pytest.mark.parametrize("which", ["train_data", "test_data"])
+@pytest.mark.parametrize(
+    "loader, message",
+    [
+        (
+            lambda: torch.utils.data.DataLoader(regression_data(32, 0), batch_size=None),
+            r"is a DataLoader with batch_size=None \(automatic batching off: each item of its dataset is taken "
+            r"as a whole batch\); ddpkit batches single samples by index: pass DataLoader\(dataset, batch_size=N",
+        ),
+        (
+            lambda: torch.utils.data.DataLoader(regression_data(32, 0), batch_sampler=Buckets(32)),
+            r"is a DataLoader with its own batch_sampler \(Buckets\), which ddpkit cannot follow",
+        ),
+    ],
+    ids=["batch_size None", "own batch_sampler"],
+)
+def test_a_dataloader_whose_batches_ddpkit_cannot_make_is_one_line(which, loader, message):
+    """Regression: batch_size=None took default_convert as the collate_fn (batches of 256 unstacked
+    samples), and a batch sampler of the user's own was dropped without a word."""
+    from ddpkit.errors import DataError
+
+    data = {"train_data": regression_data(32, 0), "test_data": regression_data(16, 1), which: loader()}
+    with pytest.raises(DataError, match=f"^{which} {message}"):
+        Trainer(TrainConfig(nproc="1", device="cpu"), model=RegressionMLP(), loss_fn=mse, **data)
 
 
 @pytest.mark.parametrize("kind", ["iterable", "no length"])

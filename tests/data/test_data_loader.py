@@ -198,6 +198,73 @@ def test_a_global_batch_is_the_same_samples_at_every_world_size_from_any_step(so
         assert global_batches(2, epoch, start) == one and global_batches(4, epoch, start) == one
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_shuffle_block_reorders_each_whole_block_among_its_own_samples(drop_last):
+    """shuffle_in_batch (ddpkit check's noise run): every global batch of B keeps its samples, never
+    in its own order; the epoch's permutation, the ranks' interleaving and a partial tail stay."""
+    n, b = 103, 12
+
+    def samples(shards, positions: slice) -> set[int]:  # what the ranks take at these positions, together
+        return set(torch.cat([s[positions] for s in shards]).tolist())
+
+    for world in (1, 2, 3):
+        for epoch in (0, 1):
+            plain = [epoch_order(n, world, r, 5, epoch, drop_last) for r in range(world)]
+            moved = [epoch_order(n, world, r, 5, epoch, drop_last, shuffle_block=b) for r in range(world)]
+            per_rank = b // world
+            assert [len(m) for m in moved] == [len(p) for p in plain]
+            whole = min(len(p) for p in plain) // per_rank
+            for k in range(whole):
+                step = slice(k * per_rank, (k + 1) * per_rank)
+                assert samples(moved, step) == samples(plain, step)
+            tail = slice(whole * per_rank, None)
+            assert samples(moved, tail) == samples(plain, tail)
+    one, shuffled = epoch_order(n, 1, 0, 5, 0), epoch_order(n, 1, 0, 5, 0, shuffle_block=b)
+    blocks = n // b
+    assert all(not torch.equal(one[k * b : (k + 1) * b], shuffled[k * b : (k + 1) * b]) for k in range(blocks))
+    assert torch.equal(one[blocks * b :], shuffled[blocks * b :])
+    for seed in range(20):  # a block of 2 has one other order: a drawn identity is reversed, never kept
+        assert not torch.equal(epoch_order(2, 1, 0, seed, 0, shuffle_block=2), epoch_order(2, 1, 0, seed, 0))
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("kind", ["resident", "tensor", "loader"])
+def test_shuffle_in_batch_gives_each_step_its_samples_in_another_order_on_every_path(kind, world, rank):
+    """Each source with shuffle_in_batch: every step the same samples as without it (their crops and
+    flips too, drawn per sample), in another order; the order it says it feeds (epoch_indices, what
+    ddpkit check counts) is the one it feeds."""
+    from ddpkit.data.loader import TensorSource
+    from ddpkit.data.types import TensorData
+
+    d = data()
+    d = ImageData(d.images, torch.arange(103))  # label = index
+
+    def make(on: bool):
+        flags = cfg(shuffle_in_batch=on)
+        if kind == "resident":
+            return ResidentSource(d, META, flags, ctx(rank, world), per_rank_batch=8, on_device=True)
+        if kind == "loader":
+            return LoaderSource(d, META, flags, ctx(rank, world), per_rank_batch=8)
+        return TensorSource(TensorData([d.images.float(), d.labels]), flags, ctx(rank, world), per_rank_batch=8)
+
+    plain, shuffled = make(False), make(True)
+    assert shuffled.shuffle_block == 8 * world and plain.shuffle_block == 0
+    for epoch, start in ((0, 0), (1, 2)):
+        pairs = list(zip(plain.batches(epoch, start), shuffled.batches(epoch, start)))
+        assert len(pairs) == plain.steps_per_epoch - start > 0
+        fed = torch.cat([y for _, (_, y) in pairs])
+        assert torch.equal(fed, shuffled.epoch_indices(epoch)[start * 8 :])
+        reordered = 0
+        for (xa, ya), (xb, yb) in pairs:
+            if world == 1:  # the whole global batch is this rank's: the same samples
+                assert sorted(ya.tolist()) == sorted(yb.tolist())
+            reordered += not torch.equal(ya, yb)
+            for i, label in enumerate(yb.tolist()):  # each sample as it is without the shuffle
+                if label in ya.tolist():
+                    assert torch.equal(xb[i], xa[ya.tolist().index(label)])
+        assert reordered == len(pairs) if world == 1 else reordered > 0
+
+
 def test_eval_batches_index_where_the_data_lives_and_are_unchanged():
     """The eval index is made once on the data's device (a host index into device-resident data is a
     synchronous host-to-device copy per batch); the batches are this rank's every world-th sample."""
@@ -223,6 +290,43 @@ def test_eval_batches_index_where_the_data_lives_and_are_unchanged():
         assert len(got) == len(chunks)
         for b, idx in zip(got, chunks):
             assert torch.equal(b["x"], d.images[idx].float()) and torch.equal(b["y"], d.labels[idx])
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (2, 1)])
+def test_a_collate_fn_makes_every_batch_of_data_held_in_memory(world, rank):
+    """Regression: tensors in memory (a TensorData, an ImageData) were batched by indexing, and the user's
+    collate_fn never ran. With one given, train and eval batches are the collate's over the same samples."""
+    from torch.utils.data import default_collate
+
+    from ddpkit.data import DataSplits, TensorData
+    from ddpkit.data.loader import EvalSource, Preprocess, TensorSource, make_train_source
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = TensorData([torch.randn(103, 4, generator=gen), torch.randint(0, 5, (103,), generator=gen)])
+
+    def times50(items):
+        x, y = default_collate(items)
+        return x * 50, y
+
+    flags = cfg(**vars(path_cfg()))
+    plain = TensorSource(tensors, flags, ctx(rank, world), per_rank_batch=8)
+    src = make_train_source(DataSplits(tensors, tensors, None, times50), flags, ctx(rank, world), per_rank_batch=8)
+    assert isinstance(src, LoaderSource) and src.path == "dataloader"
+    pairs = list(zip(plain.batches(1), src.batches(1)))
+    assert len(pairs) == plain.steps_per_epoch > 0
+    for (x, y), (x50, y50) in pairs:
+        assert torch.equal(x50, x * 50) and torch.equal(y50, y)
+
+    pre = Preprocess(None, torch.device("cpu"), False)
+    ours = list(EvalSource(tensors, pre, flags, ctx(rank, world), 16, collate_fn=times50).batches())
+    indexed = list(EvalSource(tensors, pre, flags, ctx(rank, world), 16).batches())
+    assert len(ours) == len(indexed) > 0
+    for (x50, y50), (x, y) in zip(ours, indexed):
+        assert torch.equal(x50, x * 50) and torch.equal(y50, y)
+
+    images = data()  # an ImageData with a collate: the DataLoader path, its augmentation still the engine's
+    src = make_train_source(DataSplits(images, images, META, default_collate), flags, ctx(rank, world), 8)
+    assert isinstance(src, LoaderSource)
 
 
 # ---------------------------------------------------------------- the data path, the same on every rank

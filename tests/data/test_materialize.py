@@ -50,11 +50,18 @@ def test_a_tensor_dataset_is_indexed_in_place():
         (PlainData(40, 0), None, TensorData, "in memory (read once"),
         (NoisyData(40), None, NoisyData, "differ between reads"),
         (PlainData(40, 0), lambda batch: batch, PlainData, "a collate_fn is given"),
+        # Regression: a TensorDataset (or data already in memory) took the indexing path first and its
+        # collate_fn was never called, while the run said the collate was used
+        (TensorDataset(torch.randn(10, 3), torch.arange(10)), lambda batch: batch, TensorDataset, "a collate_fn"),
+        (TensorData([torch.randn(10, 3), torch.arange(10)]), lambda batch: batch, TensorData, "a collate_fn"),
+        (ImageData(torch.zeros(10, 1, 4, 4, dtype=torch.uint8), torch.arange(10)), lambda b: b, ImageData, "a collate"),
     ],
 )
 def test_which_user_datasets_are_held_in_memory_and_why(data, collate, kept, why):
     splits = materialize(DataSplits(data, data, None, collate), cfg())
     assert isinstance(splits.train, kept) and why in splits.note
+    if collate is not None:  # streamed through a DataLoader, the collate making every batch: never indexed in place
+        assert splits.train is data and splits.note.count("streamed (a collate_fn is given") == 2
 
 
 def test_the_loader_path_is_kept_when_asked():

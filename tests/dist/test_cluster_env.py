@@ -4,6 +4,8 @@ PET_* variables against the flags. No process starts here: tests/system/test_lau
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ddpkit import TrainConfig
@@ -99,3 +101,30 @@ def test_the_rendezvous_of_one_task_per_gpu_prefers_the_steps_own_and_a_job_port
     assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("head", "29845")
     values, _ = env.slurm_rank_env("[::1]:7000", job)
     assert (values["MASTER_ADDR"], values["MASTER_PORT"]) == ("::1", "7000")
+
+
+def test_each_srun_variable_is_named_when_it_is_not_what_srun_writes():
+    """Issue 33, case 15/16: int() tracebacks, and SLURM_JOB_NODELIST blamed for a bad SLURM_STEP_NODELIST."""
+    job = dict(TASK, SLURM_NTASKS="8", SLURM_NNODES="2", SLURM_JOB_NODELIST="a[1-2]")
+    for variable, value, said in [
+        ("SLURM_TASKS_PER_NODE", "4(x", "SLURM_TASKS_PER_NODE='4(x' is not SLURM's tasks per node"),
+        ("SLURM_STEP_TASKS_PER_NODE", "0", "SLURM_STEP_TASKS_PER_NODE='0' is not SLURM's tasks per node"),
+        ("SLURM_LOCALID", "9", "SLURM_LOCALID='9' is not a task index on this node, below its 8 tasks"),
+        ("SLURM_NODEID", "-1", "SLURM_NODEID='-1' is not a node index"),
+        ("SLURM_STEP_NODELIST", "a[x-y]", "SLURM_STEP_NODELIST='a[x-y]' is not a SLURM host list: the range [x-y]"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            env.slurm_rank_env("", dict(job, **{variable: value}))
+    with pytest.raises(ConfigError, match="SLURM_NNODES='0' is not a node count"):
+        env.slurm_per_gpu(dict(job, SLURM_NNODES="0"))
+
+
+def test_nnodes_without_an_endpoint_is_refused_where_no_cluster_gives_one(monkeypatch):
+    """The check moved from the config to the launch (issue 33, case 16): under srun it said "needs
+    --rdzv-endpoint" for --nnodes 3 against SLURM_NNODES=1, where the endpoint comes from the host list."""
+    with pytest.raises(ConfigError, match="--nnodes 2 needs --rdzv-endpoint HOST:PORT"):
+        LaunchSpec.from_config(TrainConfig(device="cpu", nnodes=2).resolved())
+    for k, v in dict(TASK, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="n1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="--nnodes 3 but SLURM_NNODES=1: drop --nnodes under srun"):
+        LaunchSpec.from_config(TrainConfig(device="cpu", nnodes=3).resolved())

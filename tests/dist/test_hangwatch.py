@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,139 @@ def test_a_queued_collective_that_has_not_completed_is_waited_in():
     work.done = True
     assert watch._late() == "" and watch.answer()["collective"] is None
     assert "work" not in watch.answer()["recent"][0]  # the report holds plain values
+
+
+BUSY = Path(__file__).parents[1] / "helpers" / "busy_workers.py"
+PAUSES = {
+    "step": "every rank in one step slower than the threshold (no rank waits in a collective)",
+    "save": "rank 0 writing a snapshot while rank 1 waits for it in a collective",
+    "end": "rank 0's plots, after the last collective, longer than the whole timeout",
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", PAUSES)
+def test_a_healthy_run_slower_than_the_threshold_reports_no_hang_and_exits_0(tmp_path, case):
+    """Regression: each of these printed `ddpkit: hang:` (and wrote hang-report.json) on a run that was
+    fine, and the slow plots at the end turned the finished run into a collective timeout (exit 3 from the
+    CLI): the other rank waited for them in the group's final barrier. 2 gloo ranks, --timeout-s 5."""
+    paused = PAUSES[case]
+    proc = subprocess.run(
+        [sys.executable, str(BUSY), case, str(tmp_path / "run")],
+        env=cli_env(TMPDIR=str(tmp_path)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, (paused, proc.stderr[-3000:])
+    assert "ddpkit: hang" not in proc.stderr, (paused, proc.stderr[-3000:])
+    assert not list(tmp_path.rglob("*hang*.json")), paused
+    assert (tmp_path / "run" / "summary.json").exists()
+    if case == "end":
+        assert (tmp_path / "run" / "plots" / "loss.png").exists()  # the slow work was done, not cut short
+
+
+def test_the_verdict_tells_ranks_at_work_from_a_hang():
+    """A flag is a question: ranks in their own compute, in the same backward, or waiting for a rank busy in
+    ddpkit's own work are no hang; a rank waiting for one that is elsewhere, or for a silent one, is."""
+    from ddpkit.dist.hangwatch import verdict
+
+    ar = {"op": "all_reduce", "seq": 7, "called_at": "checkpoint.py:188"}
+    backward = ("engine.py:408 in _step", "autograd/__init__.py:353 in backward", "graph.py:829 in run_backward")
+    computing = [answer(0, step=3, where=("loss", "train.py", 9)), answer(1, step=3, where=("loss", "train.py", 9))]
+    assert verdict(computing, 2) is None
+    assert verdict([answer(0, step=3, stack=backward), answer(1, step=3, stack=backward)], 2) is None
+    saving = {**answer(0, step=2, where=("atomic_write", "files.py", 51)), "busy": {"what": "saving", "for_s": 3}}
+    assert verdict([saving, answer(1, ar, step=2)], 2) is None
+    assert verdict([answer(1, ar, step=2)], 2, announced={0: "saving snapshot-000000002.pt"}) is None
+    # a hang: rank 1 waits, rank 0 is elsewhere (or says nothing)
+    assert verdict([answer(0, step=3, where=("loss", "train.py", 9)), answer(1, step=3, stack=backward)], 2) == (
+        "rank 0 is behind: in `loss` at train.py:9 (step 3, 40 s since its last step); "
+        "rank 1 waits in DDP's gradient all-reduce in the backward (step 3, at `user_fn` at train.py:7)"
+    )
+    assert verdict([answer(1, ar, step=2)], 2).endswith("rank 0 did not answer (dead, or stuck outside Python)")
+    assert verdict([answer(0, step=3, stack=backward), answer(1, step=4, stack=backward)], 2)  # other steps
+
+
+class FakePeer:
+    """Rank 1 of a 2-rank watch, played by the test through the store: answers each round as told."""
+
+    def __init__(self, watch, store):
+        self.watch, self.store = watch, store
+
+    def answers(self, n: int, moved: list, timeout: float = 10.0) -> None:
+        """Wait for round ``n``'s flag, then answer it: in its own code at step 5, having ``moved`` so far."""
+        flag = f"{self.watch.prefix}/{n}/flag"
+        deadline = time.monotonic() + timeout
+        while not self.store.check([flag]):
+            assert time.monotonic() < deadline, f"round {n} never began"
+            time.sleep(0.02)
+        mine = {**answer(1, step=5, where=("slow_user_code", "train.py", 42)), "moved": moved}
+        self.store.set(f"{self.watch.prefix}/{n}/rank1", json.dumps(mine))
+
+    def verdict(self, n: int, timeout: float = 10.0) -> str:
+        key = f"{self.watch.prefix}/{n}/verdict"
+        deadline = time.monotonic() + timeout
+        while not self.store.check([key]):
+            assert time.monotonic() < deadline, f"round {n} had no verdict"
+            time.sleep(0.02)
+        return self.store.get(key).decode()
+
+
+def waiting_watch(tmp_path):
+    """Rank 0's watch (started), in an all_reduce for 10 s already: over the threshold at once."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.dist.hangwatch import HangWatch
+
+    store = dist.HashStore()
+    watch = HangWatch(rank=0, world_size=2, timeout_s=3.0, store=store)  # threshold 1.5 s, rounds 0.375 s apart
+    watch.run_dir = str(tmp_path)
+    return watch, store, FakePeer(watch, store), watch.collective("all_reduce", torch.ones(2))
+
+
+def test_a_hang_is_reported_only_when_a_second_round_finds_nothing_moved(tmp_path, capsys):
+    """One look can catch a rank a moment before it joins the others: a rank behind in round 0 that has
+    moved by round 1 is no hang; the same state twice is."""
+    watch, store, peer, collective = waiting_watch(tmp_path)
+    with collective as entry:
+        entry["started"] -= 10.0
+        watch.start()
+        try:
+            peer.answers(0, moved=[100.0, 0.0, 4])
+            assert peer.verdict(0).startswith("again ")  # seen once: not yet reported
+            peer.answers(1, moved=[101.0, 0.0, 5])  # it made a step meanwhile
+            assert peer.verdict(1).startswith("again ")
+            assert "ddpkit: hang" not in capsys.readouterr().err
+            peer.answers(2, moved=[101.0, 0.0, 5])  # nothing moved since round 1
+            assert peer.verdict(2) == "hang"
+        finally:
+            watch.stop()
+    line = capsys.readouterr().err
+    assert line.startswith("ddpkit: hang: rank 1 is behind: in `slow_user_code` at train.py:42 (step 5"), line
+    assert (tmp_path / "hang-report.json").exists()
+
+
+def test_a_report_being_gathered_when_the_run_ends_is_abandoned(tmp_path, capsys):
+    """Regression: stop() (the group's teardown, after the run finished) returned while the watch was still
+    gathering, and the report came after it: a completed run printed a hang line."""
+    watch, store, peer, collective = waiting_watch(tmp_path)
+    with collective as entry:
+        entry["started"] -= 10.0
+        watch.start()
+        try:
+            peer.answers(0, moved=[100.0, 0.0, 4])
+            assert peer.verdict(0).startswith("again ")
+            deadline = time.monotonic() + 10
+            while not store.check([f"{watch.prefix}/1/flag"]):  # round 1: the watch waits for rank 1's answer
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        finally:
+            watch.stop()  # the run ended meanwhile
+    peer.answers(1, moved=[100.0, 0.0, 4])  # the answer that would confirm the hang, too late
+    time.sleep(1.0)  # 10 of the watch's polls
+    assert "ddpkit: hang" not in capsys.readouterr().err
+    assert not (tmp_path / "hang-report.json").exists()
+    assert not store.check([f"{watch.prefix}/1/verdict"])

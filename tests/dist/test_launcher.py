@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from ddpkit.config import TrainConfig
 from ddpkit.dist import context as dist
 from ddpkit.dist import launcher
 from ddpkit.dist.failures import signal_failure
-from ddpkit.errors import ConfigError, WorkersFailed
+from ddpkit.errors import ConfigError, PeerLost, WorkersFailed
 
 
 def test_auto_is_one_process_on_cpu(monkeypatch):
@@ -55,6 +56,14 @@ def test_under_torchrun_launch_flags_belong_to_torchrun(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(ConfigError, match="started by torchrun, which owns --max-restarts"):
         launcher.LaunchSpec.from_config(TrainConfig(max_restarts=2))
+
+
+def test_launch_refuses_a_timeout_out_of_bounds_before_starting_anything(monkeypatch):
+    """Regression: ddpkit.launch(timeout_s=1e30) raised OverflowError (timedelta) on every rank."""
+    monkeypatch.setattr(launcher, "run_workers", lambda *a, **k: pytest.fail("launched"))
+    for value in (1e30, 1.0, "600"):
+        with pytest.raises(ConfigError, match=r"timeout_s .* is out of range: give 3 to 100,000,000 seconds"):
+            launcher.launch(print, nproc=2, device="cpu", timeout_s=value)
 
 
 def test_single_node_launch_needs_no_agent_unless_restarts_are_asked_for():
@@ -220,6 +229,30 @@ def test_an_interrupted_launch_promises_a_resume_only_for_training(monkeypatch, 
     assert ("run the same command again to resume" in str(err.value)) == resumable
 
 
+@pytest.mark.multiprocess  # run_workers starts the forkserver before it hands off
+def test_a_node_that_cannot_reach_the_rendezvous_host_is_one_line(monkeypatch):
+    """Issue 33, case 15: node 1 of a Kubeflow job whose node 0 never started ended in a 60-line
+    RendezvousConnectionError traceback, 100 s later. torch's error is raised in place of the agent here."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def unreachable(config, entrypoint):
+        def run(*args):
+            try:
+                raise TimeoutError("The client socket has timed out after 60000ms while trying to connect")
+            except TimeoutError as exc:
+                raise RendezvousConnectionError("The connection to the C10d store has failed.") from exc
+
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", unreachable)
+    spec = launcher.LaunchSpec(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29400", rdzv_id="job", node_rank=1)
+    with pytest.raises(PeerLost) as err:
+        launcher.run_workers(len, ((),), spec)
+    assert "could not reach the rendezvous store at --rdzv-endpoint 127.0.0.1:29400 (--rdzv-id job)" in str(err.value)
+    assert "start the same command on all 2 nodes" in str(err.value) and "timed out after 60000ms" in str(err.value)
+
+
 OMP_THEN_FORK = """
 import torch
 from ddpkit import launch
@@ -245,7 +278,7 @@ def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_h
 
 
 BLAME_SCRIPT = """
-import sys, threading, time
+import os, sys, threading, time
 from ddpkit import launch
 from ddpkit.cli import run_reporting_errors
 
@@ -269,6 +302,16 @@ def unpicklable(ctx):
 def nested(ctx):
     return launch(lambda c: 1, nproc=2)
 
+def os_exit_2(ctx):
+    if ctx.rank == 1:
+        os._exit(2)
+    ctx.barrier()
+
+def os_exit_143(ctx):
+    if ctx.rank == 1:
+        os._exit(143)
+    ctx.barrier()
+
 if __name__ == "__main__":
     fn = globals()[sys.argv[1]]
     sys.exit(run_reporting_errors(lambda: launch(fn, nproc=2, device="cpu", timeout_s=4) and 0))
@@ -284,6 +327,9 @@ if __name__ == "__main__":
         ("hangs", 3, "rank 0: a collective did not complete within --timeout-s 4 s"),
         ("unpicklable", 2, "rank 1's return value cannot be sent back to the launcher: a _thread.lock ("),
         ("nested", 2, "ddpkit.launch() was called inside a launched function"),
+        # issue 33, case 14: ddpkit's own exit codes passed for "reported", and the job ended without a word
+        ("os_exit_2", 2, "rank 1 exited with code 2 (ddpkit's code for bad input, which that rank did not report)"),
+        ("os_exit_143", 143, "rank 1 exited with code 143 (128 + SIGTERM, as a process ends that exits on SIGTERM)"),
     ],
 )
 def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_path, case, code, fragment):
@@ -298,6 +344,46 @@ def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_p
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert proc.returncode == code and len(said) == 1 and fragment in said[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "traceback is above" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_no_rank_starts_its_function_before_every_rank_has_left_init():
+    """Issue 33, case 15: a nested launch() failed 1 run in 24 with rank 1's "Gloo connectFullMesh failed ...
+    Connection closed by peer" (blaming rank 0): rank 0 returned from init_process_group while rank 1 still
+    finished its handshake, met the refusal at once and tore its group down. Rank 1 is made 1.5 s late here."""
+    from workers import late_from_init_on_rank_1
+
+    times = launcher.run_workers(late_from_init_on_rank_1, (1.5,), 2)
+    (init_0, start_0), (init_1, start_1) = times
+    assert init_1 - init_0 > 1.0  # the lateness took effect
+    assert min(start_0, start_1) >= init_1, times  # and no rank's function started before rank 1 left init
+
+
+TERM_WHILE_STARTING = (
+    "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
+    "from workers import TermWhileStarting, sleep_then_return; "
+    "sys.exit(run_reporting_errors(lambda: run_workers(sleep_then_return, (90, TermWhileStarting(sys.argv[1])), 2)))"
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("when", ["starting", "unpickled"])
+def test_a_sigterm_while_the_workers_start_reaches_them_and_ends_the_job_at_once(when):
+    """Issue 33, case 14: a SIGTERM that came while the workers started was lost: one that came while the agent
+    forked them reached none of them (``starting``: now kept, and raised once they exist), and one that came
+    while a newly forked worker still ignored it, as the forkserver does (``unpickled``), was sent to it once:
+    the agent waited its 30 s grace period, then killed it. Sent again until they go, it ends the job in
+    seconds; the workers here would otherwise sleep 90 s."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", TERM_WHILE_STARTING, when], env=cli_env(), capture_output=True, text=True, timeout=150
+    )
+    elapsed = time.monotonic() - t0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == 143 and len(said) == 1, proc.stderr[-3000:]
+    assert "interrupted: the launcher received SIGTERM and stopped the workers" in said[0], said
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 25, elapsed  # not the agent's 30 s grace period (generous: process starts on a busy machine)
 
 
 GUARD_PROBE = "from ddpkit.dist.launcher import refuse_unguarded_main\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import identity_cfg
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -97,3 +98,79 @@ class Stack(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(x))
+
+
+# ---------------------------------------------------------------- issue 33: what the identity missed
+class ConfigNet(nn.Module):
+    """Reads a constant of another module of the user's through that module (``import identity_cfg``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x) * identity_cfg.SCALE
+
+
+CE = nn.CrossEntropyLoss()  # a library loss the user's loss holds: its settings are not in its repr
+
+
+def ce_loss(model, batch):
+    return CE(model(batch[0]), batch[1])
+
+
+class Smoothed:
+    """A callable-object loss holding a library loss."""
+
+    def __init__(self, smoothing: float):
+        self.ce = nn.CrossEntropyLoss(label_smoothing=smoothing)
+
+    def __call__(self, model, batch):
+        return self.ce(model(batch[0]), batch[1])
+
+
+class Encoder(nn.Module):
+    """A library layer whose settings change neither its repr nor its parameters' shapes (nhead, norm_first)."""
+
+    def __init__(self, nhead: int = 2, norm_first: bool = False):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, nhead=nhead, dim_feedforward=32, norm_first=norm_first)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(0))
+
+
+class Activated(nn.Module):
+    """A class attribute and a private attribute the forward reads."""
+
+    act = staticmethod(torch.relu)
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        self._scale = scale
+
+    def forward(self, x):
+        return self.act(self.fc(x)) * self._scale
+
+
+def pad_collate(batch, pad=0.0):
+    """A collate_fn: stacks the samples, adding ``pad`` (edited through functools.partial)."""
+    x = torch.stack([s[0] for s in batch]) + pad
+    return x, torch.stack([s[1] for s in batch])
+
+
+class FolderData(Dataset):
+    """Keeps only its folder's path and opens each sample's file by name in __getitem__."""
+
+    def __init__(self, root: str, n: int = 16):
+        self.root, self.n = root, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with open(f"{self.root}/{i % 4}.txt") as fh:
+            x = torch.tensor([float(v) for v in fh.read().split()])
+        return x, x.sum(0, keepdim=True)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -237,6 +242,33 @@ class UnusedBranch(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
+class DataDependentBranch(nn.Module):
+    """A model whose second head joins the loss only for batches holding a flagged sample (feature 2 > 0):
+    which parameters get a gradient depends on the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 8)
+        self.head = nn.Linear(8, 2)
+        self.flagged_head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        out = self.head(h)
+        if bool((x[:, 2] > 0).any()):  # a host sync per step: fine for a test model
+            out = out + self.flagged_head(h)
+        return out
+
+
+def flagged_first(n: int) -> TensorDataset:
+    """``n`` samples of 3 features, only the first two flagged (feature 2 = 1): preflight's trial batch (the
+    first two samples) uses every parameter, most training batches do not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=gen)
+    x[:, 2] = (torch.arange(n) < 2).float()
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
 def tensor_count(ctx, tensors) -> int:
     """launch() with a list of tensors as its argument: how many arrived (test_real_models.py)."""
     return len(tensors)
@@ -308,3 +340,94 @@ def padded_loss(model, batch):
 
 def padded_accuracy(logits, batch):
     return (logits.argmax(1) == batch[2]).sum(), len(batch[2])
+
+
+# ---------------------------------------------------------------- random draws in __getitem__, a collate and a forward
+class Draws(Dataset):
+    """Sample i is [i, a torch draw, a numpy draw, a Python draw]: what each global generator gave its read."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item(), np.random.rand(), random.random()], dtype=torch.float64)
+
+
+def drawing_collate(samples):
+    """The batch, and a draw of each generator made by the collate itself (as MixUp in a collate_fn draws)."""
+    return torch.stack(samples), torch.tensor([torch.rand(()).item(), np.random.rand(), random.random()])
+
+
+class Augmenting(Dataset):
+    """Two-class samples read through a random window and noise from torch, numpy and Python's random."""
+
+    def __init__(self, n: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=gen)
+        self.y = (self.x[:, 2:6].sum(1) > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        start = random.randrange(5)  # a window of 4 of the 8 features
+        noise = 0.1 * torch.randn(4) + 0.1 * torch.from_numpy(np.random.standard_normal(4)).float()
+        return self.x[i, start : start + 4] + noise, self.y[i]
+
+
+def augmenting_data(n: int = 96, seed: int = 0):
+    return Augmenting(n, seed), Augmenting(n // 2, seed + 1)
+
+
+class DrawingMLP(nn.Module):
+    """Dropout, and a numpy and a Python draw in the training forward: the rank's own streams.
+
+    ``DDPKIT_TEST_FAULT="term@K"`` or ``"kill@K"`` in the environment: at its K-th training forward rank 1
+    sends SIGTERM to its whole process group, as SLURM signals every process of a job step (start the job
+    in a session of its own), or SIGKILL to itself (in the job's first attempt only, so a restart trains on).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            x = x * (1 + 0.01 * random.random()) + 0.01 * torch.from_numpy(np.random.standard_normal(x.shape)).to(x)
+            self.calls += 1
+            self._fault()
+        return self.net(x)
+
+    def _fault(self):
+        kind, _, at = os.environ.get("DDPKIT_TEST_FAULT", "").partition("@")
+        if not kind or os.environ.get("RANK") != "1" or self.calls != int(at):
+            return
+        if kind == "term":
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        elif kind == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- dataset functions by import path (bad input)
+def returns_int():
+    """``--dataset user_code:returns_int``: not datasets."""
+    return 3
+
+
+def unparsable_settings():
+    """``--dataset user_code:unparsable_settings``: raises inside the standard library (json), called from here."""
+    import json
+
+    return json.loads("{not json")  # the line an error names: this one, not json's own
+
+
+def picture_data(n: int = 12, size: int = 8):
+    """``--dataset user_code:picture_data --dataset-args '{"n": ...}'``: ``n`` uint8 RGB images each split."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=gen)
+    data = TensorDataset(x, torch.arange(n) % 3)
+    return data, data

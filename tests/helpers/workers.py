@@ -108,6 +108,68 @@ def abort_on(first: int) -> None:
         os.abort()
 
 
+def late_from_init_on_rank_1(late_s: float) -> list[tuple[float, float]]:
+    """Rank 1 returns from ``init_process_group`` ``late_s`` seconds after its peers, as a rank still
+    finishing gloo's handshake with them does; every rank's (init returned, function started) wall times,
+    gathered: a peer that may start (and fail, and tear its group down) before rank 1 left its init is the
+    race of issue 33's nested launch()."""
+    import os
+
+    real = dist.init_process_group
+
+    def late(*args, **kwargs):
+        real(*args, **kwargs)
+        if os.environ["RANK"] == "1":
+            time.sleep(late_s)
+        late.returned = time.time()
+
+    dist.init_process_group = late  # ddpkit.dist.context calls it through the torch.distributed module
+    try:
+        with distributed("cpu", timeout_s=30) as ctx:
+            mine, times = (late.returned, time.time()), [None] * ctx.world_size
+            dist.all_gather_object(times, mine)
+            return times
+    finally:
+        dist.init_process_group = real
+
+
+class TermWhileStarting:
+    """An argument that sends its launcher SIGTERM while the workers start. ``when="starting"``: while torch's
+    agent is starting them (it is pickled for each worker inside the agent's ``_start_workers``; ddpkit's own
+    check of the arguments before pickles it too, and sends nothing). ``when="unpickled"``: from a worker as
+    it unpickles its arguments, newly forked from the forkserver and still ignoring SIGTERM as the forkserver
+    does, which it goes on doing for 1 s, past the agent's signal to it."""
+
+    def __init__(self, when: str):
+        self.when = when
+
+    def __reduce__(self):
+        import inspect
+        import os
+        import signal
+
+        in_agent = any(frame.function == "_start_workers" for frame in inspect.stack())
+        if self.when == "starting" and in_agent:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.when == "unpickled" and in_agent:
+            return (_term_launcher, (os.getpid(),))
+        return (TermWhileStarting, (self.when,))
+
+
+def _term_launcher(pid: int) -> None:
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGTERM)  # from each worker: the launcher's handler takes the first
+    time.sleep(1.0)  # still unpickling: SIGTERM ignored, as the forkserver ignores it
+
+
+def sleep_then_return(seconds: float, *ignored) -> float:
+    """A worker that sleeps ``seconds`` (stopped by a signal's default action before that, if one reaches it)."""
+    time.sleep(seconds)
+    return seconds
+
+
 def precision_matrix(run_dir: str) -> dict:
     """Two training steps of the ConvNet at world size 2 for every --amp x --sync-bn x
     --channels-last combination; returns, per combination, whether the loss and the BN

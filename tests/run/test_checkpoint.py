@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +15,10 @@ from ddpkit.config import TrainConfig
 from ddpkit.dist.context import DistContext
 from ddpkit.errors import RunDirError
 from ddpkit.run.checkpoint import Checkpointer, rng_state, set_rng_state
+from ddpkit.run.checksums import checksums
 
 CTX = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run_v0.2_step6"
 
 
 def make(tmp_path, **kw):
@@ -57,6 +62,85 @@ def test_a_killed_save_leaves_the_previous_snapshot(tmp_path):
     ckpt.save({"x": 1}, 1)
     (ckpt.dir / "snapshot-000000002.pt.tmp").write_bytes(b"half a file")  # what a kill mid-write leaves
     assert ckpt.load_latest()["trainer"] == {"x": 1}
+
+
+def flip_a_bit_of(path, tensor: torch.Tensor) -> None:
+    """Flip one bit inside ``tensor``'s data where ``path`` (a torch file) stores it, as a disk or a copy can."""
+    data, raw = bytearray(path.read_bytes()), tensor.numpy().tobytes()
+    assert data.count(raw) == 1  # random weights: their bytes occur once in the file
+    data[data.find(raw) + len(raw) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+def test_a_bit_flipped_in_a_tensor_is_found_and_the_snapshot_before_used(tmp_path):
+    """Regression (issue 33): a bit flipped in a snapshot's tensor loaded silently: torch.load checks no checksum."""
+    ckpt, _ = make(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ckpt.save({"model": model.state_dict()}, 1)
+    ckpt.save({"model": model.state_dict()}, 2)
+    newest = ckpt.snapshots()[0]
+    flip_a_bit_of(newest, model.weight.detach())
+    warnings = []
+    snap = ckpt.load_latest(warn=warnings.append)
+    assert snap["global_step"] == 1 and torch.equal(snap["trainer"]["model"]["weight"], model.weight)
+    assert len(warnings) == 1, warnings
+    assert f"snapshot {newest} is damaged (checksum of trainer.model.weight differs)" in warnings[0]
+    assert warnings[0].endswith("resuming from snapshot-000000001.pt")
+    assert (ckpt.dir / "corrupt" / newest.name).exists() and not newest.exists()
+
+
+def test_a_changed_value_outside_the_tensors_is_found(tmp_path):
+    """A flip in the pickled part (here the data position) changes no tensor: the other values' checksum finds it."""
+    ckpt, _ = make(tmp_path)
+    ckpt.save({"position": {"epoch": 1, "step_in_epoch": 3}}, 1)
+    ckpt.save({"position": {"epoch": 1, "step_in_epoch": 7}}, 2)
+    newest = ckpt.snapshots()[0]
+    snap = torch.load(newest, weights_only=True)
+    snap["trainer"]["position"]["step_in_epoch"] = 5  # the old checksums kept
+    torch.save(snap, newest)
+    warnings = []
+    assert ckpt.load_latest(warn=warnings.append)["trainer"]["position"]["step_in_epoch"] == 3
+    assert len(warnings) == 1 and "checksum of its other values" in warnings[0], warnings
+
+
+def test_a_damaged_only_snapshot_is_a_one_line_error_moving_nothing(tmp_path):
+    ckpt, _ = make(tmp_path)
+    model = torch.nn.Linear(8, 4)
+    ckpt.save({"model": model.state_dict()}, 3)
+    only = ckpt.snapshots()[0]
+    flip_a_bit_of(only, model.bias.detach())
+    damaged = only.read_bytes()
+    with pytest.raises(RunDirError) as raised:
+        ckpt.load_latest(warn=pytest.fail)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"no snapshot in {ckpt.dir} can be resumed: snapshot-000000003.pt is damaged" in message
+    assert "(checksum of trainer.model.bias differs)" in message and "Restore an intact copy" in message
+    assert only.read_bytes() == damaged and not (ckpt.dir / "corrupt").exists()  # nothing moved or changed
+
+
+def test_a_damaged_snapshot_passed_as_init_from_is_refused(tmp_path):
+    from ddpkit.run.checkpoint import read_weights
+
+    ckpt, _ = make(tmp_path)
+    model = torch.nn.Linear(8, 4)
+    ckpt.save({"model": model.state_dict()}, 1)
+    path = ckpt.snapshots()[0]
+    assert torch.equal(read_weights(path, "--init-from")["weight"], model.weight)
+    flip_a_bit_of(path, model.weight.detach())
+    with pytest.raises(RunDirError, match=r"--init-from .* is a damaged snapshot \(checksum of trainer.model.weight"):
+        read_weights(path, "--init-from")
+
+
+def test_a_snapshot_without_checksums_still_loads_and_says_nothing(tmp_path):
+    """Snapshots written before checksums (the ddpkit 0.2 fixture's) load unchecked, without a warning."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    cfg = dataclasses.replace(TrainConfig.from_toml(run / "config.toml"), run_dir=str(run))
+    warnings = []
+    snap = Checkpointer(run, CTX, cfg).load_latest(warn=warnings.append)
+    assert "checksums" not in snap and snap["global_step"] == 6 and warnings == []
 
 
 def test_other_config_is_refused(tmp_path):
@@ -103,7 +187,9 @@ def test_another_world_size_is_taken_but_not_for_a_join_run(tmp_path):
         ckpt.save({"x": 1}, 3)
         path = ckpt.snapshots()[0]
         snap = torch.load(path, weights_only=True)
-        torch.save({**snap, "world_size": 2, "ranks": snap["ranks"] * 2}, path)  # as 2 ranks write it
+        del snap["checksums"]
+        snap = {**snap, "world_size": 2, "ranks": snap["ranks"] * 2}  # as 2 ranks write it
+        torch.save({**snap, "checksums": checksums(snap)}, path)
         if expect is None:
             assert ckpt.load_latest()["world_size"] == 2
         else:

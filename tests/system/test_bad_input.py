@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from clirun import cli_env, free_port, read_jsonl, worker_pids
 
 import ddpkit.preflight
 from ddpkit.cli import main
+from ddpkit.run.checksums import checksums
 from ddpkit.run.rundir import run_lock
 
 TINY = [
@@ -107,6 +109,8 @@ def toml_file(tmp_path, text: str | bytes) -> str:
 VALUE_CASES = {
     "timeout nan": (["--timeout-s", "nan"], ["timeout_s = nan: expected a finite number"]),
     "timeout inf": (["--timeout-s", "inf"], ["timeout_s = inf: expected a finite number"]),
+    "timeout huge": (["--timeout-s", "1e30"], ["--timeout-s 1e+30 is out of range: give 3 to 100,000,000 seconds"]),
+    "timeout tiny": (["--timeout-s", "0.5"], ["--timeout-s 0.5 is out of range: give 3 to 100,000,000 seconds"]),
     "nproc superscript": (["--nproc", "²"], ["--nproc must be a positive integer or 'auto', got '²'"]),
     "adam beta1": (["--optimizer", "adam", "--momentum", "1.5"], ["--momentum is Adam's beta1", "[0, 1)"]),
     "custom dataset": (["--dataset", "custom:x"], ["--dataset custom:x: custom: names are recorded by the Python"]),
@@ -117,6 +121,16 @@ VALUE_CASES = {
     ),
     "negative clip": (["--clip-grad-norm", "-1"], ["--clip-grad-norm must be >= 0"]),
     "accum not dividing": (["--grad-accum", "3"], ["--grad-accum 3 does not divide the per-rank batch 50"]),
+    # issue 33, case 16: the seed was blamed on the dataset function (torch.manual_seed's overflow in its call)
+    "seed 2**64": (
+        ["--seed", str(2**64)],
+        ["--seed 18446744073709551616 is out of range: give a whole number from 0 to 2**63-1"],
+    ),
+    "seed negative": (["--seed", "-1"], ["--seed -1 is out of range"]),
+    "dataset returns an int": (
+        ["--dataset", "user_code:returns_int"],
+        ["--dataset user_code:returns_int returned an int; return (train, test) datasets"],  # was "a int"
+    ),
 }
 
 TOML_CASES = {
@@ -170,6 +184,95 @@ def test_a_directory_given_as_config_file(tmp_path, capsys):
     check_one_line(code, out, err, [f"config file {tmp_path} is a directory"])
 
 
+def test_an_error_in_your_function_names_your_line_not_a_relative_path_into_a_library(tmp_path, capsys, monkeypatch):
+    """Issue 33, case 16: the location was the innermost frame as a path relative to the working directory:
+    `../../../usr/lib/python3.11/json/decoder.py:355`, a line of the library, not of the user's code."""
+    import inspect
+
+    import user_code
+
+    monkeypatch.chdir(tmp_path)  # the user's module lies outside the working directory
+    lines, first = inspect.getsourcelines(user_code.unparsable_settings)
+    line = first + next(i for i, text in enumerate(lines) if "json.loads" in text)
+    code, out, err = run_main(capsys, "train", *TINY, "--dataset", "user_code:unparsable_settings", "--run-dir", "r")
+    said = check_one_line(code, out, err, ["calling unparsable_settings() raised JSONDecodeError: Expecting"])
+    assert said.endswith(f"({user_code.__file__}:{line})"), said
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------- launch variables set wrong (issue 33)
+SLURM_TASK = dict(
+    SLURM_JOB_ID="4242",
+    SLURM_STEP_ID="0",
+    SLURM_PROCID="0",
+    SLURM_LOCALID="0",
+    SLURM_NODEID="0",
+    SLURM_NTASKS="2",
+    SLURM_NNODES="1",
+    SLURM_JOB_NODELIST="127.0.0.1",
+)  # task 0 of `srun --ntasks 2` on one node: one task per GPU, each task one rank
+TORCHRUN_RANK = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+
+ENV_CASES = {
+    "SLURM_NODEID": ({**SLURM_TASK, "SLURM_NODEID": "x"}, [], ["SLURM_NODEID='x' is not a node index", "srun sets"]),
+    "SLURM_JOB_ID": ({**SLURM_TASK, "SLURM_JOB_ID": "abc"}, [], ["SLURM_JOB_ID='abc' is not a job id"]),
+    "SLURM_NTASKS_PER_NODE": (
+        {**SLURM_TASK, "SLURM_NTASKS_PER_NODE": "x"},
+        [],
+        ["SLURM_NTASKS_PER_NODE='x' is not SLURM's tasks per node"],
+    ),
+    "SLURM_PROCID beyond the tasks": (
+        {**SLURM_TASK, "SLURM_PROCID": "2"},
+        [],
+        ["SLURM_PROCID='2' is not a task index below SLURM_NTASKS=2"],
+    ),
+    "SLURM_STEP_NODELIST": (  # was blamed on SLURM_JOB_NODELIST, which is fine here
+        {**SLURM_TASK, "SLURM_STEP_NODELIST": "a[1-"},
+        [],
+        ["SLURM_STEP_NODELIST='a[1-' is not a SLURM host list"],
+    ),
+    "MASTER_PORT under srun": (
+        {**SLURM_TASK, "MASTER_PORT": "abc"},
+        [],
+        ["MASTER_PORT='abc' is not a TCP port (1 to 65535)", "29742"],  # 29500 + job id 4242 % 1000
+    ),
+    "MASTER_PORT with torchrun's variables": (
+        {**TORCHRUN_RANK, "MASTER_PORT": "abc"},
+        [],
+        ["MASTER_PORT='abc' is not a TCP port (1 to 65535)"],
+    ),
+    "--nnodes against SLURM_NNODES": (  # was "--nnodes 3 needs --rdzv-endpoint"
+        SLURM_TASK,
+        ["--nnodes", "3"],
+        ["--nnodes 3 but SLURM_NNODES=1: drop --nnodes under srun"],
+    ),
+    "PET_NPROC_PER_NODE": ({"PET_NPROC_PER_NODE": "x"}, [], ["PET_NPROC_PER_NODE='x' is not a process count"]),
+    "PET_NNODES=0": ({"PET_NNODES": "0"}, [], ["PET_NNODES='0' is not a node count"]),  # was a ZeroDivisionError
+    "PET_MASTER_PORT": (  # was accepted at one node
+        {"PET_NNODES": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "notaport"},
+        [],
+        ["PET_MASTER_PORT='notaport' is not a TCP port (1 to 65535)"],
+    ),
+    "PET_NODE_RANK beyond PET_NNODES": (  # was accepted, and trained as node 0 of 1
+        {"PET_NNODES": "1", "PET_NODE_RANK": "5"},
+        [],
+        ["PET_NODE_RANK='5' is not a node index below PET_NNODES=1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ENV_CASES)
+def test_a_launch_variable_set_wrong_is_one_line_naming_it(tmp_path, capsys, monkeypatch, case):
+    """Issue 33, case 15: each was a 27-49 line traceback (or, for the last two, accepted)."""
+    variables, args, fragments = ENV_CASES[case]
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", *TINY, *args, "--run-dir", str(run_dir))
+    check_one_line(code, out, err, fragments)
+    assert not run_dir.exists()
+
+
 # ---------------------------------------------------------------------- a run dir that cannot be used as it is
 def damage_config_utf8(run: Path):
     (run / "config.toml").write_bytes(b"\xff\xfe" + (run / "config.toml").read_bytes())
@@ -209,6 +312,23 @@ def test_a_run_dir_that_cannot_be_used_is_refused_and_left_as_it_was(tmp_path, c
     code, out, err = run_main(capsys, "train", *TINY, "--save-every-steps", "4", *args, "--run-dir", str(run))
     check_one_line(code, out, err, fragments)
     assert files(run) == before
+
+
+def test_a_locked_run_dir_holding_a_failed_attempt_is_refused_without_starting_over(tmp_path, capsys, finished):
+    """Issue 33, case 16: "holds an earlier attempt that saved nothing ...; starting over in it" was printed,
+    then the lock refused the run: a promise the run did not keep."""
+    run = copy_of(finished, tmp_path)
+    for name in ("summary.json", "model.pt", "metrics.jsonl"):
+        (run / name).unlink()
+    shutil.rmtree(run / "checkpoints")  # an attempt that saved nothing, with another config (seed 7 below)
+    before = files(run)
+    with run_lock(run):
+        code, out, err = run_main(capsys, "train", *TINY, "--seed", "7", "--run-dir", str(run))
+    check_one_line(code, out, err, [f"{run} is in use by another ddpkit run (pid {os.getpid()} on"])
+    assert "starting over" not in out + err, out + err
+    assert files(run) == before
+    code, out, err = run_main(capsys, "train", *TINY, "--seed", "7", "--run-dir", str(run))  # unlocked: it may
+    assert code == 0 and "holds an earlier attempt that saved nothing (config differs in seed); starting over" in out
 
 
 def test_a_second_run_on_a_locked_run_dir_names_the_holder(tmp_path, capsys, finished):
@@ -271,11 +391,22 @@ def test_a_truncated_summary_is_rebuilt_from_the_final_snapshot(tmp_path, capsys
     assert all(torch.equal(restored[k], v) for k, v in original.items())
 
 
-@pytest.mark.parametrize("damage", ["garbage", "missing keys", "another model"])
+def flip_a_bit_in_the_weights(snapshot: Path) -> str:
+    """Flip one bit inside the data of the snapshot's first model tensor, where the file stores it; its name."""
+    name, tensor = next(iter(torch.load(snapshot, weights_only=True)["trainer"]["model"].items()))
+    data, raw = bytearray(snapshot.read_bytes()), tensor.numpy().tobytes()
+    assert data.count(raw) == 1
+    data[data.find(raw) + len(raw) // 2] ^= 0x04
+    snapshot.write_bytes(bytes(data))
+    return name
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing keys", "another model", "bit flip"])
 def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_path, capsys, finished, damage):
     """Regression: a garbage snapshot-999999999.pt counted toward --keep-snapshots (so with 1 each real
     snapshot was deleted as soon as written), and a valid zip with the wrong contents gave a
-    traceback on every rank instead of the fallback a truncated file gets."""
+    traceback on every rank instead of the fallback a truncated file gets. Issue 33: one bit flipped in
+    a weight loaded silently."""
     run = copy_of(finished, tmp_path)
     (run / "summary.json").unlink()
     (run / "model.pt").unlink()
@@ -285,13 +416,17 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
     bad = ckpt / "snapshot-999999999.pt"
     if damage == "garbage":
         bad.write_bytes(b"not a snapshot at all")
+    elif damage == "bit flip":
+        bad.write_bytes(real.read_bytes())
+        flip_a_bit_in_the_weights(bad)
     else:
         snap = torch.load(real, weights_only=True)
         if damage == "missing keys":
             del snap["trainer"]["optimizer"], snap["trainer"]["position"]
         else:
             snap["trainer"]["model"] = torch.nn.Linear(3, 2).state_dict()
-        torch.save(snap, bad)
+        del snap["checksums"]  # whole but wrong contents: checksums of what it holds, so it reads as intact
+        torch.save({**snap, "checksums": checksums(snap)}, bad)
     code, out, err = run_main(
         capsys, "train", *TINY, "--save-every-steps", "4", "--keep-snapshots", "1", "--run-dir", str(run)
     )
@@ -303,6 +438,30 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
     assert starts[-1]["resumed_at_step"] == int(real.stem.split("-")[1])
     # keep 1 kept the real snapshot this run wrote last, not deleted it for the stray file's sake
     assert [p.name for p in ckpt.glob("snapshot-*.pt")] == ["snapshot-000000008.pt"]
+
+
+@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.multiprocess)])
+def test_a_damaged_only_snapshot_is_one_line_and_nothing_changes(tmp_path, capsys, finished, nproc):
+    """Issue 33: with no intact snapshot left, resuming is refused in one line (once, at any world size),
+    every file left as it was, rather than a damaged snapshot loaded."""
+    run = copy_of(finished, tmp_path)
+    (run / "summary.json").unlink()
+    (run / "model.pt").unlink()
+    *older, only = sorted((run / "checkpoints").glob("snapshot-*.pt"))
+    for path in older:
+        path.unlink()
+    name = flip_a_bit_in_the_weights(only)
+    before = files(run)
+    code, out, err = run_main(
+        capsys, "train", *TINY, "--nproc", nproc, "--save-every-steps", "4", "--run-dir", str(run)
+    )
+    check_one_line(
+        code,
+        out,
+        err,
+        [f"{only.name} is damaged (checksum of trainer.model.{name} differs)", "Restore an intact copy"],
+    )
+    assert files(run) == before
 
 
 # ---------------------------------------------------------------------- storage faults, on real filesystems
@@ -352,10 +511,25 @@ def test_a_full_disk_during_a_snapshot_is_one_line_leaving_no_partial_file(tmp_p
     """)
     out, err = proc.stdout, proc.stderr
     assert "EXIT=2" in out, out + err
-    check_one_line(2, "", err, ["no space left writing", "MiB are free there", "The previous files are intact"])
+    said = check_one_line(2, "", err, ["no space left writing", "are free there", "The previous files are intact"])
+    # Issue 33, case 16: "it needs 0.0 MiB, 0.0 MiB are free": sizes with their digits, whatever their unit
+    sizes = re.search(r"it needs ([\d.]+) (bytes|KiB|MiB), ([\d.]+) (bytes?|KiB|MiB) (is|are) free there", said)
+    assert sizes and float(sizes[1]) > 0 and "0.0 " not in said, said
     assert ".tmp" not in out
     names = [line for line in out.splitlines() if line.startswith("snapshot-")]
     assert names and out.count("LOADS") == len(names)  # every snapshot left is whole
+
+
+def test_a_small_write_on_a_full_disk_says_its_size_in_digits(tmp_path, monkeypatch):
+    """Issue 33, case 16: a 3 KB file on a nearly full disk was "it needs 0.0 MiB, 0.0 MiB are free there"."""
+    import errno
+
+    from ddpkit.files import describe_io_error, size_text
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 700, 700))
+    said = describe_io_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "x.pt", size=3000)
+    assert "(it needs 2.93 KiB, 700 bytes are free there)" in said, said
+    assert [size_text(n) for n in (1, 1536, 51234567, 3 * 2**40)] == ["1 byte", "1.5 KiB", "48.9 MiB", "3 TiB"]
 
 
 # ---------------------------------------------------------------------- faults that need processes
@@ -524,6 +698,33 @@ def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "task,fragments",
+    [
+        (
+            "0",
+            ["only 1 of the 2 ranks (WORLD_SIZE=2) reached the rendezvous at 127.0.0.1:", "the other 1 never arrived"],
+        ),
+        ("1", ["rank 1: could not reach the rendezvous at 127.0.0.1:", "rank 0, which hosts it, has not started"]),
+    ],
+    ids=["the host waits", "a peer finds no host"],
+)
+def test_a_rank_that_never_arrives_is_one_line_naming_the_rendezvous(tmp_path, task, fragments):
+    """Issue 33, case 15: a 30-line DistStoreError (the host, "1/2 clients joined") or DistNetworkError (a
+    peer) traceback. One srun task of two (SLURM one task per GPU) starts; the other never does."""
+    port = free_port()
+    variables = {**SLURM_TASK, "SLURM_PROCID": task, "SLURM_LOCALID": task, "MASTER_PORT": str(port)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", *TINY, "--timeout-s", "3", "--run-dir", str(tmp_path / "r")],
+        env=cli_env(**variables),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    check_one_line(proc.returncode, proc.stdout, proc.stderr, [*fragments, f":{port}"], exit_code=4)
+
+
+@pytest.mark.multiprocess
 def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
     proc = subprocess.run(
@@ -613,7 +814,7 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
     assert stopped and stopped[0]["signal"] == "SIGINT"
     assert (run / "checkpoints" / f"snapshot-{stopped[0]['step']:09d}.pt").exists()
-    assert "stopped on SIGINT" in err
+    assert "stopped on SIGINT" in err and "error" not in err, err  # issue 33: a clean stop is no error
 
 
 @pytest.mark.multiprocess
@@ -677,7 +878,7 @@ def test_any_unicode_run_dir_trains_resumes_and_evaluates(tmp_path, capsys):
     rerun the stop message recommends then refused, and `ddpkit eval` could not read the run."""
     run = tmp_path / 'runs 😀 "q" \\ é'
     assert main(["train", *TINY, "--run-dir", str(run)]) == 0
-    code, out, err = run_main(capsys, "train", *TINY, "--run-dir", str(run))
+    code, out, err = run_main(capsys, "train", *TINY, "--run-dir", str(run), "--reuse-finished")
     assert code == 0 and "already holds this finished run" in out, err
     code, out, err = run_main(capsys, "eval", str(run), "--nproc", "1")
     assert code == 0, err
@@ -766,6 +967,12 @@ PYTHON_CASES = {
         "ConfigError",
         "holds parameters that are not the model's",
     ),
+    # issue 33, case 15: at world 2 "the loss does not depend on the model's parameters", at 1 the optimizer's traceback
+    "no trainable parameters": (
+        dict(model=torch.nn.Linear(2, 2).requires_grad_(False)),
+        "ConfigError",
+        "the model has no trainable parameters (all 2 are frozen: requires_grad=False)",
+    ),
 }
 
 
@@ -786,6 +993,41 @@ def test_a_mistake_in_your_code_is_one_line_before_launch_at_world_2(tmp_path, c
     out, err = capsys.readouterr()
     check_one_line(code, out, err, [fragment])
     assert not run_dir.exists()  # found before launch: nothing started, nothing written
+
+
+BRANCH_BY_BATCH = """
+import sys
+from user_code import DataDependentBranch, flagged_first
+from ddpkit import TrainConfig, Trainer
+from ddpkit.dist.failures import exit_status
+from ddpkit.errors import ConfigError
+
+if __name__ == "__main__":
+    cfg = TrainConfig(nproc="2", device="cpu", epochs=1, batch_size=16, progress=False, run_dir="run", timeout_s=30)
+    try:
+        Trainer(cfg, model=DataDependentBranch(), train_data=flagged_first(64), test_data=flagged_first(16)).fit()
+    except ConfigError as exc:
+        print("CAUGHT", type(exc).__name__, flush=True)
+        sys.exit(exit_status(exc))
+"""
+
+
+@pytest.mark.multiprocess
+def test_parameters_unused_by_some_batches_name_ddpkits_flag_once(tmp_path):
+    """Issue 33, case 15: DDP's 40-line error told the user to pass torch's keyword `find_unused_parameters=True`
+    to DistributedDataParallel, which ddpkit builds; ddpkit's own flag went unnamed."""
+    (tmp_path / "train.py").write_text(BRANCH_BY_BATCH)
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180
+    )
+    said = check_one_line(
+        proc.returncode,
+        "",
+        proc.stderr,
+        ["parameters got no gradient in a training step (parameters 4, 5 in model.parameters() order)"],
+    )
+    assert "--find-unused-parameters (find_unused_parameters=True in TrainConfig)" in said
+    assert "CAUGHT ConfigError" in proc.stdout  # a public class, from Python
 
 
 SCRIPT_WITHOUT_GUARD = """

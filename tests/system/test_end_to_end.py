@@ -86,7 +86,12 @@ def test_eval_recomputes_the_same_accuracy_with_another_world_size(trained):
 def test_rerunning_a_finished_run_overwrites_nothing(trained):
     run_dir, _ = trained
     before = (run_dir / "summary.json").read_text()
-    proc = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "2", "--run-dir", str(run_dir), "--log", "csv")
+    refused = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "2", "--run-dir", str(run_dir))
+    assert refused.returncode != 0 and "holds a finished run, left as it is" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and (run_dir / "summary.json").read_text() == before
+    proc = run_cli(
+        "train", *SMALL, "--nproc", "2", "--epochs", "2", "--run-dir", str(run_dir), "--log", "csv", "--reuse-finished"
+    )
     assert proc.returncode == 0 and "already holds this finished run" in proc.stdout
     assert "--log csv applies to runs that train" in proc.stdout  # --log alone does not make a new run
     accuracy = json.loads(before)["test_accuracy"]

@@ -203,6 +203,7 @@ def test_sigterm_to_the_launcher_saves_a_snapshot_and_the_rerun_resumes_there(tm
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped on SIGTERM at step" in err and "run the same command again" in err
+    assert "error" not in err, err  # issue 33, case 14: a clean stop was followed by "error: interrupted ..."
     stopped = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"]
     assert stopped and stopped[0]["reason"] == "signal"
     step = stopped[0]["step"]

@@ -83,6 +83,9 @@ def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGUSR1 == 138, err
     assert err.count("stopped on SIGUSR1 at step") == 1 and "run the same command again" in err, err
+    # Issue 33, case 14: "error: interrupted ..." after the clean stop, and, from the whole process group, the
+    # resource tracker killed (9 KeyError tracebacks)
+    assert "error" not in err and "Traceback" not in err, err
     stopped = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"]
     assert [(r["reason"], r["signal"]) for r in stopped] == [("signal", "SIGUSR1")]
     step = stopped[0]["step"]

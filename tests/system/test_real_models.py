@@ -174,7 +174,7 @@ def test_a_model_and_data_named_by_import_path_train_evaluate_show_check_and_ben
     bench_finished(bench, tmp_path / "b" / "bench.json")
     assert "mynets:small_cnn on mydata:pictures" in (tmp_path / "b" / "bench.md").read_text()
 
-    rerun = ddpkit("train", "--config", "r/config.toml")  # the same run, rebuilt from its config: returned
+    rerun = ddpkit("train", "--config", "r/config.toml", "--reuse-finished")  # rebuilt from its config: returned
     assert rerun.returncode == 0 and "already holds this finished run" in rerun.stdout, rerun.stderr
 
 

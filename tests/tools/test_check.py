@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from batch_coupled import BatchCentred, FunctionalBatchNorm, RunningBuffer, max_error, summed_mse
 from clirun import run_cli
 from random_models import AttentionDropout, DropoutMLP, LateNoise, NoisyMLP
 from torch import nn
@@ -116,6 +117,68 @@ def test_check_fails_on_batchnorm_without_syncbn_and_passes_with_it():
     assert without.worst.diff > 1e-4
     with_sync = check(model, data, config=TrainConfig(**TINY), nproc=2, steps=3, loss_fn=mse)
     assert with_sync.passed, with_sync.text()
+
+
+# Models and losses whose N-process step truly differs from 1 process's: each couples its batch's samples.
+# The noise run once split the batch into 2 accumulated halves, which shares that very difference, so the
+# tolerance grew with it and every one PASSED (issue 33, case 10: 1.6-96% relative).
+COUPLED = [
+    ("batch-centred model", BatchCentred, mse, "FAILED"),
+    ("functional batch norm", FunctionalBatchNorm, mse, "FAILED"),
+    ("running buffer from the batch", RunningBuffer, mse, "FAILED"),
+    ("summed loss", RegressionMLP, summed_mse, "FAILED"),
+    ("max loss", RegressionMLP, max_error, "FAILED"),
+    ("per-sample mean loss", RegressionMLP, mse, "PASSED"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", COUPLED, ids=[c[0] for c in COUPLED])
+def test_check_fails_on_what_couples_the_batch_and_its_noise_stays_rounding(case):
+    _, factory, loss, verdict = case
+    torch.manual_seed(0)
+    report = check(factory(), regression_data(128, 0), config=TrainConfig(**TINY), nproc=2, steps=2, loss_fn=loss)
+    text = report.text()
+    assert report.verdict == verdict and report.dtype == "float64", text
+    assert report.exit_code == (1 if verdict == "FAILED" else 0)
+    assert "another order" in report.noise_run, text
+    # the noise run computed the same steps in another float order: rounding only, on every tensor (a max
+    # loss's gradient comes from one sample, summed in no order: its noise may be exactly 0)
+    assert max(t.noise for t in report.tensors) < 1e-13, text
+    if verdict == "FAILED":
+        assert text.splitlines()[-1] == "FAILED: 2 processes do not compute what 1 process does", text
+        assert report.worst.diff > 1e-3 and "DIVERGED" in text, text  # not a close call
+    else:
+        assert report.worst.diff < 1e-12 and max(t.noise for t in report.tensors) > 0, text
+
+
+@pytest.mark.multiprocess
+def test_the_cli_check_fails_on_a_batch_centred_model_with_exit_1(tmp_path):
+    proc = run_cli(
+        "check",
+        "--model",
+        "batch_coupled:centred_net",
+        "--dataset",
+        "mnist",
+        "--limit-train",
+        "64",
+        "--limit-test",
+        "32",
+        "--batch-size",
+        "16",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "check.json"),
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "FAILED: 2 processes do not compute what 1 process does"
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["verdict"] == "FAILED" and report["dtype"] == "float64" and "another order" in report["noise_run"]
+    assert report["worst"]["diff"] > 1e-3 and report["worst"]["noise"] < 1e-13
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_batch_that_does_not_divide_is_a_config_error_before_any_run(tmp_path):
@@ -264,3 +327,22 @@ def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["verdict"] == "INCONCLUSIVE" and not report["passed"] and "2 (Noise)" in report["inconclusive"][0]
     assert "INCONCLUSIVE" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_check_is_inconclusive_on_data_that_draws_random_numbers_as_it_is_read():
+    """Each rank fetches its batches under seeds of their own (data/draws.py), which the seeds run does
+    not reach. Without the data probe the noise run (each batch's samples in another order, each drawn
+    anew) measured the draws as rounding, and the check PASSED a random dataset whose 2 processes drew
+    other numbers than 1 (14% apart)."""
+    from user_code import NoisyData, drawing_collate
+
+    from ddpkit.data import DataSplits
+    from ddpkit.tools.check import data_draws
+
+    report = check(RegressionMLP(), NoisyData(128), config=TrainConfig(**TINY), nproc=2, steps=3, loss_fn=mse)
+    assert report.verdict == "INCONCLUSIVE", report.text()
+    assert "reading the training data draws random numbers" in report.text()
+    plain = regression_data(16, 0)
+    assert data_draws(DataSplits(plain, plain, None)) is None
+    assert data_draws(DataSplits(plain, plain, None, lambda s: drawing_collate([x for x, _ in s]))) is not None

@@ -225,6 +225,25 @@ def test_cli_errors_are_one_line(trained_run, tmp_path):
     assert not (tmp_path / "a.png").exists() and not (tmp_path / "b.png").exists()
 
 
+def test_dataset_args_reach_a_dataset_function_as_train_passes_them(tmp_path, capsys):
+    """Issue 33, case 16: `show-data` had no --dataset-args, so a dataset function that needs arguments could be
+    trained on but not shown."""
+    out = tmp_path / "grid.png"
+    assert main(["show-data", "user_code:picture_data", "--dataset-args", '{"n": 5}', "--out", str(out)]) == 0
+    assert f"wrote {out}: 5 user_code:picture_data test images" in capsys.readouterr().out
+    assert show_data("user_code:picture_data", out)["count"] == 12  # the function's own default
+    assert show_data("user_code:picture_data", out, dataset_args='{"n": 5}')["count"] == 5
+    for dataset, args, said in [
+        ("mnist", '{"n": 5}', "--dataset-args is for a dataset named pkg.module:function, not mnist"),
+        ("user_code:picture_data", "[5]", "--dataset-args '[5]' must be a JSON object"),
+    ]:
+        capsys.readouterr()
+        assert main(["show-data", dataset, "--dataset-args", args, "--out", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("ddpkit: error:") == 1 and said in err and "Traceback" not in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_a_model_passed_from_python_marks_the_grid_and_is_left_as_it_was(tmp_path):
     """Regression: show_data took no model, so a model trained from Python could not be shown."""
     from ddpkit.models import ConvNet

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..config import check_timeout_s
 from ..errors import ConfigError
 
 HELP = "report torch/CUDA/NCCL/gloo, GPUs, ports, env vars and CPU load, and run a timed all-reduce; exit 1 on a FAIL"
@@ -38,8 +39,7 @@ def run(args) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.timeout_s <= 0:
-        raise ConfigError(f"--timeout-s must be positive, got {args.timeout_s:g}")
+    check_timeout_s(args.timeout_s)  # the same bounds as training's (launch() checks them too)
     if args.rdzv_endpoint:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         if not host or not port.isdecimal() or not 0 < int(port) < 65536:

@@ -21,7 +21,7 @@ def run(args) -> int:
 
     prestart_if_workers(args.nproc)  # before torch is imported below
     from ..data import load_dataset
-    from ..run.rundir import finished_cli_run, load_trained_model
+    from ..run.rundir import check_rebuilt, finished_cli_run, load_trained_model
     from ..train.task import Classification, ModelLoss
     from ..trainer import run_evaluation
 
@@ -44,8 +44,10 @@ def run(args) -> int:
         max_restarts=0,
     )
     cfg.validate()
-    # Everything that can fail, checked here once, not on every rank: the data, and the weights.
+    # Everything that can fail, checked here once, not on every rank: the data, the model and data an
+    # import path builds now against what the run recorded, and the weights.
     splits = load_dataset(cfg)
+    check_rebuilt(cfg, run_dir, splits)
     load_trained_model(cfg, splits.meta, run_dir)
     # The CLI trains classification, or a model's own loss on dict samples (--dataset pkg.module:function)
     task = (

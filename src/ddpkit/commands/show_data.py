@@ -37,6 +37,13 @@ def register(parser) -> None:
     parser.add_argument("--n", type=_count, default=32, metavar="N", help="images to show, 1 to 256 (default: 32)")
     parser.add_argument("--seed", type=int, default=0, help="which images: a seeded random choice (default: 0)")
     parser.add_argument(
+        "--dataset-args",
+        default="",
+        metavar="JSON",
+        help='keyword arguments for DATASET pkg.module:function, as a JSON object: \'{"root": "data"}\' '
+        "(default: none; with --predictions, the run's)",
+    )
+    parser.add_argument(
         "--data-dir",
         default=None,
         help="where torchvision datasets are read from / downloaded to (default: data; with --predictions, the run's)",
@@ -61,6 +68,7 @@ def run(args) -> int:
         seed=args.seed,
         data_dir=args.data_dir,
         predictions=args.predictions,
+        dataset_args=args.dataset_args,
     )
     line = f"wrote {result['path']}: {result['count']} {result['dataset']} {result['split']} images"
     if "right" in result:

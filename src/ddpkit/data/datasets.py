@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from ..config import TrainConfig, check_dataset_name
-from ..errors import DataError
+from ..errors import DataError, article
 from ..importpath import call, is_import_path
 from .cifar import LAYOUTS as CIFAR_LAYOUTS
 from .cifar import read_cifar_split
@@ -163,7 +163,7 @@ def own_dataset(cfg: TrainConfig) -> DataSplits:
         train, test = made
     else:
         raise DataError(
-            f"{flag} returned a {type(made).__name__}; return (train, test) datasets, or a dict with "
+            f"{flag} returned {article(type(made).__name__)}; return (train, test) datasets, or a dict with "
             f"train, test and collate_fn"
         )
     for data, which in ((train, "train"), (test, "test")):
@@ -171,11 +171,12 @@ def own_dataset(cfg: TrainConfig) -> DataSplits:
             hasattr(data, "__len__") and hasattr(data, "__getitem__")
         ):
             raise DataError(
-                f"{flag} returned a {type(data).__name__} as {which}: return map-style datasets (with __len__ and "
-                f"__getitem__; ddpkit makes the DataLoader and splits them among ranks), and a collate_fn in a dict"
+                f"{flag} returned {article(type(data).__name__)} as {which}: return map-style datasets (with "
+                f"__len__ and __getitem__; ddpkit makes the DataLoader and splits them among ranks), and a "
+                f"collate_fn in a dict"
             )
     if collate_fn is not None and not callable(collate_fn):
-        raise DataError(f"{flag} returned a collate_fn that is a {type(collate_fn).__name__}, not a function")
+        raise DataError(f"{flag} returned a collate_fn that is {article(type(collate_fn).__name__)}, not a function")
     return DataSplits(_first(train, cfg.limit_train), _first(test, cfg.limit_test), infer_meta(train), collate_fn)
 
 

@@ -6,7 +6,10 @@
   staging buffers and copies it to the device, the next batch's copy overlapping the
   current step on CUDA.
 * :class:`LoaderSource` is the classic DataLoader + DistributedSampler (``loader``), for
-  datasets that do not fit in memory (imagefolder) or the user's own Dataset.
+  datasets that do not fit in memory (imagefolder), the user's own Dataset, and any dataset
+  given with a ``collate_fn`` (only a DataLoader calls it). Each of its batches is read and
+  collated under generators seeded for that batch alone (``data/draws.py``), so what the dataset
+  draws at random is the same after a resume and at any number of workers.
 
 Both follow DistributedSampler(shuffle=True, drop_last=True) semantics: each epoch's
 permutation comes from (seed, epoch), every rank takes every world_size-th index, and
@@ -27,6 +30,10 @@ structure.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -37,16 +44,37 @@ from ..dist.context import DistContext, cpu_threads
 from ..errors import ConfigError, DdpkitError
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
+from .draws import EVAL, LOADER, TRAIN, KeyedBatches, SeededFetch, as_is, seed_of
 from .types import DataSplits, ImageData, Meta, TensorData
 
 
-def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int, drop_last: bool = True) -> torch.Tensor:
+def epoch_order(
+    n: int, world: int, rank: int, seed: int, epoch: int, drop_last: bool = True, shuffle_block: int = 0
+) -> torch.Tensor:
     """This rank's sample indices for ``epoch``: exactly DistributedSampler(drop_last=True); with
-    ``drop_last=False`` every index once, the ranks' shares differing by at most one (``--join``)."""
+    ``drop_last=False`` every index once, the ranks' shares differing by at most one (``--join``).
+
+    ``shuffle_block`` B > 1 (the global batch of a step, in samples) reorders the samples of every
+    whole block of B in the epoch's permutation among themselves (``shuffle_in_batch``, ddpkit check's
+    noise run): each step's global batch holds the same samples, in another order."""
     gen = torch.Generator().manual_seed(seed + epoch)
     perm = torch.randperm(n, generator=gen)
+    if shuffle_block > 1:
+        perm = shuffled_within(perm, shuffle_block, gen)
     total = (n // world) * world if drop_last else n
     return perm[rank:total:world]
+
+
+def shuffled_within(perm: torch.Tensor, block: int, gen: torch.Generator) -> torch.Tensor:
+    """``perm`` with each whole block of ``block`` entries in another order drawn from ``gen``, never
+    the block's own (a drawn identity is reversed); a partial block at the end as it was."""
+    whole = len(perm) // block * block
+    if not whole:
+        return perm
+    order = torch.rand(whole // block, block, generator=gen).argsort(dim=1)
+    same = (order == torch.arange(block)).all(dim=1)
+    order[same] = order[same].flip(1)
+    return torch.cat([perm[:whole].view(-1, block).gather(1, order).view(-1), perm[whole:]])
 
 
 def float_dtype(cfg: TrainConfig) -> torch.dtype:
@@ -102,11 +130,14 @@ class _Source:
         self.per_rank = n // ctx.world_size
         self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
         self.pre = Preprocess.for_config(meta, ctx.device, cfg)
+        # a step's global batch, in samples: the block shuffle_in_batch reorders within
+        self.shuffle_block = per_rank_batch * group * ctx.world_size if getattr(cfg, "shuffle_in_batch", False) else 0
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order its batches take them (what
         ``ddpkit check`` counts): every index the epoch's steps use, and no other."""
-        return epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch)[: self.used]
+        order = epoch_order(self.n, self.ctx.world_size, self.ctx.rank, self.cfg.seed, epoch, True, self.shuffle_block)
+        return order[: self.used]
 
     @property
     def used(self) -> int:
@@ -216,20 +247,6 @@ class ResidentSource(_Source):
             yield self.pre.train(x, offsets[step * b : (step + 1) * b], flips[step * b : (step + 1) * b]), y
 
 
-class _From(Sampler):
-    """A sampler's indices from position ``start`` on (mid-epoch resume without reading skipped samples).
-    ``start`` may change between epochs: a persistent DataLoader keeps this one object."""
-
-    def __init__(self, sampler: Sampler, start: int = 0):
-        self.sampler, self.start = sampler, start
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.start, None)
-
-    def __len__(self):
-        return max(0, len(self.sampler) - self.start)
-
-
 class TensorSource(_Source):
     """A TensorData (a TensorDataset, or a materialised user dataset) batched by indexing on the device:
     the very batches the DataLoader path collates, without a DataLoader."""
@@ -248,22 +265,25 @@ class TensorSource(_Source):
             yield self.pre.cast(self.data.take(order[step * b : (step + 1) * b]))
 
 
-class UnevenSampler(Sampler):
-    """DistributedSampler's shuffle without its padding or dropping: rank r takes every
-    world_size-th index of the epoch's permutation from r on, so every sample is used once and
-    the ranks' shares differ by at most one sample (``--join``)."""
+class OrderSampler(Sampler):
+    """:func:`epoch_order` as a sampler. ``drop_last=False`` is DistributedSampler's shuffle without
+    its padding or dropping: rank r takes every world_size-th index of the epoch's permutation from r
+    on, so every sample is used once and the ranks' shares differ by at most one sample (``--join``).
+    ``shuffle_block``: as epoch_order's (``shuffle_in_batch``)."""
 
-    def __init__(self, n: int, world: int, rank: int, seed: int):
+    def __init__(self, n: int, world: int, rank: int, seed: int, drop_last: bool = False, shuffle_block: int = 0):
         self.n, self.world, self.rank, self.seed, self.epoch = n, world, rank, seed, 0
+        self.drop_last, self.shuffle_block = drop_last, shuffle_block
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        return iter(epoch_order(self.n, self.world, self.rank, self.seed, self.epoch, drop_last=False).tolist())
+        order = epoch_order(self.n, self.world, self.rank, self.seed, self.epoch, self.drop_last, self.shuffle_block)
+        return iter(order.tolist())
 
     def __len__(self):
-        return len(range(self.rank, self.n, self.world))
+        return self.n // self.world if self.drop_last else len(range(self.rank, self.n, self.world))
 
 
 class LoaderSource(_Source):
@@ -283,20 +303,23 @@ class LoaderSource(_Source):
         self.data, self.collate_fn = data, collate_fn
         self.uneven = bool(getattr(cfg, "join", False))
         if self.uneven:
-            self.sampler = UnevenSampler(len(data), ctx.world_size, ctx.rank, cfg.seed)
+            self.sampler = OrderSampler(len(data), ctx.world_size, ctx.rank, cfg.seed, False, self.shuffle_block)
             own = len(self.sampler)
             self.steps_per_epoch = -(-own // per_rank_batch)  # this rank's, the last batch partial
             self.max_steps_per_epoch = -(-len(range(0, self.n, ctx.world_size)) // per_rank_batch)  # rank 0's
         else:
-            self.sampler = DistributedSampler(
-                data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True
+            self.sampler = (
+                OrderSampler(len(data), ctx.world_size, ctx.rank, cfg.seed, True, self.shuffle_block)
+                if self.shuffle_block
+                else DistributedSampler(
+                    data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True
+                )
             )
             self.max_steps_per_epoch = self.steps_per_epoch
-        self.positioned = _From(self.sampler)
+        # The epoch's batches from a step on, each keyed (seed, epoch, rank, batch) for its random draws
+        self.positioned = KeyedBatches(self.sampler, self.batch, drop_last=not self.uneven)
         # Built once: with workers, they start once per run, not once per epoch.
-        self.loader = _dataloader(
-            data, self.positioned, self.batch, cfg, ctx, drop_last=not self.uneven, collate_fn=collate_fn
-        )
+        self.loader = _dataloader(data, self.positioned, cfg, ctx, collate_fn=collate_fn)
 
     @property
     def used(self) -> int:
@@ -309,7 +332,9 @@ class LoaderSource(_Source):
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.sampler.set_epoch(epoch)
-        self.positioned.start = start_step * self.batch
+        self.positioned.start, self.positioned.key = start_step, (self.cfg.seed, epoch, self.ctx.rank, TRAIN)
+        # what a worker started now is seeded from, never the rank's own generator (draws/docstring)
+        self.loader.generator.manual_seed(seed_of((self.cfg.seed, epoch, self.ctx.rank, LOADER)))
         offsets, flips = self._params(epoch)
         for step, batch in enumerate(unwrapped(self.loader), start=start_step):
             if step >= self.steps_per_epoch:
@@ -345,20 +370,51 @@ def loader_workers(cfg: TrainConfig, ctx: DistContext) -> int:
     return max(0, min(8, cpu_threads(ctx.local_world_size) - 1))
 
 
-def _dataloader(
-    data, sampler, batch: int, cfg: TrainConfig, ctx: DistContext, drop_last: bool = True, collate_fn=None
-) -> DataLoader:
+# How a rank starts its DataLoader workers. Not the start method it inherits from the launcher (a
+# forkserver, dist/prestart.py): a worker watches its parent and exits when that dies, and a rank's
+# forkserver outlives a SIGKILLed rank, kept alive by the very workers that watch it, so they ran on
+# for ever (holding their dataset and the job's output pipes). Forked from the rank itself, they end
+# within torch's watchdog interval (5 s) of it; spawned where fork is unsafe (macOS).
+WORKER_START = "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def _worker_start(worker_id: int) -> None:
+    """Each DataLoader worker, as it starts: SIGTERM obeyed from its rank alone, SIGUSR1 ignored.
+
+    SLURM signals every process of a job step at once (``scancel``, ``--signal``), and a worker dying of
+    it ends its rank (torch raises in the rank on a worker's death) before the rank saves its snapshot:
+    the rank decides when to stop, and its workers end with it. Its own SIGTERM (torch's shutdown, or
+    multiprocessing's at the rank's exit) still ends a worker at once, as torch's handler does; that is
+    told by the sender, which only ``sigwaitinfo`` sees (Linux; elsewhere torch's handling stays)."""
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # every thread: only the waiter takes it
+    threading.Thread(target=_obey_rank, args=(os.getppid(),), daemon=True, name="ddpkit-sigterm").start()
+
+
+def _obey_rank(rank_pid: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank_pid:
+            os._exit(0)  # as torch's worker does on its parent's SIGTERM: a quiet end, not a failure
+
+
+def _dataloader(data, batches: KeyedBatches, cfg: TrainConfig, ctx: DistContext, collate_fn=None) -> DataLoader:
+    """A DataLoader whose every item is one of ``batches``, fetched and collated under that batch's own
+    seeds (``data/draws.py``); its ``generator``, not the rank's, seeds the workers when they start."""
     workers = loader_workers(cfg, ctx)
     return DataLoader(
-        data,
-        batch_size=batch,
-        sampler=sampler,
-        drop_last=drop_last,
+        SeededFetch(data, collate_fn),
+        batch_size=None,  # each item is a whole batch: SeededFetch batches and collates
+        sampler=batches,
         num_workers=workers,
         pin_memory=ctx.device.type == "cuda",
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers else None,  # batches in flight per worker
-        collate_fn=collate_fn,
+        collate_fn=as_is,
+        generator=torch.Generator().manual_seed(seed_of((cfg.seed, ctx.rank, LOADER))),
+        multiprocessing_context=WORKER_START if workers else None,
+        worker_init_fn=_worker_start if workers else None,
     )
 
 
@@ -408,11 +464,14 @@ def path_for(kind: str, nbytes: int, free: int | None, cfg: TrainConfig) -> str:
     return "host" if kind == "image" else "loader"
 
 
-def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
+def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext, collate_fn=None) -> str:
     """``device``, ``host`` or ``loader``: what ``--data-path auto`` resolves to here, the same on every
-    rank. Every rank calls it (one all-reduce on CUDA at world > 1, whatever the flags)."""
+    rank. Every rank calls it (one all-reduce on CUDA at world > 1, whatever the flags). With a
+    ``collate_fn`` any dataset streams: only a DataLoader calls it on each batch's samples."""
     free = least_free_bytes(ctx, free_device_bytes(ctx))
-    if isinstance(data, TensorData):
+    if collate_fn is not None:
+        kind, nbytes = "stream", 0
+    elif isinstance(data, TensorData):
         kind, nbytes = "tensor", data.nbytes()
     elif isinstance(data, ImageData):
         kind, nbytes = "image", data.images.numel() + data.labels.numel() * 8  # uint8 images, int64 labels
@@ -424,7 +483,7 @@ def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext) -> str:
 def make_train_source(splits: DataSplits, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
     """The batch source for ``splits.train``; ``per_rank_batch`` is the micro-batch with accumulation."""
     data, meta = splits.train, splits.meta
-    path = choose_path(data, cfg, ctx)
+    path = choose_path(data, cfg, ctx, splits.collate_fn)
     if path == "loader":
         return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, collate_fn=splits.collate_fn)
     if isinstance(data, TensorData):
@@ -441,7 +500,7 @@ class EvalSource:
         self.indices = range(ctx.rank, len(data), ctx.world_size)
         self.loader = None
         self.index = None
-        if isinstance(data, (ImageData, TensorData)):
+        if isinstance(data, (ImageData, TensorData)) and collate_fn is None:  # a collate needs the DataLoader
             # Made once, where the data lives, and sliced per batch: a host index into device-resident
             # data is a synchronous host-to-device copy at every batch
             where = data.images.device if isinstance(data, ImageData) else _device_of(data)
@@ -449,7 +508,8 @@ class EvalSource:
             # the same tensor unless a user's labels live on another device than their images
             self._label_index = self.index.to(data.labels.device if isinstance(data, ImageData) else where)
         else:
-            self.loader = _dataloader(data, list(self.indices), batch, cfg, ctx, drop_last=False, collate_fn=collate_fn)
+            keyed = KeyedBatches(list(self.indices), batch, drop_last=False, key=(cfg.seed, ctx.rank, EVAL))
+            self.loader = _dataloader(data, keyed, cfg, ctx, collate_fn=collate_fn)
 
     def batches(self) -> Iterator:
         data, ctx = self.data, self.ctx

@@ -9,10 +9,11 @@ shared memory), with the same batches as the DataLoader would give:
 
 | dataset | becomes |
 |---|---|
+| any dataset with a ``collate_fn`` | itself, on the DataLoader path: the collate makes every batch |
 | ``ImageData`` | itself |
 | ``TensorDataset`` | ``TensorData`` over its very tensors (no copy) |
 | ``imagefolder:PATH`` | ``ImageData``, decoded in parallel the first time and cached beside the data |
-| any other map-style dataset | ``TensorData``, read once, if its samples are tensors or numbers of fixed shapes, the same on every read (no random transforms), and no ``collate_fn`` is given |
+| any other map-style dataset | ``TensorData``, read once, if its samples are tensors or numbers of fixed shapes, the same on every read (no random transforms) |
 
 Anything else stays on the DataLoader path; ``DataSplits.note`` says which path each split
 took and why, and the run's ``[start]`` line shows it.
@@ -64,6 +65,9 @@ def _nbytes(data) -> int:
 def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig, budget: float) -> tuple[Dataset, str]:
     if data is None:  # evaluate() needs no training split
         return None, f"no {split} split"
+    if splits.collate_fn is not None:
+        # before any in-memory path: batches made by indexing tensors would never call it
+        return data, f"{split} streamed (a collate_fn is given: it makes each batch, as in torch's DataLoader)"
     if isinstance(data, (ImageData, TensorData)):
         return data, f"{split} in memory"
     if isinstance(data, TensorDataset):
@@ -76,8 +80,6 @@ def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig
             return data, f"{split} streamed ({need / 2**30:.1f} GiB decoded is over the memory budget)"
         root = Path(cfg.dataset.split(":", 1)[1])
         return cached_decode(data, root, split, cfg.image_size, cpu_cores())
-    if splits.collate_fn is not None:
-        return data, f"{split} streamed (a collate_fn is given: it may shape each batch)"
     return _read_all(data, split, budget)
 
 

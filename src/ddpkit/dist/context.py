@@ -33,7 +33,7 @@ from ..device import resolve_device_type
 from ..errors import ConfigError, DdpkitError, RunDirError
 from . import env, hangwatch
 from .env import under_launcher
-from .failures import cause_reported, report_failure, worker_failure
+from .failures import cause_reported, rendezvous_failure, report_failure, worker_failure
 from .hangwatch import HangWatch, watched
 
 CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS workspace config that makes its kernels reproducible
@@ -204,10 +204,21 @@ def distributed(
         hangwatch.flight_recorder_defaults()  # read when the NCCL group is made
     timeout = timedelta(seconds=timeout_s)
     if under_launcher():
-        dist.init_process_group(backend=ctx.backend, timeout=timeout)
+        try:
+            dist.init_process_group(backend=ctx.backend, timeout=timeout)
+        except dist.DistError as exc:  # the env:// rendezvous (torchrun's or SLURM's variables): a peer not there
+            raise rendezvous_failure(exc, ctx.world_size, timeout_s) from None
+        if ctx.backend == "gloo" and ctx.world_size > 1:
+            # gloo connects every pair of ranks inside init_process_group, and one rank may return from it
+            # while a peer is still finishing its handshake with it: if that rank then failed at once (a
+            # nested launch(), an error on the first line of a function) and tore its group down, the peer
+            # failed in init with "Connection closed by peer" (1 run in 24 under load), blaming the wrong
+            # rank. No rank leaves this barrier before every rank has finished its init.
+            dist.barrier()
     else:
         dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
     hangwatch.WATCH = _watch(ctx, timeout_s)
+    _SETTLED[0] = False
     try:
         try:
             with deterministic(deterministic_algorithms):
@@ -216,7 +227,9 @@ def distributed(
             # threads: a rank that exits while a peer is mid-collective can abort ("terminate called
             # without an active exception"). Not on error: a dead peer would make it wait the full
             # timeout. A peer still busy past --timeout-s is a timeout here, said as any other.
-            ctx.barrier()
+            # Not after settle(): that barrier was this one, and rank 0's work since must not be waited for.
+            if not _SETTLED[0]:
+                ctx.barrier()
         except SystemExit as exc:
             # sys.exit(N) in this rank's own code: this rank is the cause, and says so, so that the
             # peers' "lost a rank" lines stay quiet and the job ends with its exit status. (Ctrl-C
@@ -243,14 +256,26 @@ def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
     if ctx.world_size == 1:
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()  # private, stable since torch 1.x; guarded
+        main_store = dist.distributed_c10d._get_default_store()  # private, stable since torch 1.x; guarded
         # Its own connection: a TCPStore client serves one request at a time, and the main thread may
         # wait on the store for long (NCCL's lazy connection setup at the first collective)
-        store = store.clone()
+        store = main_store.clone()
     except Exception:  # noqa: BLE001 - no store to meet in: the timeout alone says it
         return None
     attempt = f"{os.environ.get(env.RUN_ID, 'run')}/{os.environ.get(env.RESTART_COUNT, '0')}"
-    return HangWatch(ctx.rank, ctx.world_size, timeout_s, store, attempt).start()
+    return HangWatch(ctx.rank, ctx.world_size, timeout_s, store, attempt, main_store).start()
+
+
+# Whether the group in this process was settled (settle()): one group per process, as hangwatch.WATCH.
+_SETTLED = [False]
+
+
+def settle(ctx: DistContext) -> None:
+    """Every rank's collectives are done: the group's final barrier, now. Call on every rank, with no
+    collective after it; what a rank does next (rank 0's last records, its plots, the loggers' close) holds
+    no other rank in a collective that --timeout-s would end, so a run that finished keeps its exit 0."""
+    ctx.barrier()
+    _SETTLED[0] = True
 
 
 class _Exit(DdpkitError):
@@ -262,17 +287,19 @@ class _Exit(DdpkitError):
 
 
 # ---------------------------------------------------------------------- the rank-0 rule
-def on_rank0(ctx: DistContext, write: Callable[[], object]) -> None:
+def on_rank0(ctx: DistContext, write: Callable[[], object], what: str = "writing to the run directory") -> None:
     """Run ``write`` on global rank 0 only, and let every rank know whether it worked (one all-reduce).
 
     Without this, a rank-0 write error (full disk, read-only storage) would leave the other
     ranks waiting in their next collective until --timeout-s. Every rank raises on failure;
-    rank 0's error carries the reason, which is the one the launcher prints.
+    rank 0's error carries the reason, which is the one the launcher prints. ``what`` names the write
+    for the hang watch, which does not take the others' wait meanwhile for a hang.
     """
     error: DdpkitError | None = None
     if ctx.is_main:
         try:
-            write()
+            with hangwatch.busy(what, announce=True):  # the others wait in agree() meanwhile: no hang
+                write()
         except RunDirError as exc:
             error = exc
     agree(ctx, error)

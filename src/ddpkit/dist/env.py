@@ -3,7 +3,8 @@
 Set by torchrun or torch's elastic agent for each worker (read here, never set):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index),
 ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_ERROR_FILE`` (where a
-worker leaves its error for the agent), ``TORCHELASTIC_RUN_ID``.
+worker leaves its error for the agent), ``TORCHELASTIC_RUN_ID``. Set by ddpkit for the agent during a launch:
+``TORCHELASTIC_SIGNALS_TO_HANDLE``.
 
 ddpkit's own, set by the launcher for its workers (private: a user never sets them):
 ``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``.
@@ -20,6 +21,7 @@ Torch-free: the CLI reads these before torch loads.
 from __future__ import annotations
 
 import os
+import re
 from typing import Mapping
 
 from ..errors import ConfigError
@@ -37,6 +39,8 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 RUN_ID = "TORCHELASTIC_RUN_ID"
+# Set for torch's agent during a launch (the signals it handles itself): SIGTERM and SIGUSR1 are ddpkit's
+SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 # ddpkit's own
 T0 = "DDPKIT_T0"  # when the user launched the run (time.time(), repr), for summary.json's startup_s
@@ -63,6 +67,32 @@ def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
 
 
 MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT")  # where torchrun's workers find the rendezvous (env://)
+_WHOLE = re.compile(r"[0-9]+")  # ASCII digits only: int() also takes "٣" and " 3 ", which no launcher writes
+
+
+def int_var(
+    env: Mapping[str, str],
+    name: str,
+    what: str,
+    fix: str,
+    low: int = 0,
+    high: int | None = None,
+    default: int | None = None,
+) -> int:
+    """The variable ``name`` as an integer in ``low``..``high`` (``default`` where unset or empty, if given); else
+    one line naming it, its value, ``what`` it should be and the ``fix``."""
+    text = env.get(name, "")
+    if default is not None and not text:
+        return default
+    value = int(text) if _WHOLE.fullmatch(text) else None
+    if value is None or value < low or (high is not None and value > high):
+        raise ConfigError(f"{name}={text!r} is not {what}: {fix}")
+    return value
+
+
+def port_var(env: Mapping[str, str], name: str, fix: str, default: int | None = None) -> int:
+    """A TCP port from the variable ``name`` (1 to 65535; ``default`` where unset), or one line naming it."""
+    return int_var(env, name, "a TCP port (1 to 65535)", fix, low=1, high=65535, default=default)
 
 
 def check_launcher_env(env: Mapping[str, str] = os.environ) -> None:
@@ -92,6 +122,10 @@ def check_launcher_env(env: Mapping[str, str] = os.environ) -> None:
     if unset and world > 1:
         verb = "is" if len(unset) == 1 else "are"
         raise ConfigError(f"RANK, LOCAL_RANK and WORLD_SIZE are set but {' and '.join(unset)} {verb} not: {fix}")
+    if world > 1:  # read by torch's env:// rendezvous, whose int() failed with a 30-line traceback per rank
+        port_var(env, MASTER_VARS[1], fix)
+    if env.get(LOCAL_WORLD_SIZE):  # optional (torchrun sets it); read by dist.context as the node's process count
+        int_var(env, LOCAL_WORLD_SIZE, "a process count (a whole number >= 1)", fix, low=1)
 
 
 def env_rank(env: Mapping[str, str] = os.environ) -> int:
@@ -133,35 +167,37 @@ DEFAULT_PORT = 29500
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK = "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK"
 PET_MASTER_ADDR, PET_MASTER_PORT = "PET_MASTER_ADDR", "PET_MASTER_PORT"
 LAUNCHED_BY = "DDPKIT_LAUNCHED_BY"  # "slurm": this process set RANK etc. from srun's variables itself
+SLURM_FIX = "srun sets it for each task; if this process is not one of srun's tasks, unset the SLURM_* variables"
+PET_FIX = "Kubeflow Trainer sets the PET_* variables as torchrun's flags; correct it, or unset it"
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
+def expand_nodelist(nodelist: str, variable: str = SLURM_JOB_NODELIST) -> list[str]:
     """SLURM's compact host list as host names, in order: ``node[01-03,07],gpu5`` is node01, node02,
     node03, node07, gpu5 (zero padding kept; several bracket groups in one name multiply out), as
-    ``scontrol show hostnames`` prints it."""
+    ``scontrol show hostnames`` prints it. ``variable``: the one it was read from, named in an error."""
     hosts: list[str] = []
-    for name in _split_top(nodelist):
-        hosts.extend(_expand_name(name))
+    for name in _split_top(nodelist, variable):
+        hosts.extend(_expand_name(name, nodelist, variable))
     return hosts
 
 
-def _split_top(text: str) -> list[str]:
+def _split_top(text: str, variable: str) -> list[str]:
     """``text`` split at the commas outside brackets."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += {"[": 1, "]": -1}.get(ch, 0)
         if depth < 0 or depth > 1:
-            raise ConfigError(f"SLURM_JOB_NODELIST={text!r} is not a SLURM host list (unbalanced brackets)")
+            raise ConfigError(f"{variable}={text!r} is not a SLURM host list (unbalanced brackets)")
         if ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     if depth:
-        raise ConfigError(f"SLURM_JOB_NODELIST={text!r} is not a SLURM host list (unbalanced brackets)")
+        raise ConfigError(f"{variable}={text!r} is not a SLURM host list (unbalanced brackets)")
     parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 
 
-def _expand_name(name: str) -> list[str]:
+def _expand_name(name: str, nodelist: str, variable: str) -> list[str]:
     if "[" not in name:
         return [name]
     head, rest = name.split("[", 1)
@@ -169,20 +205,32 @@ def _expand_name(name: str) -> list[str]:
     numbers: list[str] = []
     for part in ranges.split(","):
         lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
-            raise ConfigError(f"SLURM host list range [{ranges}] in {name!r} is not of the form 01-03,07")
+        if not _WHOLE.fullmatch(lo) or (hi and not _WHOLE.fullmatch(hi)) or (hi and int(hi) < int(lo)):
+            raise ConfigError(
+                f"{variable}={nodelist!r} is not a SLURM host list: the range [{ranges}] in {name!r} is not of "
+                f"the form 01-03,07"
+            )
         width = len(lo)  # node[08-10]: 08, 09, 10
         numbers.extend(str(n).zfill(width) for n in range(int(lo), int(hi or lo) + 1))
-    return [head + n + t for n in numbers for t in _expand_name(tail)]
+    return [head + n + t for n in numbers for t in _expand_name(tail, nodelist, variable)]
 
 
-def tasks_on_node(tasks_per_node: str, node: int) -> int:
-    """The ``node``-th entry of SLURM_TASKS_PER_NODE's compact form: ``2(x3),1`` is 2, 2, 2, 1."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        count, _, times = part.partition("(x")
-        counts.extend([int(count)] * int(times.rstrip(")") or 1))
-    return counts[node] if 0 <= node < len(counts) else counts[-1]
+_TASK_COUNTS = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")  # one entry of SLURM's compact form: 2, or 2(x3)
+
+
+def tasks_on_node(tasks_per_node: str, node: int, variable: str = SLURM_TASKS_PER_NODE) -> int:
+    """The ``node``-th entry of SLURM_TASKS_PER_NODE's compact form: ``2(x3),1`` is 2, 2, 2, 1 (a node past
+    the end: the last). ``variable``: the one it was read from, named in an error."""
+    entries = [_TASK_COUNTS.fullmatch(part.strip()) for part in tasks_per_node.split(",")]
+    if not all(e and int(e[1]) >= 1 and int(e[2] or 1) >= 1 for e in entries):
+        raise ConfigError(
+            f"{variable}={tasks_per_node!r} is not SLURM's tasks per node (counts such as 4 or 2(x3),1): {SLURM_FIX}"
+        )
+    for entry in entries:  # walked, not expanded: 2(x100000000) is two numbers
+        node -= int(entry[2] or 1)
+        if node < 0:
+            return int(entry[1])
+    return int(entries[-1][1])
 
 
 def slurm_per_gpu(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
@@ -190,12 +238,8 @@ def slurm_per_gpu(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None
     is then one rank (SLURM one task per GPU); None otherwise (no srun, or one task per node)."""
     if SLURM_PROCID not in env or SLURM_STEP_ID not in env or SLURM_NTASKS not in env:
         return None
-    try:
-        tasks, nodes = int(env[SLURM_NTASKS]), int(env.get(SLURM_NNODES, "1"))
-    except ValueError:
-        raise ConfigError(
-            f"SLURM_NTASKS={env[SLURM_NTASKS]!r}, SLURM_NNODES={env.get(SLURM_NNODES)!r} are not task and node counts"
-        ) from None
+    tasks = int_var(env, SLURM_NTASKS, "a task count (a whole number >= 1)", SLURM_FIX, low=1)
+    nodes = int_var(env, SLURM_NNODES, "a node count (a whole number >= 1)", SLURM_FIX, low=1, default=1)
     # Only the counts: SLURM_NTASKS_PER_NODE may be the batch script's, inherited by an `srun -n1`
     return (tasks, nodes) if tasks > nodes else None
 
@@ -204,16 +248,20 @@ def slurm_rank_env(endpoint: str = "", env: Mapping[str, str] = os.environ) -> t
     """The variables torchrun would give this srun task (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK, MASTER_ADDR, MASTER_PORT), and where the address came from. ``endpoint``
     (``--rdzv-endpoint HOST:PORT``) wins over the first host of SLURM_JOB_NODELIST and MASTER_PORT (or 29500)."""
-    node = int(env.get(SLURM_NODEID, "0"))
-    if SLURM_STEP_TASKS_PER_NODE in env:  # this step's, then the job's
-        local_world = tasks_on_node(env[SLURM_STEP_TASKS_PER_NODE], node)
-    elif SLURM_TASKS_PER_NODE in env:
-        local_world = tasks_on_node(env[SLURM_TASKS_PER_NODE], node)
-    elif SLURM_NTASKS_PER_NODE in env:
-        local_world = int(env[SLURM_NTASKS_PER_NODE].split("(")[0])
+    node = int_var(env, SLURM_NODEID, "a node index (a whole number >= 0)", SLURM_FIX, default=0)
+    tasks = int_var(env, SLURM_NTASKS, "a task count (a whole number >= 1)", SLURM_FIX, low=1)
+    rank = int_var(env, SLURM_PROCID, f"a task index below SLURM_NTASKS={tasks}", SLURM_FIX, high=tasks - 1)
+    for name in (SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE):  # the step's, then the job's
+        if name in env:
+            local_world = tasks_on_node(env[name], node, name)
+            break
     else:
-        local_world = int(env[SLURM_NTASKS])
-    default_port = DEFAULT_PORT + int(env.get(SLURM_JOB_ID, "0") or 0) % 1000
+        local_world = tasks
+    where = f"a task index on this node, below its {local_world} tasks"
+    local = int_var(env, SLURM_LOCALID, where, SLURM_FIX, high=local_world - 1, default=0)
+    job = int_var(env, SLURM_JOB_ID, "a job id (a whole number)", SLURM_FIX, default=0)
+    default_port = DEFAULT_PORT + job % 1000
+    port_fix = f"set it to a free port on the first node, or unset it (then {default_port}: 29500 + the job id % 1000)"
     if endpoint:
         addr, port = endpoint.rsplit(":", 1) if ":" in endpoint.strip("[]").split("]")[-1] else (endpoint, "")
         addr, port = addr.strip("[]"), port or str(default_port)
@@ -221,20 +269,25 @@ def slurm_rank_env(endpoint: str = "", env: Mapping[str, str] = os.environ) -> t
             raise ConfigError(f"--rdzv-endpoint {endpoint!r}: give HOST:PORT, or HOST")
         source = "--rdzv-endpoint"
     elif env.get(MASTER_VARS[0]):
-        addr, port = env[MASTER_VARS[0]], env.get(MASTER_VARS[1]) or str(default_port)
+        addr, port = env[MASTER_VARS[0]], str(port_var(env, MASTER_VARS[1], port_fix, default_port))
         source = "MASTER_ADDR"
     else:
-        nodelist = env.get(SLURM_STEP_NODELIST) or env.get(SLURM_JOB_NODELIST, "")
-        hosts = expand_nodelist(nodelist)
-        if not hosts:
-            raise ConfigError("SLURM_JOB_NODELIST is not set: give --rdzv-endpoint HOST:PORT on the first node")
-        addr, port = hosts[0], env.get(MASTER_VARS[1]) or str(default_port)
         which = SLURM_STEP_NODELIST if env.get(SLURM_STEP_NODELIST) else SLURM_JOB_NODELIST
+        nodelist = env.get(which, "")
+        hosts = expand_nodelist(nodelist, which)
+        if not hosts:
+            raise ConfigError(
+                f"{which}={nodelist!r} names no host to meet at: give --rdzv-endpoint HOST:PORT (the first node)"
+                if nodelist
+                else f"{SLURM_STEP_NODELIST} and {SLURM_JOB_NODELIST} are not set: give --rdzv-endpoint HOST:PORT "
+                "(the first node)"
+            )
+        addr, port = hosts[0], str(port_var(env, MASTER_VARS[1], port_fix, default_port))
         source = f"the first host of {which}={nodelist}"
     values = {
-        RANK: env[SLURM_PROCID],
-        LOCAL_RANK: env.get(SLURM_LOCALID, "0"),
-        WORLD_SIZE: env[SLURM_NTASKS],
+        RANK: str(rank),
+        LOCAL_RANK: str(local),
+        WORLD_SIZE: str(tasks),
         LOCAL_WORLD_SIZE: str(local_world),
         GROUP_RANK: str(node),
         MASTER_VARS[0]: addr,
@@ -248,12 +301,20 @@ def pet_launch(env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """torchrun's PET_* variables (Kubeflow Trainer) as ddpkit's flags: {"--nnodes": "2", ...}; empty where
     none is set. Only outside torchrun: torchrun reads them itself."""
     flags = {}
-    if PET_NNODES in env:
-        flags["--nnodes"] = env[PET_NNODES]
+    if PET_NNODES in env:  # torchrun's MIN:MAX (an elastic range) is not one ddpkit launches
+        flags["--nnodes"] = str(int_var(env, PET_NNODES, "a node count (a whole number >= 1)", PET_FIX, low=1))
     if PET_NPROC_PER_NODE in env:
-        flags["--nproc"] = env[PET_NPROC_PER_NODE]
+        nproc = env[PET_NPROC_PER_NODE]
+        if nproc not in ("auto", "gpu"):
+            what = "a process count per node (a whole number >= 1, auto or gpu)"
+            nproc = str(int_var(env, PET_NPROC_PER_NODE, what, PET_FIX, low=1))
+        flags["--nproc"] = nproc
     if env.get(PET_MASTER_ADDR):
-        flags["--rdzv-endpoint"] = f"{env[PET_MASTER_ADDR]}:{env.get(PET_MASTER_PORT) or DEFAULT_PORT}"
+        flags["--rdzv-endpoint"] = f"{env[PET_MASTER_ADDR]}:{port_var(env, PET_MASTER_PORT, PET_FIX, DEFAULT_PORT)}"
+    elif env.get(PET_MASTER_PORT):  # read only with PET_MASTER_ADDR, but a bad one is a mistake either way
+        port_var(env, PET_MASTER_PORT, PET_FIX)
     if PET_NODE_RANK in env:
-        flags["node rank"] = env[PET_NODE_RANK]
+        nodes = int(flags.get("--nnodes", "0"))  # checked against --nnodes by the launcher where PET_NNODES is unset
+        what = f"a node index below PET_NNODES={nodes}" if nodes else "a node index (a whole number >= 0)"
+        flags["node rank"] = str(int_var(env, PET_NODE_RANK, what, PET_FIX, high=nodes - 1 if nodes else None))
     return flags

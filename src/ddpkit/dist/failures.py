@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import errors
-from ..errors import AlreadyReported, CollectiveTimeout, DdpkitError, PeerLost, Stopped, WorkersFailed
+from ..errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped, WorkersFailed
 from . import env
 
 CONSEQUENCES = (CollectiveTimeout, PeerLost)  # what a rank meets when another fails
-# Exit codes of workers that already printed their one-line reason (see errors.py).
-REPORTED_EXITS = frozenset(e.exit_code for e in (DdpkitError, CollectiveTimeout, PeerLost, Stopped))
 PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 to print an error first
 # How long a rank that only lost a peer waits before it exits, under ddpkit's launcher. torch's agent
 # records only the first worker it finds ended (it polls every 0.1 s, then stops the rest), and a peer
@@ -89,10 +87,14 @@ def report_failure(exc: BaseException, rank: int) -> None:
         return
     quiet = bool(getattr(exc, "quiet", False))
     consequence = isinstance(exc, CONSEQUENCES)
-    deferred = consequence and bool(os.environ.get(env.LAUNCHER_PID))
+    launcher = bool(os.environ.get(env.LAUNCHER_PID))
+    deferred = consequence and launcher
+    # An error several ranks may meet at once, each on its own (not all_ranks: some may not): the launcher
+    # says the first it reads, once
+    said_once = launcher and bool(getattr(exc, "said_by_launcher", False))
     if isinstance(exc, DdpkitError):
         line, code = f"rank {rank}: {exc}", exc.exit_code
-        if not (quiet or deferred):
+        if not (quiet or deferred or said_once):
             print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
     else:
         traceback.print_exc()  # a bug keeps its traceback
@@ -109,7 +111,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
         text=str(exc),
         rank=rank,
         consequence=consequence,
-        printed=not (quiet or deferred),
+        printed=not (quiet or deferred or said_once),
     )
     exc.reported, exc.deferred = True, deferred and not quiet
 
@@ -117,7 +119,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
 def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> BaseException:
     """What a rank raises when its work raised ``exc``: a broken collective said in the user's
     terms (quiet if another rank already said why), reported before the group is torn down."""
-    user_error = comm_failure(exc, timeout_s) if isinstance(exc, RuntimeError) else None
+    user_error = (unused_parameters(exc) or comm_failure(exc, timeout_s)) if isinstance(exc, RuntimeError) else None
     if isinstance(user_error or exc, (PeerLost, CollectiveTimeout)):
         # Another rank's failure reached this one as a broken collective. If that rank said why,
         # this rank stays quiet: one line for one cause.
@@ -214,6 +216,57 @@ def comm_failure(exc: RuntimeError, timeout_s: float) -> Exception | None:
     return None
 
 
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+def rendezvous_failure(exc: Exception, world_size: int, timeout_s: float) -> PeerLost:
+    """``init_process_group``'s failure to meet (torch's ``DistStoreError``/``DistNetworkError``: a 30-line
+    traceback) as one line: the endpoint from MASTER_ADDR/MASTER_PORT, who did not arrive, what to check.
+    The CLI puts the rank in front (``rank 1: ...``) where it is not 0."""
+    where = ":".join(os.environ.get(name, "?") for name in env.MASTER_VARS)
+    by = "SLURM's variables" if os.environ.get(env.LAUNCHED_BY) == "slurm" else "MASTER_ADDR/MASTER_PORT"
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    joined = _JOINED.search(text)
+    if joined:  # this rank hosts the store and counted who came
+        came, expected = int(joined[1]), int(joined[2])
+        return PeerLost(
+            f"only {came} of the {expected} ranks (WORLD_SIZE={world_size}) reached the rendezvous at {where} "
+            f"(from {by}) within --timeout-s {timeout_s:g} s; the other {expected - came} never arrived: start "
+            f"every rank (under SLURM every task of the step, under torchrun the same command on every node), "
+            f"and check that each reaches {where}"
+        )
+    if _TIMEOUT.search(text) or isinstance(exc, TimeoutError):
+        return PeerLost(
+            f"could not reach the rendezvous at {where} (from {by}) within --timeout-s {timeout_s:g} s: "
+            f"rank 0, which hosts it, has not started (or has exited), or this node cannot reach that address; "
+            f"check that rank 0 runs there and that {where} is reachable from here ({text})"
+        )
+    return PeerLost(f"could not join the process group at {where} (from {by}): {text}")
+
+
+_NO_GRAD = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def unused_parameters(exc: RuntimeError) -> ConfigError | None:
+    """DDP's "Expected to have finished reduction in the prior iteration" (a rank's step left some
+    parameters without a gradient, so their bucket's all-reduce never started), said in ddpkit's terms: it
+    names torch's keyword ``find_unused_parameters``, where ddpkit's flag is ``--find-unused-parameters``.
+    Preflight's trial step finds a branch no batch uses; this is one that depends on the batch."""
+    text = str(exc)
+    if "find_unused_parameters" not in text or "finished reduction in the prior iteration" not in text:
+        return None
+    indices = _NO_GRAD.search(text)
+    which = f" (parameters {', '.join(indices[1].split())} in model.parameters() order)" if indices else ""
+    error = ConfigError(
+        f"parameters got no gradient in a training step{which}, and which ones depends on the batch (ddpkit's "
+        f"trial step before launch used them all), so DDP could not finish its gradient sync: pass "
+        f"--find-unused-parameters (find_unused_parameters=True in TrainConfig), or make every parameter take "
+        f"part in every step's loss"
+    )
+    error.said_by_launcher = True  # every rank whose step left them out meets it: one line for the job
+    return error
+
+
 def outside_group_failure(exc: DdpkitError) -> None:
     """A rank's error raised outside the process group (before it was made): print and file it here."""
     if getattr(exc, "reported", False):  # inside the group, report_failure said it
@@ -274,13 +327,38 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
         return killed
     if reports:
         return _from_report(reports[0])
-    reported = all(code in REPORTED_EXITS for code in codes.values())
+    return silent_exit(codes)
+
+
+def silent_exit(codes: dict[int, int]) -> WorkersFailed:
+    """Ranks that exited without a word (no error file: ``os._exit(N)``, a library ending the process): which,
+    with which code, and what the code means where ddpkit knows. Their codes once passed for "reported"
+    (2, 3, 4 and 143 are ddpkit's own), and the job ended with no message at all."""
+    said = ", ".join(f"rank {rank} exited with code {code}{exit_meaning(code)}" for rank, code in codes.items())
     first = next(iter(codes.values()))
+    it, its = ("it", "its") if len(codes) == 1 else ("they", "their")
     return WorkersFailed(
-        f"worker(s) failed: {', '.join(f'rank {r} exit code {c}' for r, c in codes.items())}",
-        reported,
-        first if reported else 1,
+        f"{said} and left no message: {it} did not end through ddpkit (an os._exit() in your code, or a library "
+        f"that ends the process); {its} own output, if any, is above",
+        False,
+        first if 0 < first < 256 else 1,
     )
+
+
+def exit_meaning(code: int) -> str:
+    """`` (what it means)`` for an exit code ddpkit knows, else ""."""
+    if 128 < code < 128 + 65:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            return ""
+        return f" (128 + {name}, as a process ends that exits on {name})"
+    kinds = {c.exit_code: c.__name__ for c in (CollectiveTimeout, PeerLost)}
+    if code in kinds:
+        return f" (ddpkit's code for {kinds[code]}, which that rank did not report)"
+    if code == DdpkitError.exit_code:
+        return " (ddpkit's code for bad input, which that rank did not report)"
+    return ""
 
 
 def _from_report(report: dict) -> Exception:
@@ -338,8 +416,9 @@ def interrupted(sig: signal.Signals, resumable: bool) -> WorkersFailed:
     """The launcher was sent ``sig`` (Ctrl-C, SIGTERM) and stopped the workers."""
     after = (
         (
-            "; they save a snapshot at their next log interval if it comes within the agent's grace period: "
-            "run the same command again to resume"
+            " before they saved a snapshot on the way out (none reached a safe point within the agent's grace "
+            "period, or none had started training); run the same command again to resume from the run dir's "
+            "newest snapshot, if it has one"
         )
         if resumable
         else ""
@@ -362,7 +441,23 @@ def as_returned(exc: DdpkitError, rank: int) -> Failure:
     printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
     if printed and not isinstance(exc, AlreadyReported):
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+        # for a launcher that is itself shutting down, and so reads no return value (stopped_report)
+        write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=True)
     return Failure(str(exc), exc.exit_code, printed, public_kind(exc))
+
+
+def stopped_report(log_dir: str) -> Exception | None:
+    """The stop rank 0 said (and left in its error file, :func:`as_returned`), read by a launcher whose
+    agent was interrupted and stopped the workers: the job stopped cleanly, said once, with the stop's exit
+    status; None when no rank stopped (none reached a safe point before the agent's grace period ended)."""
+    for path in sorted(Path(log_dir).glob("**/error.json")):
+        try:
+            report = json.loads(path.read_text()).get("ddpkit") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if report.get("kind") == Stopped.__name__:
+            return rebuilt(Stopped.__name__, report["text"], report["exit_code"], report.get("printed", True))
+    return None
 
 
 # ---------------------------------------------------------------------- in the CLI
@@ -403,5 +498,6 @@ def _report_once(exc: DdpkitError) -> int:
         except KeyboardInterrupt:
             return 130
     where = f"rank {exc.rank}: " if exc.rank is not None else "" if rank == "0" else f"rank {rank}: "
-    print(f"ddpkit: error: {where}{exc}", file=sys.stderr)
+    said = "" if isinstance(exc, Stopped) else "error: "  # a stop that saved its snapshot is no error
+    print(f"ddpkit: {said}{where}{exc}", file=sys.stderr)
     return exc.exit_code

@@ -24,6 +24,19 @@ all before the timeout ends the job. DDP's own gradient all-reduces run in C++ a
 ddpkit's record: a rank blocked there shows it in its stack (``loss.backward()``), and the step
 heartbeat is what raises the flag. On NCCL, torch's Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
 records every collective, DDP's included; where it is on, its dump is added to the rank's answer.
+
+A raised flag is a question, not yet a report: the answers are a round, and the gatherer judges them
+(:func:`verdict`). Not a hang, and the watch looks again ``RECHECK_FRACTION`` of the threshold later:
+
+- a rank busy in ddpkit's own work between steps (``with busy("saving snapshot-...pt")``: a snapshot,
+  the records and loggers, any ``on_rank0`` write), which the others wait for in a collective;
+- no rank waiting in a collective: every rank in its own compute (a step slower than the threshold
+  everywhere), or every rank in the backward of the same step.
+
+A hang is reported only when a second round, ``RECHECK_FRACTION`` of the threshold after the first,
+finds the same state with nothing moved (no rank's step, heartbeat or collective count changed): one
+sample can catch a rank a moment before the others join it. ``stop()`` (the group's teardown) abandons
+a report not yet printed, so a run that completed never prints one.
 """
 
 from __future__ import annotations
@@ -44,6 +57,9 @@ from typing import Any, Iterator
 from . import env
 
 TRIGGER_FRACTION = 0.5  # of --timeout-s: the report is written well before the timeout ends the job
+# of the threshold: how soon a cleared round is looked at again, and the gap between the two rounds that
+# confirm a hang (the report then comes at 0.625 of --timeout-s, before the timeout, plus the gathering)
+RECHECK_FRACTION = 0.25
 RECENT = 8  # collectives kept per rank
 PREFIX = "ddpkit/hang"
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/ddpkit: not the user's code
@@ -52,21 +68,31 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/ddpki
 class HangWatch:
     """This rank's record of its collectives and steps, and the thread that reports a hang once."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store, attempt: str = "0"):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store, attempt: str = "0", main_store=None):
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
+        # The store the main thread announces its busy work in (the group's own, not the watch's clone): a
+        # torch.save of a large snapshot holds the GIL for seconds (1 s per 200 MB here), and this rank's
+        # watch cannot answer meanwhile; the announcement answers for it.
+        self.main_store = main_store
         self.prefix = f"{PREFIX}/{attempt}"  # a restarted group must not read the last attempt's answers
         self.trigger_s = timeout_s * TRIGGER_FRACTION
         self.poll_s = min(2.0, max(0.1, timeout_s / 40))
+        self.recheck_s = max(self.poll_s, self.trigger_s * RECHECK_FRACTION)
         self.recent: deque = deque(maxlen=RECENT)
         self.current: dict | None = None  # the collective this rank is in now
         self.seq = 0
         self.step: int | None = None
         self.phase = ""
         self.last_progress = time.monotonic()
+        self.busy: tuple[str, float] | None = None  # (what, since): ddpkit's own work between steps
+        self.busy_ended = 0.0  # when the last busy work ended: the heartbeat resumes from there
         self.run_dir: str | None = None
         self.report_path: Path | None = None  # where rank 0 wrote it (for the timeout's message)
+        self.round = 0  # the round of questions this rank is in (see _poll)
+        self.last_clear = -float("inf")  # when this rank last saw a round end without a report
         self._main = threading.main_thread().ident
         self._done = threading.Event()
+        self._lock = threading.Lock()  # a report is printed whole before stop() returns, or never
         self._answered = False
         self._thread = threading.Thread(target=self._run, name="ddpkit-hangwatch", daemon=True)
 
@@ -76,7 +102,11 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
+        """Before the group's teardown: no report after this returns (one being gathered is abandoned)."""
+        locked = self._lock.acquire(timeout=5.0)  # a report being written to a stuck disk must not hold teardown
         self._done.set()
+        if locked:
+            self._lock.release()
         self._thread.join(timeout=2 * self.poll_s + 1)
 
     @contextmanager
@@ -108,6 +138,33 @@ class HangWatch:
         """The loop has stopped stepping on purpose (training done): no heartbeat is expected."""
         self.phase = ""
 
+    @contextmanager
+    def busy_with(self, what: str, announce: bool = False) -> Iterator[None]:
+        """Around this rank's own work of ddpkit's between steps (rank 0 writing a snapshot): the heartbeat
+        is kept, and a rank waiting for this one meanwhile is no hang. ``announce``: also said in the store,
+        for work that may hold the GIL (serialising a snapshot), two store writes."""
+        if self.busy is not None:  # nested: the outer work names it
+            yield
+            return
+        self.busy = (what, time.monotonic())
+        key = f"{self.prefix}/busy/rank{self.rank}"
+        if announce:
+            self._announce(key, what)
+        try:
+            yield
+        finally:
+            if announce:
+                self._announce(key, "")
+            self.busy, self.busy_ended = None, time.monotonic()
+
+    def _announce(self, key: str, what: str) -> None:
+        if self.main_store is None:
+            return
+        try:
+            self.main_store.set(key, what)
+        except Exception:  # noqa: BLE001 - a store gone with the job: the watch is all this helps
+            self.main_store = None
+
     # ------------------------------------------------------------------ the watch thread
     def _waiting_in(self) -> dict | None:
         """The collective this rank waits in: the one its host is in, else the oldest queued one (NCCL)
@@ -123,39 +180,71 @@ class HangWatch:
 
     def _late(self) -> str:
         now = time.monotonic()
+        if now - self.last_clear < self.recheck_s:  # a round just ended without a report: not again at once
+            return ""
         current = self._waiting_in()
         if current is not None and now - current["started"] > self.trigger_s:
             return f"rank {self.rank} waited {now - current['started']:.0f} s in {current['op']} #{current['seq']}"
-        if self.phase and now - self.last_progress > self.trigger_s:
+        quiet = now - max(self.last_progress, self.busy_ended)
+        if self.phase and self.busy is None and quiet > self.trigger_s:
             return f"rank {self.rank} made no {self.phase} step for {now - self.last_progress:.0f} s"
         return ""
 
     def _run(self) -> None:
-        flag = f"{self.prefix}/flag"
         while not self._done.wait(self.poll_s):
             try:
-                if not self._answered:
-                    why = self._late()
-                    gatherer = False
-                    if why and not self.store.check([flag]):
-                        # The first rank to notice gathers: its main thread waits, so its watch is free
-                        # (rank 0 may be the one stuck). compare_set makes one of two at once the first.
-                        mine = f"{why} [{self.rank}]"
-                        gatherer = self.store.compare_set(flag, "", mine).decode() == mine
-                    if self.store.check([flag]):
-                        self.store.set(f"{self.prefix}/rank{self.rank}", json.dumps(self.answer()))
-                        self._answered = True
-                        if gatherer:
-                            self._gather(self.store.get(flag).decode().rsplit(" [", 1)[0])
-                            return
+                if self._poll():
+                    return
             except Exception:  # noqa: BLE001 - a store gone with the job, a dying process: never fail the run
                 return
+
+    def _key(self, n: int, name: str) -> str:
+        return f"{self.prefix}/{n}/{name}"
+
+    def _poll(self) -> bool:
+        """One look, in rounds: a rank that is late raises round n's flag (the first to notice gathers:
+        its main thread waits, so its watch is free; rank 0 may be the one stuck), every rank answers,
+        and the gatherer writes round n's verdict. After "ok" or "again" every rank goes on to round n + 1.
+        True when the watch is done (a hang was reported)."""
+        n = self.round
+        if self._answered:  # this round's verdict, from whichever rank gathers
+            if not self.store.check([self._key(n, "verdict")]):
+                return False
+            if self.store.get(self._key(n, "verdict")).decode() == "hang":
+                return True
+            self._next_round()
+            return False
+        flag = self._key(n, "flag")
+        why = self._late()
+        gatherer = False
+        if why and not self.store.check([flag]):
+            mine = f"{why} [{self.rank}]"  # compare_set makes one of two at once the first
+            gatherer = self.store.compare_set(flag, "", mine).decode() == mine
+        if not self.store.check([flag]):
+            return False
+        self.store.set(self._key(n, f"rank{self.rank}"), json.dumps(self.answer()))
+        self._answered = True
+        if not gatherer:
+            return False
+        word = self._gather(n, self.store.get(flag).decode().rsplit(" [", 1)[0])
+        if word is None:  # stopped: the run ended while the answers came in
+            return True
+        self.store.set(self._key(n, "verdict"), word)
+        if word == "hang":
+            return True
+        self._next_round()
+        return False
+
+    def _next_round(self) -> None:
+        self.round += 1
+        self._answered = False
+        self.last_clear = time.monotonic()
 
     def answer(self) -> dict:
         """What this rank's main thread is doing now."""
         frames = sys._current_frames().get(self._main)
         stack = traceback.extract_stack(frames) if frames is not None else []
-        current, now = self._waiting_in(), time.monotonic()
+        current, now, busy = self._waiting_in(), time.monotonic(), self.busy
         out: dict[str, Any] = {
             "rank": self.rank,
             "host": socket.gethostname(),
@@ -166,33 +255,85 @@ class HangWatch:
             "since_collective_s": round(now - self.recent[-1]["started"] - self.recent[-1]["took_s"], 1)
             if self.recent
             else None,
+            "busy": {"what": busy[0], "for_s": round(now - busy[1], 1)} if busy else None,
             "collective": _public(current, now) if current else None,
             "recent": [_public(c, now) for c in list(self.recent)],  # a copy: the main thread appends
             "where": _user_frame(stack),
             "stack": [f"{_shown(f.filename)}:{f.lineno} in {f.name}" for f in stack[-40:]],
+            # what moved, to compare two rounds by: this rank's own clock, its collectives issued
+            "moved": [self.last_progress, self.busy_ended, self.seq],
         }
         trace = _flight_recorder()
         if trace:
             out["flight_recorder"] = trace
         return out
 
-    def _gather(self, why: str) -> None:
-        """The rank that noticed: wait for every rank's answer (a dead or stuck one does not answer), then report."""
-        deadline = time.monotonic() + min(30.0, max(2.0, self.timeout_s * 0.2))
-        keys = [f"{self.prefix}/rank{r}" for r in range(self.world_size)]
-        while time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(self.poll_s)
+    def _gather(self, n: int, why: str) -> str | None:
+        """The rank that noticed: wait for every rank's answer (a dead or stuck one does not answer), judge
+        them, and report a hang the round before found too. The round's verdict: "ok", "again <state>"
+        (a hang seen once), "hang" (reported); None when the watch was stopped meanwhile."""
+        before = self._key(n - 1, "verdict")
+        previous = self.store.get(before).decode() if n and self.store.check([before]) else ""
+        # A watch answers within a poll (0.15 s at --timeout-s 6); the wait is for one the GIL holds up. In
+        # a confirming round, not again for the ranks silent in the last: the report must beat the timeout.
+        expected = range(self.world_size)
+        if previous.startswith("again "):
+            expected = [rank for rank, _, _ in json.loads(previous.removeprefix("again "))]
+        deadline = time.monotonic() + min(30.0, max(1.0, self.timeout_s * 0.2))
+        keys = [self._key(n, f"rank{r}") for r in range(self.world_size)]
+        while time.monotonic() < deadline and not self.store.check([keys[r] for r in expected]):
+            if self._done.wait(self.poll_s):
+                return None
         answers = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
-        line = summary(answers, self.world_size)
+        answered = {a["rank"] for a in answers}
+        announced = {}
+        for r in sorted(set(range(self.world_size)) - answered):  # silent: busy where the GIL is held?
+            key = f"{self.prefix}/busy/rank{r}"
+            if self.store.check([key]) and self.store.get(key):
+                announced[r] = self.store.get(key).decode()
+        if len(answered) == self.world_size and n:  # every rank has left round n - 1: its keys can go
+            for name in ["flag", "verdict", *(f"rank{r}" for r in range(self.world_size))]:
+                self.store.delete_key(self._key(n - 1, name))
+        line = verdict(answers, self.world_size, announced)
+        if line is None:
+            return "ok"
+        state = "again " + json.dumps(sorted([a["rank"], a["step"], a["moved"]] for a in answers))
+        if previous != state:
+            return state  # seen once: look again, RECHECK_FRACTION of the threshold later
+        self._report(why, line, answers)
+        return "hang"
+
+    def _report(self, why: str, line: str, answers: list[dict]) -> None:
         report = {"why": why, "summary": line, "timeout_s": self.timeout_s, "ranks": answers}
         path = Path(self.run_dir) / "hang-report.json" if self.run_dir else _temp_report()
-        try:
-            path.write_text(json.dumps(report, indent=1) + "\n")
-            where = f"every rank's stack and last collectives: {path}"
-            self.report_path = path
-        except OSError as exc:
-            where = f"(the report could not be written to {path}: {exc.strerror})"
-        print(f"ddpkit: hang: {line}. {where[0].upper()}{where[1:]}", file=sys.stderr, flush=True)
+        with self._lock:
+            if self._done.is_set():
+                return  # the run ended (its teardown stopped the watch): a finished run reports no hang
+            try:
+                path.write_text(json.dumps(report, indent=1) + "\n")
+                where = f"every rank's stack and last collectives: {path}"
+                self.report_path = path
+            except OSError as exc:
+                where = f"(the report could not be written to {path}: {exc.strerror})"
+            print(f"ddpkit: hang: {line}. {where[0].upper()}{where[1:]}", file=sys.stderr, flush=True)
+
+
+def verdict(answers: list[dict], world_size: int, announced: dict | None = None) -> str | None:
+    """The report's line when the answers show a hang; None when they show ranks at work, which a slower
+    step, snapshot or evaluation than half of --timeout-s is. ``announced``: silent ranks that said they
+    are busy (:meth:`HangWatch.busy_with`)."""
+    silent = set(range(world_size)) - {a["rank"] for a in answers}
+    if any(a.get("busy") for a in answers) or set(announced or ()) & silent:
+        return None  # alive in ddpkit's own work between steps: whoever waits, waits for it
+    waiting = [a for a in answers if _waits(a)]
+    if not waiting:
+        return None  # no rank waits in a collective: every one in its own compute (or stuck without Python)
+    if not silent and len(waiting) == len(answers) and all(a["collective"] is None for a in answers):
+        if len({_what(a) for a in answers}) == 1:
+            # every rank in the backward of the same step: a slow backward everywhere looks exactly like
+            # this; DDP's all-reduce stuck in it is told by the collective timeout
+            return None
+    return summary(answers, world_size)
 
 
 def summary(answers: list[dict], world_size: int) -> str:
@@ -384,6 +525,18 @@ def watched(op: str, tensor=None) -> Iterator[dict]:
 def progress(step: int, phase: str = "train") -> None:
     if WATCH is not None:
         WATCH.progress(step, phase)
+
+
+@contextmanager
+def busy(what: str, announce: bool = False) -> Iterator[None]:
+    """Around ddpkit's own work on this rank between steps that the other ranks wait for (rank 0 writing a
+    snapshot or the records): the heartbeat is kept and the waiting is no hang (:meth:`HangWatch.busy_with`)."""
+    watch = WATCH
+    if watch is None:
+        yield
+        return
+    with watch.busy_with(what, announce):
+        yield
 
 
 def idle() -> None:

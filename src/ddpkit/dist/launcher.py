@@ -46,16 +46,16 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..config import TrainConfig
+from ..config import TrainConfig, check_timeout_s
 from ..device import resolve_device_type
 from ..errors import ConfigError, PeerLost
 from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
 from .env import check_launcher_env, under_launcher
-from .failures import Failure, interrupted, launch_failure, restart_note, returned_failure
+from .failures import Failure, interrupted, launch_failure, restart_note, returned_failure, stopped_report
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
-from .prestart import forkserver_available, prestart_workers
+from .prestart import forkserver_available, prestart_workers, start_resource_tracker
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,11 @@ class LaunchSpec:
         nproc, nnodes, endpoint, node_rank = cfg.nproc, cfg.nnodes, cfg.rdzv_endpoint, -1
         if not under_launcher():
             nproc, nnodes, endpoint, node_rank = _from_pet(cfg, set_here)
+            if nnodes > 1 and not endpoint:  # here, not in the config: SLURM and PET_* can give the endpoint
+                raise ConfigError(
+                    f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of one node "
+                    f"that every node can reach, with a free port), the same on every node"
+                )
         run_id = cfg.rdzv_id
         if not run_id and nnodes > 1:
             # Every node runs the same command, so a hash of the config is an id they all agree on.
@@ -174,11 +179,13 @@ def _from_pet(cfg: TrainConfig, set_here: dict) -> tuple[str, int, str, int]:
     for flag, value in pet.items():
         if flag in given and str(given[flag]) != value:
             raise ConfigError(f"{flag} {given[flag]} but {env_name[flag]} says {value}: give one or make them agree")
-    try:
-        nnodes = int(pet.get("--nnodes", nnodes))
-        node_rank = int(pet.get("node rank", -1))
-    except ValueError:
-        raise ConfigError(f"PET_NNODES and PET_NODE_RANK must be integers, got {pet}") from None
+    nnodes = int(pet.get("--nnodes", nnodes))  # whole numbers: names.pet_launch checked them
+    node_rank = int(pet.get("node rank", -1))
+    if node_rank >= nnodes:
+        raise ConfigError(
+            f"PET_NODE_RANK={node_rank} but --nnodes {nnodes}: a node index is 0 to {nnodes - 1}; "
+            f"give --nnodes (or PET_NNODES) the job's node count"
+        )
     nproc = pet.get("--nproc", nproc)
     nproc = "auto" if nproc == "gpu" else nproc  # torchrun's words for one per GPU
     endpoint = pet.get("--rdzv-endpoint", endpoint)
@@ -223,6 +230,7 @@ def launch(
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
+    check_timeout_s(timeout_s, "timeout_s")  # 1e30 was an OverflowError on every rank
     refuse_if_importing_main()
     adopt_slurm_task()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -286,26 +294,39 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         refuse_unguarded_main()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     if start == "forkserver":
         prestart_workers()  # no-op when the launcher already started it, early
+    start_resource_tracker()  # before anything of torch's starts it, deaf to a job step's SIGUSR1
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
     config, env = _launch_config(spec, start, log_dir)
+    # torch's agent leaves SIGTERM and SIGUSR1 to ddpkit's own handler (_stop_signals), which keeps one that
+    # comes while the workers are being started, and forwards it once they exist
+    own = {names.SIGNALS_TO_HANDLE: "SIGINT,SIGHUP,SIGQUIT"}
     try:
-        with _environ(env), _quiet_agent_logs(), _tensors_shared_by_name(), _restarts_said(spec), _usr1_as_term():
-            # A forkserver's children have its environment, not this one's: the workers' variables travel along.
-            results = elastic_launch(config, worker_entry)(env, fn, *args)
+        with _environ({**env, **own}), _quiet_agent_logs(), _tensors_shared_by_name(), _stop_signals() as stops:
+            with _our_agent(spec, stops):
+                # A forkserver's children have its environment, not this one's: the workers' variables travel along.
+                results = elastic_launch(config, worker_entry)(env, fn, *args)
     except ChildFailedError as exc:
         raise launch_failure(exc.failures, spec.timeout_s) from None
     except SignalException as exc:
-        raise interrupted(signal.Signals(exc.sigval), spec.resumable) from None
+        # The workers are gone (the agent waited for them): one that stopped cleanly said so, and left its stop
+        raise (stopped_report(log_dir) or interrupted(signal.Signals(exc.sigval), spec.resumable)) from None
     except RendezvousTimeoutError:
         raise PeerLost(
             f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "
             f"{spec.rdzv_endpoint} (--rdzv-id {spec.rdzv_id}): start the same command on all {spec.nnodes} "
             f"nodes, with the same --rdzv-id, and check that each reaches the endpoint"
+        ) from None
+    except RendezvousConnectionError as exc:  # this node is not the store's host, and the host never answered
+        raise PeerLost(
+            f"could not reach the rendezvous store at --rdzv-endpoint {spec.rdzv_endpoint} (--rdzv-id "
+            f"{spec.rdzv_id}): the node that hosts it (node rank 0, at that address) has not started or has "
+            f"exited, or this node cannot reach that address; start the same command on all {spec.nnodes} nodes "
+            f"and check the address, the port and any firewall between them ({exc.__cause__ or exc})"
         ) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)  # torch's default leaves one in /tmp per launch
@@ -353,26 +374,46 @@ def _tensors_shared_by_name() -> Iterator[None]:
         tmp.set_sharing_strategy(before)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop and save": forwarded to the workers
+RESEND_S = 0.5  # while the agent waits for its workers to stop, each stop signal is sent again this often (s)
+
+
+@dataclass
+class _Stops:
+    """The launcher's stop signals: whether the workers are being started, and a signal kept meanwhile."""
+
+    starting: bool = False
+    kept: signal.Signals | None = None
+
+
 @contextmanager
-def _usr1_as_term() -> Iterator[None]:
-    """SIGUSR1 to the launcher (SLURM's ``--signal=USR1@90`` before the time limit) handled as torch's agent
-    handles SIGTERM: it raises the agent's ``SignalException``, the agent sends SIGUSR1 on to the workers and
-    waits its grace period while they snapshot, and the launcher exits 138. Without it SIGUSR1's default
-    action ended the launcher at once, and its workers with it, unsaved. recent torch agents read
-    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` for the same purpose; a handler set here works on every version."""
+def _stop_signals() -> Iterator[_Stops]:
+    """SIGTERM and SIGUSR1 (SLURM's ``--signal=USR1@90`` before the time limit) to the launcher, handled as
+    torch's agent handles SIGTERM: the handler raises the agent's ``SignalException``, the agent sends the
+    signal on to the workers and waits its grace period while they snapshot, and the launcher exits 143 or
+    138. Without it SIGUSR1's default action ended the launcher at once, its workers with it, unsaved. While
+    the workers are being started (``_Stops.starting``) the signal is kept instead, and raised by the agent
+    once they exist (:func:`_our_agent`): raised in the middle of starting them, it reached none of them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    def raise_in_agent(signum, frame):
-        raise SignalException(f"Process {os.getpid()} got signal: SIGUSR1", sigval=signal.Signals(signum))
+    stops = _Stops()
+
+    def handle(signum, frame):
+        sig = signal.Signals(signum)
+        if stops.starting:
+            stops.kept = stops.kept or sig
+            return
+        raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
 
     if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's only
-        yield
+        yield stops
         return
-    previous = signal.signal(signal.SIGUSR1, raise_in_agent)
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:
-        yield
+        yield stops
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # torch's loggers that speak of a failed worker in their own terms, muted during a launch: the agent
@@ -398,32 +439,71 @@ def _quiet_agent_logs() -> Iterator[None]:
 
 
 @contextmanager
-def _restarts_said(spec: LaunchSpec) -> Iterator[None]:
-    """Under ``--max-restarts``, have torch's agent say why it restarts the workers (a rank killed by a
-    signal, which printed nothing; a peer's timeout), once, as the launcher says a failure that ends
-    the job. ``elastic_launch`` builds its ``LocalElasticAgent`` itself, so the name it looks up is
-    swapped for a subclass for the launch; if torch no longer has it there, restarts go unexplained."""
+def _our_agent(spec: LaunchSpec, stops: _Stops) -> Iterator[None]:
+    """torch's agent, as :func:`_reporting_agent` makes it, for the launch. ``elastic_launch`` builds its
+    ``LocalElasticAgent`` itself, so the name it looks up is swapped for a subclass for the launch; if torch
+    no longer has it there, restarts go unexplained and a stop signal is sent to the workers once."""
     import torch.distributed.launcher.api as launcher_api
 
     agent_cls = getattr(launcher_api, "LocalElasticAgent", None)
-    if not spec.max_restarts or agent_cls is None:
+    if agent_cls is None:
         yield
         return
-    launcher_api.LocalElasticAgent = _reporting_agent(agent_cls, spec)
+    launcher_api.LocalElasticAgent = _reporting_agent(agent_cls, spec, stops)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = agent_cls
 
 
-def _reporting_agent(base: type, spec: LaunchSpec) -> type:
-    """``base`` (torch's LocalElasticAgent), printing :func:`ddpkit.dist.failures.restart_note` before each
-    restart that a failure caused (not those for nodes joining). ``_monitor_workers`` and
-    ``_restart_workers`` are the methods torch's ``SimpleElasticAgent`` asks its subclasses for and calls."""
+def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) -> type:
+    """``base`` (torch's LocalElasticAgent), which
+
+    * under ``--max-restarts``, prints :func:`ddpkit.dist.failures.restart_note` before each restart that a
+      failure caused (not those for nodes joining): why it restarts the workers (a rank killed by a signal,
+      which printed nothing; a peer's timeout), as the launcher says a failure that ends the job;
+    * raises a stop signal kept while it started the workers (``stops``) once they exist;
+    * sends a stop signal to the workers again every ``RESEND_S`` while it waits for them to stop: a worker
+      forked from the forkserver ignores SIGTERM and SIGUSR1 (as the forkserver does) until its entry
+      restores them, so one that was still starting ignored the agent's one signal, and the agent waited its
+      30 s grace period for it, then killed it.
+
+    ``_monitor_workers``, ``_restart_workers``, ``_start_workers`` and ``_shutdown`` are the methods torch's
+    ``SimpleElasticAgent`` asks its subclasses for and calls."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     class ReportingAgent(base):
         _failures: dict | None = None
         _restarts = 0
+
+        def _start_workers(self, worker_group):
+            if stops is None:
+                return super()._start_workers(worker_group)
+            stops.starting = True
+            try:
+                return super()._start_workers(worker_group)
+            finally:
+                stops.starting, kept, stops.kept = False, stops.kept, None
+                if kept is not None:  # the workers exist now: stop them as if it came now
+                    raise SignalException(f"Process {os.getpid()} got signal: {kept.name}", sigval=kept)
+
+        def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):
+            done = threading.Event()
+            if death_sig in STOP_SIGNALS:
+                threading.Thread(target=self._send_again, args=(death_sig, done), daemon=True).start()
+            try:
+                return super()._shutdown(death_sig, *args, **kwargs)
+            finally:
+                done.set()
+
+        def _send_again(self, sig: signal.Signals, done: threading.Event) -> None:
+            while not done.wait(RESEND_S):
+                context = getattr(self, "_pcontext", None)
+                for pid in context.pids().values() if context is not None else ():
+                    try:
+                        os.kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):  # exited (or its pid reused)
+                        pass
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
@@ -431,7 +511,7 @@ def _reporting_agent(base: type, spec: LaunchSpec) -> type:
             return result
 
         def _restart_workers(self, worker_group):
-            if self._failures:
+            if self._failures and spec.max_restarts:
                 self._restarts += 1
                 note = restart_note(self._failures, spec.timeout_s, self._restarts, spec.max_restarts)
                 if note:

@@ -22,6 +22,26 @@ PRELOAD = [
 ]  # last: the forkserver then exits at once when the launcher dies
 
 
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (if it is not running yet) deaf to SIGUSR1, SIGTERM and SIGINT.
+
+    It is started by the first process-shared object (the forkserver's, torch's queues), with SIGINT and
+    SIGTERM ignored but SIGUSR1 at its default action: a SIGUSR1 to the whole job step (SLURM's
+    ``--signal=USR1@90``) killed it, and the launcher's next semaphore release printed one KeyError
+    traceback each. A signal blocked when it starts stays blocked in it (it unblocks only SIGINT and SIGTERM,
+    which it ignores)."""
+    import signal
+    from multiprocessing import resource_tracker
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def forkserver_available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
@@ -33,4 +53,5 @@ def prestart_workers() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    start_resource_tracker()  # the forkserver's start would start it otherwise, SIGUSR1 not blocked
     forkserver.ensure_running()

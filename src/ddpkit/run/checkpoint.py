@@ -6,10 +6,12 @@
 
 A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
 (model, optimizer, schedule, scaler, EMA, data position, metric accumulators, where the log
-interval began), every rank's RNG states, the resolved config and its hash, and the
-ddpkit/torch versions. It is written to a temporary file, fsynced and renamed, so a kill during a save leaves
-the previous snapshot intact; a truncated or corrupt one is reported by name and the
-one before it is used.
+interval began), every rank's RNG states, the resolved config and its hash, the
+ddpkit/torch versions, and checksums of all of it (``run/checksums.py``; older snapshots have
+none and load unchecked). It is written to a temporary file, fsynced and renamed,
+so a kill during a save leaves the previous snapshot intact; a truncated, corrupt or damaged one
+(a checksum differs) is reported by name and the one before it is used; when none is left, resuming
+is refused in one line.
 
 Snapshots are loaded onto the CPU whatever the training device: ``load_state_dict``
 copies each tensor to the device anyway, and the RNG states must be CPU tensors
@@ -33,9 +35,10 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..dist.context import DistContext, on_rank0
-from ..errors import ConfigError, RunDirError
+from ..errors import ConfigError, RunDirError, article
 from ..files import atomic_write, torch_bytes
 from ..version import __version__
+from .checksums import checksums, first_difference
 from .paths import RunFiles
 
 FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
@@ -126,6 +129,12 @@ def read_weights(path: str | Path, what: str = "weights file") -> dict:
             f"({type(exc).__name__}: {_first_line(exc)})"
         ) from None
     if isinstance(obj, dict) and isinstance(obj.get("trainer"), dict) and "model" in obj["trainer"]:
+        damage = _damage(obj)
+        if damage:
+            raise RunDirError(
+                f"{what} {path} is a damaged snapshot ({damage}): its bytes changed after ddpkit wrote it; "
+                f"pass an intact copy, or the snapshot before it"
+            )
         obj = obj["trainer"]["model"]  # a snapshot
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise RunDirError(f"{what} {path}: expected a state_dict (name -> tensor), as model.pt holds")
@@ -181,11 +190,13 @@ class Checkpointer:
                 "trainer": trainer_state,
                 "ranks": gathered,
             }
+            snapshot["checksums"] = checksums(snapshot)  # of everything above, on what is written
             atomic_write(path, torch_bytes(snapshot))
             self.valid.add(path)
             self._prune()
 
-        on_rank0(self.ctx, write)  # also the barrier: nobody moves on (or reads) before the file is complete
+        # also the barrier: nobody moves on (or reads) before the file is complete
+        on_rank0(self.ctx, write, f"saving {path.name}")
         return path
 
     def _prune(self) -> None:
@@ -205,14 +216,19 @@ class Checkpointer:
         """The newest snapshot for this config that loads and ``fits`` (a check that raises on a
         snapshot this run cannot use: another model's weights, missing parts). Every rank calls
         this and makes the same choice (checked with one all-reduce); rank 0 moves the ones it
-        skipped to ``checkpoints/corrupt/`` with one warning each. None: nothing to resume."""
+        skipped to ``checkpoints/corrupt/`` with one warning each. None: nothing to resume. When there
+        are snapshots and none can be used, a RunDirError on every rank, and nothing is moved."""
         chosen, skipped = None, []
         for path in self.snapshots():
             try:
                 snap = torch.load(path, map_location="cpu", weights_only=True)
                 _check_layout(snap)
             except Exception as exc:  # truncated zip, bad pickle, wrong layout
-                skipped.append((path, f"corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
+                skipped.append((path, f"is corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            damage = _damage(snap)  # before the config checks: damage there is damage, not another config
+            if damage:
+                skipped.append((path, f"is damaged ({damage})"))
                 continue
             self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
             try:
@@ -224,9 +240,20 @@ class Checkpointer:
             break
         step = _step(chosen[0]) if chosen else -1
         self._agree_on(step)
+        if chosen is None and skipped:  # the same list on every rank: each read the same files
+            listed = "; ".join(f"{path.name} {why}" for path, why in skipped[:3])
+            more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+            one, them = ("it", "it") if len(skipped) == 1 else ("one", "them")
+            raise RunDirError(
+                f"no snapshot in {self.dir} can be resumed: {listed}{more}. Restore an intact copy of {one}, "
+                f"or move {them} into {self.dir / 'corrupt'} to train again from the start, or pass a new --run-dir"
+            )
         if self.ctx.is_main:
             for path, why in skipped:
-                warn(f"ddpkit: warning: snapshot {path} {why}; moved to {self.dir / 'corrupt'}, using the one before")
+                warn(
+                    f"ddpkit: warning: snapshot {path} {why}; moved to {self.dir / 'corrupt'}, "
+                    f"resuming from {chosen[0].name}"
+                )
                 _move_aside(path, self.dir / "corrupt")
         if chosen is None:
             return None
@@ -280,10 +307,18 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
+def _damage(snap: dict) -> str:
+    """What differs from the checksums written with ``snap``; "" when nothing does, or when it has
+    none (written before snapshots had checksums: nothing to check it against)."""
+    if "checksums" not in snap:
+        return ""
+    return first_difference({k: v for k, v in snap.items() if k != "checksums"}, snap["checksums"])
+
+
 def _check_layout(snap) -> None:
     """A snapshot's top level, as :meth:`Checkpointer.save` writes it."""
     if not isinstance(snap, dict):
-        raise ValueError(f"not a snapshot (a {type(snap).__name__})")
+        raise ValueError(f"not a snapshot ({article(type(snap).__name__)})")
     if not isinstance(snap.get("format"), int):
         raise ValueError("no snapshot format")
     for key, kind in (

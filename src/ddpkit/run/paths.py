@@ -8,7 +8,7 @@ RUN_DIR/identity.json    what ddpkit read of the model, data, optimizer... passe
 RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
 RUN_DIR/summary.json     final figures
 RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
-RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable ones go to checkpoints/corrupt/
+RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable or damaged ones go to checkpoints/corrupt/
 RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
 RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
 RUN_DIR/.fatal.json      an error a restart would only meet again, for restarted workers to report

@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+from ..dist import hangwatch
 from ..dist.context import DistContext
 from ..errors import RunDirError
 from ..files import atomic_write, describe_io_error
@@ -57,6 +58,10 @@ class MetricLogger:
     def log(self, event: str, **values) -> None:
         if not self.main:
             return
+        with hangwatch.busy("writing the records"):  # the loggers may be slow; the others wait meanwhile
+            self._write(event, values)
+
+    def _write(self, event: str, values: dict) -> None:
         record = {"event": event, "time": round(time.time(), 3), **values}
         if self.error is None:
             try:

@@ -28,8 +28,9 @@ from ..dist.context import DistContext, agree, on_rank0
 from ..dist.launcher import LaunchSpec
 from ..errors import ConfigError, DdpkitError, RunDirError
 from ..files import atomic_write, describe_io_error, torch_bytes
-from ..importpath import is_import_path
-from ..models import model_for
+from ..identity import READING, data_fingerprint, model_fingerprint, with_code
+from ..importpath import is_import_path, resolve
+from ..models import model_for, own_model
 from .checkpoint import check_weights_fit, read_weights
 from .paths import EXPECTED, RunFiles
 
@@ -54,6 +55,41 @@ def finished_cli_run(run_dir: str | Path, from_python: str) -> TrainConfig:
             f"{run_dir} was trained from Python ({', '.join(custom)}), which the CLI cannot rebuild; {from_python}"
         )
     return cfg
+
+
+def check_rebuilt(cfg: TrainConfig, run_dir: str | Path, splits) -> None:
+    """``ddpkit eval`` and ``show-data --predictions`` build a run's model and data again from their import
+    paths: refuse, in one line naming the part that differs, a build that is no longer what the run trained
+    on (an edited function, a constant in another module it reads), rather than score its model.pt on other
+    code or data. Read as training read them (the Trainer, ``preflight.content_fingerprints``)."""
+    now = {}
+    if is_import_path(cfg.model) and cfg.model_digest:
+        now["model_digest"] = with_code(model_fingerprint(own_model(cfg)), "factory", resolve(cfg.model, "--model"))
+    if is_import_path(cfg.dataset) and cfg.data_digest:
+        now["data_digest"] = with_code(
+            data_fingerprint(splits.train, splits.test), "factory", resolve(cfg.dataset, "--dataset")
+        )
+    saved, differ = read_identity(run_dir), {}
+    for key, fp in now.items():
+        before, after = saved.get(key) or {}, fp.to_json()
+        if before and before.get("reading", 1) != READING:
+            # An older ddpkit read less, and some parts otherwise: only the code both read compares.
+            code = [k for k in before.get("parts", {}) if k.startswith("code ") and k in fp.parts]
+            before = {**before, "parts": {k: before["parts"][k] for k in code}}
+            after = {**after, "parts": {k: fp.parts[k] for k in code}}
+            if before["parts"] == after["parts"]:
+                print(f"ddpkit: note: {run_dir} was fingerprinted by an older ddpkit; its {key} compares on code only")
+                continue
+        elif fp.tag == getattr(cfg, key):
+            continue
+        flag, field = ("--model", "model") if key == "model_digest" else ("--dataset", "dataset")
+        said = describe_difference(key, getattr(cfg, key), fp.tag, {key: before} if before else {}, {key: after})
+        differ[f"{flag} {getattr(cfg, field)}"] = said
+    if differ:
+        raise RunDirError(
+            f"{' and '.join(differ)} no longer build{'s' if len(differ) == 1 else ''} what {run_dir} was trained "
+            f"on ({'; '.join(differ.values())}); restore the code it was trained with, or train a new run"
+        )
 
 
 def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None:
@@ -95,10 +131,11 @@ def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None
             f"pass a new --run-dir, or delete {run_dir} to start over"
         )
     if differing:  # an attempt that failed before its first snapshot: nothing trained to lose
-        print(
-            f"ddpkit: {run_dir} holds an earlier attempt that saved nothing (config differs in "
-            f"{', '.join(differing)}); starting over in it"
-        )
+        if not locked(run_dir):  # else the lock's refusal at launch is the one line (or a peer of this job says it)
+            print(
+                f"ddpkit: {run_dir} holds an earlier attempt that saved nothing (config differs in "
+                f"{', '.join(differing)}); starting over in it"
+            )
         return None
     summary = files.summary
     if not (summary.exists() and files.model.exists()):
@@ -141,8 +178,13 @@ def describe_difference(key: str, old, new, before: dict, now: dict) -> str:
             said.append(f"{part} removed")
         elif a[part] != b[part]:
             said.append(f"{part} changed" if part.startswith("code ") else f"{part} {a[part]} -> {b[part]}")
+    if len(said) > 8:  # a new architecture changes every layer's settings: the first few say enough
+        said = [*said[:8], f"and {len(said) - 8} more parts"]
     name = (now.get(key) or {}).get("name", "")
-    return f"{key} {name}: {', '.join(said) or 'read differently by another ddpkit version'}"
+    older = (before.get(key) or {}).get("reading", 1) != (now.get(key) or {}).get("reading", 1)
+    return f"{key} {name}: {', '.join(said) or 'read differently by another ddpkit version'}" + (
+        " (recorded by another ddpkit version, which read other parts)" if older and said else ""
+    )
 
 
 def unproven(identity: dict) -> list[str]:
@@ -211,6 +253,23 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock; the file stays (removing it would race a waiting run)
+
+
+def locked(run_dir: str | Path) -> bool:
+    """Whether a process holds :func:`run_lock` on ``run_dir`` now (tried and let go at once: the run takes
+    it for good at launch, and is refused there in one line if another run still holds it)."""
+    try:
+        fd = os.open(RunFiles(run_dir).lock, os.O_RDWR)
+    except OSError:  # no lock file: no run has held it
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- who owns the run dir

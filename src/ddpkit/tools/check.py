@@ -4,13 +4,14 @@
     report.passed, report.worst, print(report.text())
 
 Short runs of the same engine, from the same initial weights, seed and global sample
-order: the reference (1 process, global batch B), a noise run (1 process, perturbed only in
-rounding: the other memory format for conv nets, else B as 2 accumulated halves, or for a
-BatchNorm model without convolutions the same run again), and the
-run under test (N processes, B/N each). Every parameter and buffer of the N-process run is
-compared with the reference, relative to the tensor's own scale; the noise run says how far
-rounding alone moves each tensor. A tensor passes when it differs by at most
-``NOISE_FACTOR`` times its noise, or ``FLOOR[dtype]``, whichever is larger.
+order: the reference (1 process, global batch B), a noise run (1 process, the same steps in
+another float order: the other memory format for conv nets, else each global batch's samples
+in another order, never another split of the batch, which would share what N processes change
+for a model that couples its samples), and the run under test (N processes, B/N each). Every
+parameter and buffer of the N-process run is compared with the reference, relative to the
+tensor's own scale; the noise run says how far rounding alone moves each tensor. A tensor
+passes when it differs by at most ``NOISE_FACTOR`` times its noise, or ``FLOOR[dtype]``,
+whichever is larger.
 
 On CPU the runs are in float64 where the model allows it: rounding noise is then ~1e-16
 relative and a real divergence (BatchNorm statistics per rank, rank-dependent noise, a data
@@ -55,8 +56,9 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..data import load_dataset
-from ..data.batch import tree_map
+from ..data import DataSplits, load_dataset
+from ..data.batch import tensor_leaves, tree_map
+from ..data.draws import seed_generators
 from ..device import resolve_device_type
 from ..dist.context import distributed
 from ..dist.launcher import LaunchSpec, run_workers
@@ -298,6 +300,7 @@ def check(
                 "rounding noise measured in float32"
             )
     randomness = randomness_probe(model, task, batch, dtype)
+    drawn = data_draws(splits)
     unused = unused_parameters(model, task, batch)
     if unused:
         notes.append(
@@ -324,14 +327,14 @@ def check(
         nnodes=1,
     )
     cfg = dataclasses.replace(base, **common)
-    cfg, noise_cfg, noise_run = noise_config(cfg, model, has_bn)
+    cfg, noise_cfg, noise_run = noise_config(cfg, model)
     runs = {
         "reference": dataclasses.replace(cfg, nproc="1"),
         "seeds": dataclasses.replace(cfg, nproc="1"),  # the reference again, its generators seeded apart
         "noise": dataclasses.replace(noise_cfg, nproc="1"),
         "test": dataclasses.replace(cfg, nproc=str(nproc)),
     }
-    if randomness is not None:  # no verdict on the weights can be given: only the data coverage is checked
+    if randomness is not None or drawn:  # no verdict on the weights can be given: only the data coverage is checked
         runs = {"test": runs["test"]}
     weights, coverage, error = {}, {"ok": False, "lines": []}, ""
     try:
@@ -364,6 +367,7 @@ def check(
             shutil.rmtree(work, ignore_errors=True)
     tensors = compare(weights["reference"], weights["test"], weights["noise"], dtype) if len(weights) == 4 else []
     inconclusive = [randomness.describe()] if randomness is not None else []
+    inconclusive += [drawn] if drawn else []
     seeds_diff = None
     if len(weights) == 4:
         # The same run with other seeds: on CPU bitwise the same unless a draw reaches the weights. On
@@ -383,6 +387,25 @@ def check(
                 f"(after the first step, or from a module it could not see)"
             )
     return CheckReport(nproc, steps, dtype, noise_run, tensors, coverage, notes, error, inconclusive, seeds_diff)
+
+
+def data_draws(splits: DataSplits) -> str | None:
+    """What makes the training data random, if reading it draws random numbers (in ``__getitem__`` or the
+    ``collate_fn``): its first samples read twice, with torch's, numpy's and Python's generators seeded
+    apart. Each rank fetches its batches under seeds of their own (seed, epoch, rank, batch:
+    ``data/draws.py``), which no seeds run reaches, so N processes draw other numbers than 1 and the
+    weights cannot be compared. None: both reads were the same."""
+    reads = []
+    with generators_kept():
+        for seed in (1, 2):
+            seed_generators((seed,))
+            reads.append(tensor_leaves(sample_batch(splits, 4)))
+    if len(reads[0]) == len(reads[1]) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(*reads)):
+        return None
+    return (
+        "reading the training data draws random numbers (its __getitem__ or collate_fn): each rank draws "
+        "its own for its batches, so N processes train on other numbers than 1"
+    )
 
 
 def without_randomness(model: nn.Module, notes: list[str]) -> nn.Module:
@@ -541,12 +564,20 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / scale
 
 
-def noise_config(cfg: TrainConfig, model: nn.Module, has_bn: bool) -> tuple[TrainConfig, TrainConfig, str]:
+def noise_config(cfg: TrainConfig, model: nn.Module) -> tuple[TrainConfig, TrainConfig, str]:
     """The reference's config, and the 1-process run that differs from it in rounding only, and what it is.
 
-    A conv net's memory format is fixed explicitly in both (NCHW unless --channels-last is given):
-    left to its default it resolves per model (a model you pass keeps NCHW), and the noise run
-    once got NCHW like its reference and measured no rounding at all."""
+    The noise run computes the very same steps in another float order, never on another split of
+    the batch: a split (the batch as 2 accumulated halves, as it once was) shares what N processes
+    change for a model that couples its batch's samples (batch statistics, a summed or max loss, a
+    buffer updated from the batch), so the noise it measured grew with the very difference under
+    test and the check passed models several percent off, a summed loss 96% (issue 33).
+
+    A conv net runs in the other memory format (NCHW unless --channels-last is given; left to its
+    default it resolves per model, and the noise run once got NCHW like its reference and measured
+    no rounding at all). Any other model takes each step's global batch in another order of the
+    same samples (``shuffle_in_batch``): every per-batch statistic and sum is the same set of
+    numbers, added up in another order."""
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
         nhwc = bool(cfg.channels_last)
         return (
@@ -554,13 +585,11 @@ def noise_config(cfg: TrainConfig, model: nn.Module, has_bn: bool) -> tuple[Trai
             dataclasses.replace(cfg, channels_last=not nhwc),
             f"1 process in {'NCHW' if nhwc else 'NHWC'} instead of {'NHWC' if nhwc else 'NCHW'}",
         )
-    if not has_bn:
-        return (
-            cfg,
-            dataclasses.replace(cfg, grad_accum=2 * cfg.grad_accum),
-            "1 process with the batch as 2 accumulated halves",
-        )
-    return cfg, cfg, "1 process, run again"  # half-batches would change BatchNorm's statistics, not just the rounding
+    return (
+        cfg,
+        dataclasses.replace(cfg, shuffle_in_batch=True),
+        "1 process with each global batch's samples in another order",
+    )
 
 
 class OtherDraws:

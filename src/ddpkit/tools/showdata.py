@@ -20,8 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import TrainConfig, check_dataset_name
-from ..errors import ConfigError, DataError, RunDirError
+from ..errors import ConfigError, DataError, RunDirError, article
 from ..files import atomic_write
+from ..importpath import is_import_path, keyword_args
 
 # torch and the modules that load it are imported where used: `ddpkit show-data` parses its flags and
 # refuses a mistyped path at once, before torch loads (about 1.5 s).
@@ -172,8 +173,8 @@ def _describe(sample) -> str:
     if isinstance(sample, torch.Tensor):
         return f"a tensor of shape {list(sample.shape)}"
     if isinstance(sample, (tuple, list)):
-        return f"a {type(sample).__name__} of {', '.join(_describe(x) for x in sample[:3])}"
-    return f"a {type(sample).__name__}"
+        return f"{article(type(sample).__name__)} of {', '.join(_describe(x) for x in sample[:3])}"
+    return article(type(sample).__name__)
 
 
 def displayable(images):
@@ -253,6 +254,7 @@ def show_data(
     data_dir: str | None = None,
     predictions: str | Path | None = None,
     model=None,
+    dataset_args: str = "",
 ) -> dict:
     """Write a PNG grid of ``n`` images of ``dataset``'s ``split``, each labelled with its class.
 
@@ -261,7 +263,8 @@ def show_data(
     name the run's dataset. ``data_dir``: where torchvision datasets live ("data"; with
     ``predictions`` the run's). ``predictions``: a ddpkit run directory whose model.pt marks
     each image right or wrong. ``model``: an ``nn.Module`` (from Python) whose predictions mark
-    them instead; ``dataset`` is then required.
+    them instead; ``dataset`` is then required. ``dataset_args``: ``--dataset-args``, keyword arguments
+    for a ``pkg.module:function`` dataset as a JSON object (with ``predictions``, the run's by default).
 
     Returns {"path", "dataset", "split", "count", "indices", "labels"} and, with predictions,
     {"run_dir", "predictions", "right", "accuracy"} (accuracy on the shown images).
@@ -279,6 +282,10 @@ def show_data(
             f"{dataset}: a dataset given from Python cannot be shown by name; name it by import path "
             f"(pkg.module:function, as --dataset takes it)"
         )
+    if dataset_args:
+        keyword_args(dataset_args, "--dataset-args")  # a JSON object, said at once
+        if dataset is not None and not is_import_path(dataset):
+            raise ConfigError(f"--dataset-args is for a dataset named pkg.module:function, not {dataset}")
     if model is not None and predictions is not None:
         raise ConfigError("give --predictions RUN_DIR or model=..., not both")
     if model is not None and dataset is None:
@@ -292,6 +299,11 @@ def show_data(
                 f"dataset {dataset} is not the one {predictions} was trained on ({cfg.dataset}); "
                 f"leave DATASET out to use the run's"
             )
+        if dataset_args and keyword_args(dataset_args, "") != keyword_args(cfg.dataset_args, ""):
+            raise ConfigError(
+                f"--dataset-args {dataset_args} are not the ones {predictions} was trained with "
+                f"({cfg.dataset_args or 'none'}); leave --dataset-args out to use the run's"
+            )
         cfg = replace(cfg, data_dir=data_dir or cfg.data_dir, device="cpu")
     elif dataset is None:
         raise ConfigError(
@@ -299,12 +311,16 @@ def show_data(
             "or --predictions RUN_DIR to use the run's"
         )
     else:
-        cfg = TrainConfig(dataset=dataset, data_dir=data_dir or "data", device="cpu")
+        cfg = TrainConfig(dataset=dataset, dataset_args=dataset_args, data_dir=data_dir or "data", device="cpu")
 
     check_dataset_name(cfg.dataset)
     from ..data import load_dataset
 
     splits = load_dataset(cfg)
+    if predictions is not None:  # a model and data by import path: still what the run trained on?
+        from ..run.rundir import check_rebuilt
+
+        check_rebuilt(cfg, predictions, splits)
     data = splits.train if split == "train" else splits.test
     if len(data) == 0:
         raise ConfigError(f"the {split} split of {cfg.dataset} is empty")

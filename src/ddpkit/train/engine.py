@@ -24,9 +24,10 @@ from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits, ImageData
+from ..data.draws import seed_rank
 from ..data.loader import EvalSource, Preprocess, make_train_source
 from ..dist import env, hangwatch
-from ..dist.context import DistContext, on_rank0
+from ..dist.context import DistContext, on_rank0, settle
 from ..errors import NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
 from ..run.checkpoint import Checkpointer, read_weights, reseed, set_rng_state, weights_mismatch
@@ -34,7 +35,7 @@ from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import training_plots
 from ..run.recorder import MetricLogger
-from ..run.rundir import write_config, write_model, write_summary
+from ..run.rundir import unproven, write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
 from .graph import GraphedSteps, decide
@@ -122,11 +123,15 @@ class Engine:
             getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
         )
         self.data_note = splits.note
+        if self.train_src.path == "dataloader":  # what ddpkit does to the draws of your __getitem__ and collate_fn
+            seeds = "each batch read under its own seeds (seed, epoch, rank, batch)"
+            self.data_note = f"{self.data_note}; {seeds}" if self.data_note else seeds
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
         self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static_graph and self.accum == 1 and cfg.grad_sync)
         torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
+        seed_rank(cfg.seed, ctx.rank)  # numpy's and Python's too: per rank, the same at every rerun
         self.opt = (
             user_optimizer(optimizer, self.raw)
             if optimizer is not None
@@ -300,6 +305,8 @@ class Engine:
                 grad_accum=self.accum,
                 resumed_at_step=self.pos.global_step if snap else None,
                 resumed_from_world=snap["world_size"] if snap else None,
+                # What the run identity could not read of what was passed in: a resume matched on all but these
+                not_read="; ".join(unproven(self.identity or {})) or None,
                 restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
                 cuda_graph=str(self.graph_decision),
             )
@@ -320,6 +327,8 @@ class Engine:
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
         ]
         caveats = ["each rank's random stream (dropout) starts afresh"]
+        if self.train_src.path == "dataloader":  # each batch's seeds are keyed by rank (data/draws.py)
+            caveats.append("random draws in your dataset's __getitem__ or collate_fn follow each rank's new batches")
         if plain_bn and not self.cfg.sync_bn:
             caveats.append(
                 "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
@@ -649,6 +658,9 @@ class Engine:
             "cuda_graph": self.graph.status if self.graph is not None else str(self.graph_decision),
         }
         write_summary(cfg.run_dir, summary, ctx)
+        # The run's last collective: rank 0's last record, plots and loggers' close below keep no rank
+        # waiting in a collective that --timeout-s would end (exit 3 after a finished run).
+        settle(ctx)
         self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
         if self.watch.diverged_at_step is not None:
             self.log.print(

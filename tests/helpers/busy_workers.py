@@ -1,0 +1,84 @@
+"""Healthy runs with a pause longer than the hang watch's threshold, for tests/dist/test_hangwatch.py: run
+as ``python busy_workers.py CASE RUN_DIR``, it trains 2 gloo ranks at ``--timeout-s 5`` (the watch looks
+at 2.5 s). The pause is a sleep, patched into each worker when it imports this file:
+
+- ``step``: every rank sleeps in its loss at the same step (a step slower than the threshold everywhere);
+- ``save``: rank 0's first snapshot write sleeps (a slow disk) while rank 1 waits for it in a collective;
+- ``end``: rank 0's plots, after the last collective, take longer than the whole timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    os.environ["BUSY_CASE"] = sys.argv[1]  # inherited by the workers, which import this file as __mp_main__
+CASE = os.environ.get("BUSY_CASE", "")
+
+TIMEOUT_S = 5.0
+PAUSE_S = 3.75  # over the threshold (2.5 s), under the timeout for what the other rank waits on
+END_PAUSE_S = 6.0  # over the whole timeout: after the last collective nobody may wait for it
+
+CALLS = [0]
+
+
+def loss(model, batch):
+    """mse; with CASE ``step``, every worker sleeps in its 3rd call (step 3 of 4)."""
+    import torch.nn.functional as F
+
+    CALLS[0] += 1
+    if CASE == "step" and CALLS[0] == 3 and os.environ.get("RANK") is not None:
+        time.sleep(PAUSE_S)
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _slowed(module, name: str, pause_s: float) -> None:
+    """``module.name``, sleeping ``pause_s`` before its first call."""
+    real, first = getattr(module, name), [True]
+
+    def slow(*args, **kwargs):
+        if first[0]:
+            first[0] = False
+            time.sleep(pause_s)
+        return real(*args, **kwargs)
+
+    setattr(module, name, slow)
+
+
+if CASE == "save":
+    from ddpkit.run import checkpoint
+
+    _slowed(checkpoint, "atomic_write", PAUSE_S)  # only rank 0 writes snapshots
+elif CASE == "end":
+    from ddpkit.train import engine
+
+    _slowed(engine, "training_plots", END_PAUSE_S)  # only rank 0 draws
+
+
+def train(run_dir: str):
+    from user_code import RegressionMLP, regression_data
+
+    from ddpkit import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        nproc="2",
+        device="cpu",
+        batch_size=16,
+        epochs=1,
+        timeout_s=TIMEOUT_S,
+        run_dir=run_dir,
+        num_workers=0,
+        progress=False,
+        save_every_steps=2,  # a snapshot between steps 2 and 3, and one at the end
+        plots=CASE == "end",
+    )
+    Trainer(
+        cfg, model=RegressionMLP(), train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=loss
+    ).fit()
+
+
+if __name__ == "__main__":
+    train(sys.argv[2])
