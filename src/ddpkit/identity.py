@@ -43,6 +43,7 @@ import enum
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -356,6 +357,13 @@ class _Reader:
             )
         if isinstance(v, (types.FunctionType, types.MethodType, functools.partial, type)):
             return self.callable(v, label)
+        if callable(v) and isinstance(getattr(v, "__wrapped__", None), types.FunctionType):
+            # functools.cache/lru_cache: a C wrapper whose code is the function it wraps (a dunder attribute)
+            return self.callable(v.__wrapped__, label)
+        if isinstance(v, logging.Logger):
+            # By name: its __dict__ reaches the process's whole logger registry (its order and caches differ
+            # from process to process), and where a log line goes does not change what is computed
+            return f"logger {v.name!r}"
         if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)):
             return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', v.__name__)}"
         if isinstance(v, nn.Module):
@@ -465,6 +473,8 @@ class _Reader:
                 self._read.append(os.path.realpath(data.root))  # its folder's files: read
             except OSError as exc:
                 self.unproven.append(f"{label} files: {exc.filename}: {exc.strerror}")
+            except (TypeError, ValueError) as exc:  # samples of another shape than (path, target)
+                self.unproven.append(f"{label} files: samples ddpkit cannot read as (path, target) ({exc})")
             rest = {k: x for k, x in vars(data).items() if k not in ("samples", "imgs", "targets")}
         else:
             rest = dict(getattr(data, "__dict__", {}))

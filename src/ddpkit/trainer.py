@@ -228,8 +228,10 @@ class Trainer:
         finished = check_run_dir(cfg, identity)
         if finished is None:
             return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
-        if (cfg.reuse_finished and not doubts) or env.restart_count() > 0:
-            return cfg, finished  # asked for; or this very job, restarted by torchrun's agent after it finished
+        if cfg.reuse_finished and not doubts:
+            return cfg, finished
+        if env.restart_count() > 0 and finished.get("finished_at", 0) >= agent_started_at():
+            return cfg, finished  # this very job finished it, and torchrun's agent restarted it afterwards
         why = (
             f"ddpkit cannot tell whether this run is the same: it cannot read {'; '.join(doubts)}"
             if doubts
@@ -265,6 +267,19 @@ class Trainer:
             raise DataError("evaluate() needs a non-empty test_data")
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
+
+
+def agent_started_at() -> float:
+    """When this worker's parent (torchrun's elastic agent, which restarts the workers) started, in seconds
+    since the epoch; infinity where unknown. A finished run written after it is this job's own."""
+    try:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:6] == "btime "
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("inf")
 
 
 def by_import_path(cfg: TrainConfig, model, train, test, meta, collate_fn):

@@ -559,7 +559,7 @@ def test_what_is_read_now_is_the_same_in_every_process():
         "import identity_code as c, torch; from ddpkit.identity import model_fingerprint, code_fingerprint, "
         "data_fingerprint; print(model_fingerprint(c.Encoder()).tag, model_fingerprint(c.Activated()).tag, "
         "model_fingerprint(c.ConfigNet()).tag, code_fingerprint('t', {'l': c.ce_loss, 's': c.Smoothed(0.1)}).tag, "
-        "data_fingerprint(c.FolderData('/'), None, c.pad_collate).tag)"
+        "data_fingerprint(c.FolderData('/'), None, c.pad_collate).tag, model_fingerprint(c.Logged()).tag)"
     )
     seen = {
         subprocess.run(
@@ -670,3 +670,38 @@ def test_eval_refuses_a_model_its_import_path_no_longer_builds(by_path, tmp_path
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model id33nets:net no longer builds" in lines[0]
     assert "model_digest Scaled: global id33cfg.SCALE 1.0 -> 2.0" in lines[0]
+
+
+def test_a_module_level_logger_is_read_by_name():
+    """Review finding: a forward using logging.getLogger(__name__) read the logger's __dict__, which reaches
+    every logger of the process (an order and caches of its own): the same model had another identity in
+    every process, and after any log line. (The determinism test above runs it in two processes.)"""
+    import logging
+
+    before = model_fingerprint(identity_code.Logged())
+    logging.getLogger("another.logger").warning("a line that fills the registry's caches")
+    identity_code.LOG.warning("and this logger's")
+    after = model_fingerprint(identity_code.Logged())
+    assert before.tag == after.tag and before.unproven == ()
+
+
+def test_a_cached_helper_is_read_through_its_cache():
+    """Review finding: functools.cache/lru_cache wrappers were read as an empty object, so an edit inside a
+    cached helper left the identity as it was, with nothing said."""
+    from ddpkit.identity import code_fingerprint
+
+    def times_two(x):
+        return x * 2
+
+    def plus_100(x):
+        return x + 100
+
+    plus_100.__qualname__ = plus_100.__name__ = "times_two"  # the same name, another body
+    tags = {code_fingerprint("t", {"l": functools.lru_cache(f)}).tag for f in (times_two, plus_100)}
+    assert len(tags) == 2
+
+
+def test_samples_of_another_shape_are_not_read_and_say_so(tmp_path):
+    """Review finding: an ImageFolder-like dataset with (path, target, weight) samples raised ValueError."""
+    fp = data_fingerprint(identity_code.Triplets(str(tmp_path)), None)
+    assert any("samples ddpkit cannot read as (path, target)" in u for u in fp.unproven)

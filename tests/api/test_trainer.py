@@ -410,6 +410,24 @@ def test_edits_that_keep_every_shape_are_new_runs_too():
     assert run_dir(train_data=relabelled) != base
 
 
+def test_a_restarted_torchrun_job_returns_only_the_run_it_finished_itself(tmp_path, monkeypatch, capsys):
+    """Review finding: a torchrun restart returned any finished run in the run dir, also an older job's that
+    this job (training in runs/NAME-2) never wrote. It returns one written after its agent started only."""
+    from ddpkit import trainer as trainer_module
+
+    args = dict(model=RegressionMLP(), train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
+    cfg = TrainConfig(nproc=1, run_dir=str(tmp_path / "r"), **SMALL)
+    first = Trainer(cfg, **args).fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(trainer_module, "agent_started_at", lambda: first.summary["finished_at"] - 5)
+    capsys.readouterr()
+    assert Trainer(cfg, **args).fit().summary == first.summary  # this job's own: returned
+    assert "torchrun restarted the job after it" in capsys.readouterr().out
+    monkeypatch.setattr(trainer_module, "agent_started_at", lambda: first.summary["finished_at"] + 5)
+    with pytest.raises(RunDirError, match="holds a finished run, left as it is"):  # an older job's: not returned
+        Trainer(cfg, **args).fit()
+
+
 def test_a_finished_run_says_how_to_train_again(tmp_path, capsys):
     args = dict(model=RegressionMLP(), train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
     cfg = TrainConfig(nproc=1, run_dir=str(tmp_path / "r"), **SMALL)  # nproc as a plain int

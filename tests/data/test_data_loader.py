@@ -400,3 +400,19 @@ def test_the_least_free_memory_is_agreed_in_one_collective_on_every_rank_whateve
         assert rank["least"] == 3 * 2**32 + 5 and rank["cpu"] is None
         assert rank["reduces"] == 4  # one per choose_path, also where the flags decide alone
     assert ranks[0]["paths"] == ranks[1]["paths"] == ["loader", "host", "device", "device"]
+
+
+def test_shuffle_in_batch_keeps_each_micro_batch_of_an_accumulated_step():
+    """Review finding: with --grad-accum 2 the noise run reordered the whole accumulated step, moving samples
+    between micro-batches, which changes what a batch-coupled model computes (not only the float order)."""
+    d = data()
+    d = ImageData(d.images, torch.arange(103))  # label = index
+    plain, shuffled = (
+        ResidentSource(d, META, cfg(shuffle_in_batch=on), ctx(0, 1), per_rank_batch=4, on_device=True, group=2)
+        for on in (False, True)
+    )
+    assert shuffled.shuffle_block == 4
+    pairs = list(zip(plain.batches(0, 0), shuffled.batches(0, 0)))
+    assert len(pairs) == plain.steps_per_epoch > 0
+    for (_, ya), (_, yb) in pairs:  # each micro-batch: the same samples, in another order
+        assert sorted(ya.tolist()) == sorted(yb.tolist()) and not torch.equal(ya, yb)

@@ -157,7 +157,7 @@ PAUSES = {
 def test_a_healthy_run_slower_than_the_threshold_reports_no_hang_and_exits_0(tmp_path, case):
     """Regression: each of these printed `ddpkit: hang:` (and wrote hang-report.json) on a run that was
     fine, and the slow plots at the end turned the finished run into a collective timeout (exit 3 from the
-    CLI): the other rank waited for them in the group's final barrier. 2 gloo ranks, --timeout-s 5."""
+    CLI): the other rank waited for them in the group's final barrier. 2 gloo ranks, --timeout-s 10."""
     paused = PAUSES[case]
     proc = subprocess.run(
         [sys.executable, str(BUSY), case, str(tmp_path / "run")],

@@ -1,6 +1,7 @@
 """Healthy runs with a pause longer than the hang watch's threshold, for tests/dist/test_hangwatch.py: run
-as ``python busy_workers.py CASE RUN_DIR``, it trains 2 gloo ranks at ``--timeout-s 5`` (the watch looks
-at 2.5 s). The pause is a sleep, patched into each worker when it imports this file:
+as ``python busy_workers.py CASE RUN_DIR``, it trains 2 gloo ranks at ``--timeout-s 10`` (the watch looks
+at 5 s, and looks again 1.25 s later before it reports). The pause is a sleep, patched into each worker
+when it imports this file:
 
 - ``step``: every rank sleeps in its loss at the same step (a step slower than the threshold everywhere);
 - ``save``: rank 0's first snapshot write sleeps (a slow disk) while rank 1 waits for it in a collective;
@@ -17,9 +18,11 @@ if __name__ == "__main__":
     os.environ["BUSY_CASE"] = sys.argv[1]  # inherited by the workers, which import this file as __mp_main__
 CASE = os.environ.get("BUSY_CASE", "")
 
-TIMEOUT_S = 5.0
-PAUSE_S = 3.75  # over the threshold (2.5 s), under the timeout for what the other rank waits on
-END_PAUSE_S = 6.0  # over the whole timeout: after the last collective nobody may wait for it
+TIMEOUT_S = 10.0
+# Over the threshold (5 s) and the second look (6.25 s), and 3.5 s under the timeout that the other rank's
+# wait for it runs into: a margin for a loaded 2-core CI machine
+PAUSE_S = 6.5
+END_PAUSE_S = 12.0  # over the whole timeout: after the last collective nobody may wait for it
 
 CALLS = [0]
 

@@ -174,3 +174,31 @@ class FolderData(Dataset):
         with open(f"{self.root}/{i % 4}.txt") as fh:
             x = torch.tensor([float(v) for v in fh.read().split()])
         return x, x.sum(0, keepdim=True)
+
+
+LOG = __import__("logging").getLogger(__name__)
+
+
+class Logged(nn.Module):
+    """A forward that logs through a module-level logger (whose __dict__ reaches the process's logger registry)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        LOG.debug("forward on %s", tuple(x.shape))
+        return self.fc(x)
+
+
+class Triplets(Dataset):
+    """An ImageFolder-like dataset (root and samples) whose samples are (path, target, weight) triples."""
+
+    def __init__(self, root):
+        self.root, self.samples = root, [(f"{root}/a.png", 0, 1.0)]
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return torch.zeros(4), 0

@@ -54,9 +54,9 @@ def epoch_order(
     """This rank's sample indices for ``epoch``: exactly DistributedSampler(drop_last=True); with
     ``drop_last=False`` every index once, the ranks' shares differing by at most one (``--join``).
 
-    ``shuffle_block`` B > 1 (the global batch of a step, in samples) reorders the samples of every
+    ``shuffle_block`` B > 1 (one micro-batch of every rank, in samples) reorders the samples of every
     whole block of B in the epoch's permutation among themselves (``shuffle_in_batch``, ddpkit check's
-    noise run): each step's global batch holds the same samples, in another order."""
+    noise run): each micro-batch holds the same samples, in another order."""
     gen = torch.Generator().manual_seed(seed + epoch)
     perm = torch.randperm(n, generator=gen)
     if shuffle_block > 1:
@@ -130,8 +130,10 @@ class _Source:
         self.per_rank = n // ctx.world_size
         self.steps_per_epoch = self.per_rank // (per_rank_batch * group) * group  # whole groups only
         self.pre = Preprocess.for_config(meta, ctx.device, cfg)
-        # a step's global batch, in samples: the block shuffle_in_batch reorders within
-        self.shuffle_block = per_rank_batch * group * ctx.world_size if getattr(cfg, "shuffle_in_batch", False) else 0
+        # The block shuffle_in_batch reorders within, in samples: one micro-batch of every rank (at world 1,
+        # where check's noise run trains, exactly one micro-batch). Not the whole accumulated step: a sample
+        # moved to another micro-batch would change what a batch-coupled model computes, not only the order.
+        self.shuffle_block = per_rank_batch * ctx.world_size if getattr(cfg, "shuffle_in_batch", False) else 0
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """This rank's sample indices for ``epoch``, in the order its batches take them (what

@@ -208,19 +208,20 @@ def distributed(
             dist.init_process_group(backend=ctx.backend, timeout=timeout)
         except dist.DistError as exc:  # the env:// rendezvous (torchrun's or SLURM's variables): a peer not there
             raise rendezvous_failure(exc, ctx.world_size, timeout_s) from None
-        if ctx.backend == "gloo" and ctx.world_size > 1:
-            # gloo connects every pair of ranks inside init_process_group, and one rank may return from it
-            # while a peer is still finishing its handshake with it: if that rank then failed at once (a
-            # nested launch(), an error on the first line of a function) and tore its group down, the peer
-            # failed in init with "Connection closed by peer" (1 run in 24 under load), blaming the wrong
-            # rank. No rank leaves this barrier before every rank has finished its init.
-            dist.barrier()
     else:
         dist.init_process_group(backend=ctx.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
     hangwatch.WATCH = _watch(ctx, timeout_s)
     _SETTLED[0] = False
     try:
         try:
+            if ctx.backend == "gloo" and ctx.world_size > 1:
+                # gloo connects every pair of ranks inside init_process_group, and one rank may return from it
+                # while a peer is still finishing its handshake with it: if that rank then failed at once (a
+                # nested launch(), an error on the first line of a function) and tore its group down, the peer
+                # failed in init with "Connection closed by peer" (1 run in 24 under load), blaming the wrong
+                # rank. No rank leaves this barrier before every rank has finished its init. Inside the try: a
+                # failure here is said as any other, and the group is destroyed.
+                dist.barrier()
             with deterministic(deterministic_algorithms):
                 yield ctx
             # Let every rank's last collective finish before any rank tears down its gloo/NCCL

@@ -304,7 +304,7 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     config, env = _launch_config(spec, start, log_dir)
     # torch's agent leaves SIGTERM and SIGUSR1 to ddpkit's own handler (_stop_signals), which keeps one that
     # comes while the workers are being started, and forwards it once they exist
-    own = {names.SIGNALS_TO_HANDLE: "SIGINT,SIGHUP,SIGQUIT"}
+    own = {names.SIGNALS_TO_HANDLE: AGENT_SIGNALS}
     try:
         with _environ({**env, **own}), _quiet_agent_logs(), _tensors_shared_by_name(), _stop_signals() as stops:
             with _our_agent(spec, stops):
@@ -375,15 +375,18 @@ def _tensors_shared_by_name() -> Iterator[None]:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop and save": forwarded to the workers
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the ones torch's agent handles itself (its default, less SIGTERM)
 RESEND_S = 0.5  # while the agent waits for its workers to stop, each stop signal is sent again this often (s)
 
 
 @dataclass
 class _Stops:
-    """The launcher's stop signals: whether the workers are being started, and a signal kept meanwhile."""
+    """The launcher's stop signals: whether the workers are being started, a signal kept meanwhile, and
+    whether one came at all (then the agent's shutdown sends it again until the workers are gone)."""
 
     starting: bool = False
     kept: signal.Signals | None = None
+    received: signal.Signals | None = None
 
 
 @contextmanager
@@ -400,6 +403,7 @@ def _stop_signals() -> Iterator[_Stops]:
 
     def handle(signum, frame):
         sig = signal.Signals(signum)
+        stops.received = sig
         if stops.starting:
             stops.kept = stops.kept or sig
             return
@@ -489,7 +493,8 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
 
         def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):
             done = threading.Event()
-            if death_sig in STOP_SIGNALS:
+            # Only a stop the launcher was sent: a restart's or the job's end shuts workers down as torch does
+            if stops is not None and stops.received is not None and death_sig in STOP_SIGNALS:
                 threading.Thread(target=self._send_again, args=(death_sig, done), daemon=True).start()
             try:
                 return super()._shutdown(death_sig, *args, **kwargs)
@@ -698,6 +703,10 @@ def _launch_config(spec: LaunchSpec, start: str = "spawn", log_dir: str | None =
         for var in names.SOCKET_IFNAMES:
             if iface and var not in os.environ:
                 env[var] = iface
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch's agent writes it to TORCHELASTIC_SIGNALS_TO_HANDLE (run_workers sets that too, for a torch
+        # without the field): SIGTERM and SIGUSR1 are ddpkit's own (_stop_signals)
+        extra["signals_to_handle"] = AGENT_SIGNALS
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
