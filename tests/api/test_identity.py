@@ -650,6 +650,12 @@ def test_show_data_refuses_a_model_or_data_its_import_path_no_longer_builds(by_p
     importlib.reload(sys.modules["id33nets"])
     with pytest.raises(RunDirError, match=r"model_digest Scaled: code Scaled\.forward changed \(recorded by another"):
         show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+    # Review finding: an older identity sharing no code part with today's compared nothing and said nothing
+    no_code = {k: {**fp, "reading": 1, "parts": {"structure": "?"}} for k, fp in identity.items()}
+    (by_path.run_dir / "identity.json").write_text(json.dumps(no_code))
+    capsys.readouterr()
+    show_data(predictions=by_path.run_dir, out=tmp_path / "g.png", n=16)
+    assert "fingerprinted by an older ddpkit; its model_digest cannot be compared" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess

@@ -80,3 +80,26 @@ def test_every_registry_model_trains_under_deterministic_algorithms(name):
     assert all(p.grad is not None for p in model.parameters())
     names = {type(m).__name__ for m in model.modules()}
     assert not {"AdaptiveAvgPool2d", "AdaptiveMaxPool2d"} & names  # both raise in CUDA backward
+
+
+@pytest.mark.parametrize("raised", [ValueError("a bug in a writer"), OSError(5, "Input/output error")])
+def test_any_error_in_a_rank0_write_reaches_the_all_reduce_the_others_wait_in(monkeypatch, raised):
+    """Review finding: on_rank0 let only RunDirError reach its all-reduce, so any other error in rank 0's
+    write skipped it, and the other ranks waited there until their peer's death was noticed (with NCCL,
+    up to --timeout-s). Rank 0 now takes part in the all-reduce, then raises what it met."""
+    from ddpkit.dist.context import on_rank0
+
+    reduced = []
+
+    def all_reduce(self, tensor, op=None):
+        reduced.append(float(tensor.sum()))
+        return tensor
+
+    monkeypatch.setattr(DistContext, "all_reduce", all_reduce)
+
+    def write():
+        raise raised
+
+    with pytest.raises(type(raised), match=str(raised.args[-1])):
+        on_rank0(DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo"), write, "writing a test file")
+    assert reduced == [1.0]  # the failure flag, once

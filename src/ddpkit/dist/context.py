@@ -297,13 +297,21 @@ def on_rank0(ctx: DistContext, write: Callable[[], object], what: str = "writing
     for the hang watch, which does not take the others' wait meanwhile for a hang.
     """
     error: DdpkitError | None = None
+    unexpected: BaseException | None = None
     if ctx.is_main:
         try:
             with hangwatch.busy(what, announce=True):  # the others wait in agree() meanwhile: no hang
                 write()
         except RunDirError as exc:
             error = exc
-    agree(ctx, error)
+        except Exception as exc:  # noqa: BLE001 - any other failure: the others must not wait for rank 0 either
+            error, unexpected = RunDirError(f"global rank 0 failed {what}: {type(exc).__name__}: {exc}"), exc
+    try:
+        agree(ctx, error)
+    except RunDirError:
+        if unexpected is not None:
+            raise unexpected  # rank 0 raises what it met, with its traceback; the others the one line
+        raise
 
 
 def agree(ctx: DistContext, error: DdpkitError | None) -> None:

@@ -77,6 +77,9 @@ def check_rebuilt(cfg: TrainConfig, run_dir: str | Path, splits) -> None:
             code = [k for k in before.get("parts", {}) if k.startswith("code ") and k in fp.parts]
             before = {**before, "parts": {k: before["parts"][k] for k in code}}
             after = {**after, "parts": {k: fp.parts[k] for k in code}}
+            if not code:
+                print(f"ddpkit: note: {run_dir} was fingerprinted by an older ddpkit; its {key} cannot be compared")
+                continue
             if before["parts"] == after["parts"]:
                 print(f"ddpkit: note: {run_dir} was fingerprinted by an older ddpkit; its {key} compares on code only")
                 continue
