@@ -166,6 +166,9 @@ class TrainConfig:
     optimizer: Optional[str] = _f(None, "optim", "sgd | adam | adamw", (None, "sgd", "adam", "adamw"))
     lr: Optional[float] = _f(None, "optim", "peak learning rate (per global batch, not per sample)")
     momentum: Optional[float] = _f(None, "optim", "SGD momentum / Adam beta1")
+    beta2: Optional[float] = _f(
+        None, "optim", "Adam/AdamW beta2 (unset: torch's 0.999; GPT recipes often use 0.95-0.99)"
+    )
     nesterov: Optional[bool] = _f(None, "optim", "Nesterov momentum (SGD only)")
     weight_decay: Optional[float] = _f(None, "optim", "L2 weight decay (decoupled for adamw)")
     schedule: Optional[str] = _f(
@@ -423,6 +426,11 @@ class TrainConfig:
                 f"--momentum is Adam's beta1 with --optimizer {self.optimizer}, and must be in [0, 1); "
                 f"got {self.momentum}"
             )
+        if self.beta2 is not None and (self.optimizer not in (None, "adam", "adamw") or not 0 <= self.beta2 < 1):
+            raise ConfigError(
+                f"--beta2 is Adam's and AdamW's second-moment decay: it must be in [0, 1) with --optimizer adam "
+                f"or adamw; got {self.beta2} with --optimizer {self.optimizer}"
+            )
         if self.comm_hook == "powersgd" and self.max_restarts:
             raise ConfigError(
                 f"--max-restarts {self.max_restarts} resumes from snapshots, and a --comm-hook powersgd run "
@@ -485,7 +493,7 @@ class TrainConfig:
     # Identity keys added after run directories were named by this hash, left out of it at their
     # default: an unfinished run named by an older ddpkit keeps its name, so rerunning its command
     # after an upgrade resumes it.
-    HASHED_UNLESS_DEFAULT = {"cuda_graph": "auto", "shuffle_in_batch": False}
+    HASHED_UNLESS_DEFAULT = {"beta2": None, "cuda_graph": "auto", "shuffle_in_batch": False}
 
     def hash(self) -> str:
         kept = {

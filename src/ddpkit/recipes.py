@@ -150,7 +150,7 @@ def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
     # and the user's own optimizer runs at its own learning rate: no schedule unless one is asked
     # for (schedule=... in the config, or scheduler=...).
     if str(cfg.optimizer).startswith("custom:"):
-        for key in ("lr", "momentum", "nesterov", "weight_decay"):
+        for key in ("lr", "momentum", "beta2", "nesterov", "weight_decay"):
             values.pop(key, None)
         values["schedule"] = "constant"
         if cfg.schedule is None:

@@ -133,7 +133,7 @@ class Trainer:
                 prints["model"] = model_fingerprint(model)
         opt = None
         for given, what, unused in (
-            (optimizer, "optimizer", ("optimizer", "lr", "momentum", "nesterov", "weight_decay")),
+            (optimizer, "optimizer", ("optimizer", "lr", "momentum", "beta2", "nesterov", "weight_decay")),
             (scheduler, "schedule", ("schedule", "warmup_frac")),
         ):
             if given is None:

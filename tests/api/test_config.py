@@ -109,6 +109,8 @@ def test_frozen():
         (dict(save_every_steps=-1), "--save-every-steps must be >= 0"),
         (dict(keep_snapshots=0), "--keep-snapshots must be positive"),
         (dict(on_nan="ignore"), "--on-nan 'ignore' is not one of"),
+        (dict(optimizer="sgd", beta2=0.95), r"--beta2 is Adam's .* got 0.95 with --optimizer sgd"),
+        (dict(optimizer="adamw", beta2=1.0), r"--beta2 .* must be in \[0, 1\) .* got 1.0 with --optimizer adamw"),
         # 1e30 was an OverflowError on every rank (timedelta); 0.5 a finished run's exit 3 (rank 0's plots)
         (dict(timeout_s=1e30), r"--timeout-s 1e\+30 is out of range: give 3 to 100,000,000 seconds"),
         (dict(timeout_s=2.5), r"--timeout-s 2.5 is out of range: give 3 to 100,000,000 seconds"),
@@ -299,7 +301,23 @@ def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
     import json
 
     cfg = TrainConfig(dataset="mnist", recipe="mnist", epochs=1).resolved()
-    older = {k: v for k, v in cfg.identity().items() if k not in ("cuda_graph", "shuffle_in_batch")}
+    older = {k: v for k, v in cfg.identity().items() if k not in ("beta2", "cuda_graph", "shuffle_in_batch")}
     assert cfg.hash() == hashlib.sha256(json.dumps(older, sort_keys=True, default=str).encode()).hexdigest()
     assert dataclasses.replace(cfg, cuda_graph="on").hash() != cfg.hash()
     assert dataclasses.replace(cfg, shuffle_in_batch=True).hash() != cfg.hash()
+    assert dataclasses.replace(cfg, beta2=0.95).hash() != cfg.hash()
+
+
+def test_adams_beta2_is_the_users_and_said_on_the_start_line():
+    """Issue 35, item 7: the built-in adam and adamw hard-coded beta2 = 0.999 (GPT recipes use 0.95-0.99),
+    and the docs never said so. Unset it is still torch's 0.999, and the [start] line says which."""
+    import torch
+
+    from ddpkit.train.optim import build_optimizer, lr_policy
+
+    model = torch.nn.Linear(3, 2)
+    for beta2, want in ((None, 0.999), (0.95, 0.95)):
+        cfg = TrainConfig(optimizer="adamw", lr=1e-3, beta2=beta2, recipe="mnist").resolved()
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        assert opt.param_groups[0]["betas"] == (cfg.momentum, want)
+        assert f"beta2 {want:g}" in lr_policy(cfg, opt, False, None, False)

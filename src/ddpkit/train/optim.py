@@ -31,7 +31,8 @@ def build_optimizer(
             lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0, weight_decay=cfg.weight_decay
         )
     else:
-        kwargs = dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+        beta2 = 0.999 if cfg.beta2 is None else cfg.beta2  # unset: torch's default
+        kwargs = dict(lr=cfg.lr, betas=(cfg.momentum, beta2), weight_decay=cfg.weight_decay)
     # fused kernels on CUDA (one launch for all params; SGD, Adam and AdamW have them since torch
     # 2.4), foreach elsewhere; both are exact re-orderings of the same per-parameter update, so
     # results match the for-loop version to rounding.
@@ -189,6 +190,8 @@ def lr_policy(cfg: TrainConfig, opt: torch.optim.Optimizer, user_optimizer: bool
     else:
         beta = "momentum" if cfg.optimizer == "sgd" else "beta1"
         extra = " nesterov" if cfg.optimizer == "sgd" and cfg.nesterov and cfg.momentum else ""
+        if cfg.optimizer != "sgd":
+            extra = f", beta2 {0.999 if cfg.beta2 is None else cfg.beta2:g}"
         who = f"{cfg.optimizer} at lr {lr} ({beta} {cfg.momentum:g}{extra}, weight decay {cfg.weight_decay:g})"
     if user_scheduler:
         return f"{who}, your {type(sched).__name__} each step"
