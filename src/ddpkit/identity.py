@@ -538,9 +538,11 @@ def model_fingerprint(model: nn.Module) -> Fingerprint:
     return reader.fingerprint(type(model).__name__)
 
 
-def data_fingerprint(train: Any, test: Any, collate_fn: Any = None, meta: Any = None) -> Fingerprint:
-    """The data's content; with ``collate_fn`` (its code) and ``meta`` (its fields) when they are given:
-    parts only then, so data passed without them keeps the tag older ddpkit gave it."""
+def data_fingerprint(
+    train: Any, test: Any, collate_fn: Any = None, meta: Any = None, worker_init_fn: Any = None
+) -> Fingerprint:
+    """The data's content; with ``collate_fn`` and ``worker_init_fn`` (their code) and ``meta`` (its fields)
+    when they are given: parts only then, so data passed without them keeps the tag older ddpkit gave it."""
     reader = _Reader()
     reader.dataset(train, "train")
     reader.dataset(test, "test")
@@ -548,6 +550,8 @@ def data_fingerprint(train: Any, test: Any, collate_fn: Any = None, meta: Any = 
     reader.data = False  # what follows is code and settings, not files
     if collate_fn is not None:
         reader.parts["collate code"] = reader.callable(collate_fn, "collate")
+    if worker_init_fn is not None:
+        reader.parts["worker_init code"] = reader.callable(worker_init_fn, "worker_init")
     if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
         for f in dataclasses.fields(meta):
             reader.parts[f"meta {f.name}"] = reader.value(getattr(meta, f.name), f"meta {f.name}", 1)

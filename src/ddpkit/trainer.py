@@ -111,7 +111,7 @@ class Trainer:
         model, train_data, test_data, meta, collate_fn = by_import_path(
             cfg, model, train_data, test_data, meta, collate_fn
         )
-        train_data, test_data, cfg, collate_fn = from_loaders(train_data, test_data, cfg, collate_fn)
+        train_data, test_data, cfg, collate_fn, worker_init_fn = from_loaders(train_data, test_data, cfg, collate_fn)
         self.model, self.loss_fn, self.metrics = model, loss_fn, dict(metrics or {})
         self.optimizer, self.scheduler = optimizer, scheduler
         self.splits = None
@@ -121,9 +121,9 @@ class Trainer:
         if train_data is not None or test_data is not None:
             given = meta  # read when given; one inferred from the data is a function of what is read
             meta = meta or infer_meta(train_data if train_data is not None else test_data)
-            self.splits = DataSplits(train_data, test_data, meta, collate_fn)
+            self.splits = DataSplits(train_data, test_data, meta, collate_fn, worker_init_fn=worker_init_fn)
             if not is_import_path(cfg.dataset):  # by import path: read as data_digest, as the built-in data
-                prints["dataset"] = data_fingerprint(train_data, test_data, collate_fn, given)
+                prints["dataset"] = data_fingerprint(train_data, test_data, collate_fn, given, worker_init_fn)
         if model is not None:
             # By import path the config keeps the path (so every command can build it again) and the
             # fingerprint goes to model_digest; a model passed in is named by its fingerprint.
@@ -316,13 +316,13 @@ def as_objects(cfg: TrainConfig, model=None, train=None, test=None, meta=None, c
 
 def from_loaders(train, test, cfg: TrainConfig, collate_fn):
     """``train_data``/``test_data`` as the map-style datasets ddpkit shards by index. A DataLoader gives its
-    dataset, its ``collate_fn``, its ``num_workers`` and (for train, when ``batch_size`` is unset) its
-    batch size, or its plain ``BatchSampler``'s, as the global batch, so a ported single-process script keeps
-    its maths; its sampler and shuffling are replaced by DistributedSampler's order, its last partial batch
+    dataset, its ``collate_fn``, its ``worker_init_fn``, its ``num_workers`` and (for train, when ``batch_size``
+    is unset) its batch size, or its plain ``BatchSampler``'s, as the global batch, so a ported single-process
+    script keeps its maths; its sampler and shuffling are replaced by DistributedSampler's order, its last partial batch
     dropped, and that is said in one line. An IterableDataset, anything without ``__len__`` and
     ``__getitem__``, a DataLoader with ``batch_size=None`` or with a batch sampler of its own is a one-line
     DataError."""
-    out = []
+    out, worker_init_fn = [], None
     for data, which in ((train, "train_data"), (test, "test_data")):
         if isinstance(data, DataLoader):
             loader, data = data, data.dataset
@@ -333,6 +333,8 @@ def from_loaders(train, test, cfg: TrainConfig, collate_fn):
                 collate_fn, kept = loader.collate_fn, [*kept, "collate_fn"]
             if which == "train_data" and cfg.num_workers is None and loader.num_workers:
                 cfg, kept = dataclasses.replace(cfg, num_workers=loader.num_workers), [*kept, "num_workers"]
+            if loader.worker_init_fn is not None and worker_init_fn is None:  # one for both: the train loader's
+                worker_init_fn, kept = loader.worker_init_fn, [*kept, "worker_init_fn"]
             if which == "train_data" and cfg.batch_size is None:
                 cfg = dataclasses.replace(cfg, batch_size=batches.batch_size)
                 whose = "its batch_sampler's " if loader.batch_size is None else ""
@@ -351,7 +353,7 @@ def from_loaders(train, test, cfg: TrainConfig, collate_fn):
             continue
         _map_style(data, which)
         out.append(data)
-    return out[0], out[1], cfg, collate_fn
+    return out[0], out[1], cfg, collate_fn, worker_init_fn
 
 
 def _map_style(data, which: str) -> None:

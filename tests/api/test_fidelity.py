@@ -251,3 +251,23 @@ def test_data_path_device_with_a_collate_fn_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match=r"--data-path device needs a dataset held in memory.*a collate_fn is given"):
         trainer.fit()
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.multiprocess
+def test_a_dataloaders_worker_init_fn_runs_in_every_loader_worker(tmp_path, monkeypatch, capsys):
+    """Review finding: a DataLoader passed as train_data lost its worker_init_fn without a word (one that
+    opens a per-worker file or shard then never ran). It runs in each of ddpkit's loader workers, train and
+    eval, and the one-line message says it is used."""
+    from torch.utils.data import DataLoader
+    from user_code import RegressionMLP, mark_worker, mse, regression_data
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("USER_CODE_MARKS", str(marks))
+    loader = DataLoader(regression_data(64, 0), batch_size=16, num_workers=2, worker_init_fn=mark_worker)
+    run_dir = str(tmp_path / "r")
+    cfg = TrainConfig(nproc="1", device="cpu", epochs=1, progress=False, data_path="loader", run_dir=run_dir)
+    Trainer(cfg, model=RegressionMLP(), train_data=loader, test_data=regression_data(16, 1), loss_fn=mse).fit()
+    assert "worker_init_fn" in capsys.readouterr().out.split("is a DataLoader: ddpkit uses")[1].split(";")[0]
+    started = sorted(p.name.split("-pid-")[0] for p in marks.iterdir())
+    assert started.count("worker-0") >= 2 and started.count("worker-1") >= 2, started  # the train and eval loaders

@@ -431,3 +431,12 @@ def picture_data(n: int = 12, size: int = 8):
     x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=gen)
     data = TensorDataset(x, torch.arange(n) % 3)
     return data, data
+
+
+def mark_worker(worker_id: int) -> None:
+    """A DataLoader worker_init_fn: leaves a file per worker in $USER_CODE_MARKS (a per-worker resource a
+    real one would open: a file handle, a shard)."""
+    import os
+    from pathlib import Path
+
+    Path(os.environ["USER_CODE_MARKS"], f"worker-{worker_id}-pid-{os.getpid()}").touch()

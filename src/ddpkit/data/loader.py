@@ -29,6 +29,7 @@ structure.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -300,6 +301,7 @@ class LoaderSource(_Source):
         per_rank_batch: int,
         group: int = 1,
         collate_fn=None,
+        worker_init_fn=None,
     ):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.data, self.collate_fn = data, collate_fn
@@ -321,7 +323,7 @@ class LoaderSource(_Source):
         # The epoch's batches from a step on, each keyed (seed, epoch, rank, batch) for its random draws
         self.positioned = KeyedBatches(self.sampler, self.batch, drop_last=not self.uneven)
         # Built once: with workers, they start once per run, not once per epoch.
-        self.loader = _dataloader(data, self.positioned, cfg, ctx, collate_fn=collate_fn)
+        self.loader = _dataloader(data, self.positioned, cfg, ctx, collate_fn, worker_init_fn)
 
     @property
     def used(self) -> int:
@@ -380,19 +382,21 @@ def loader_workers(cfg: TrainConfig, ctx: DistContext) -> int:
 WORKER_START = "fork" if sys.platform.startswith("linux") else "spawn"
 
 
-def _worker_start(worker_id: int) -> None:
-    """Each DataLoader worker, as it starts: SIGTERM obeyed from its rank alone, SIGUSR1 ignored.
+def _worker_start(worker_id: int, user_init=None) -> None:
+    """Each DataLoader worker, as it starts: SIGTERM obeyed from its rank alone, SIGUSR1 ignored; then the
+    user's own ``worker_init_fn`` (from the DataLoader they passed), as torch would call it.
 
     SLURM signals every process of a job step at once (``scancel``, ``--signal``), and a worker dying of
     it ends its rank (torch raises in the rank on a worker's death) before the rank saves its snapshot:
     the rank decides when to stop, and its workers end with it. Its own SIGTERM (torch's shutdown, or
     multiprocessing's at the rank's exit) still ends a worker at once, as torch's handler does; that is
     told by the sender, which only ``sigwaitinfo`` sees (Linux; elsewhere torch's handling stays)."""
-    if not hasattr(signal, "sigwaitinfo"):
-        return
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # every thread: only the waiter takes it
-    threading.Thread(target=_obey_rank, args=(os.getppid(),), daemon=True, name="ddpkit-sigterm").start()
+    if hasattr(signal, "sigwaitinfo"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # every thread: only the waiter takes it
+        threading.Thread(target=_obey_rank, args=(os.getppid(),), daemon=True, name="ddpkit-sigterm").start()
+    if user_init is not None:
+        user_init(worker_id)  # what it seeds is reseeded per batch at each read (data/draws.py)
 
 
 def _obey_rank(rank_pid: int) -> None:
@@ -401,9 +405,12 @@ def _obey_rank(rank_pid: int) -> None:
             os._exit(0)  # as torch's worker does on its parent's SIGTERM: a quiet end, not a failure
 
 
-def _dataloader(data, batches: KeyedBatches, cfg: TrainConfig, ctx: DistContext, collate_fn=None) -> DataLoader:
+def _dataloader(
+    data, batches: KeyedBatches, cfg: TrainConfig, ctx: DistContext, collate_fn=None, worker_init_fn=None
+) -> DataLoader:
     """A DataLoader whose every item is one of ``batches``, fetched and collated under that batch's own
-    seeds (``data/draws.py``); its ``generator``, not the rank's, seeds the workers when they start."""
+    seeds (``data/draws.py``); its ``generator``, not the rank's, seeds the workers when they start, and
+    the user's ``worker_init_fn`` runs in each worker after ddpkit's own start-up."""
     workers = loader_workers(cfg, ctx)
     return DataLoader(
         SeededFetch(data, collate_fn),
@@ -416,7 +423,7 @@ def _dataloader(data, batches: KeyedBatches, cfg: TrainConfig, ctx: DistContext,
         collate_fn=as_is,
         generator=torch.Generator().manual_seed(seed_of((cfg.seed, ctx.rank, LOADER))),
         multiprocessing_context=WORKER_START if workers else None,
-        worker_init_fn=_worker_start if workers else None,
+        worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if workers else None,
     )
 
 
@@ -487,7 +494,7 @@ def make_train_source(splits: DataSplits, cfg: TrainConfig, ctx: DistContext, pe
     data, meta = splits.train, splits.meta
     path = choose_path(data, cfg, ctx, splits.collate_fn)
     if path == "loader":
-        return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, collate_fn=splits.collate_fn)
+        return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, splits.collate_fn, splits.worker_init_fn)
     if isinstance(data, TensorData):
         return TensorSource(data, cfg, ctx, per_rank_batch, group)
     return ResidentSource(data, meta, cfg, ctx, per_rank_batch, on_device=path == "device", group=group)
@@ -497,7 +504,16 @@ class EvalSource:
     """This rank's test samples (every world_size-th, no padding: each sample counted once), in batches.
     A DataLoader, where one is needed, is built once and reused for every evaluation of the run."""
 
-    def __init__(self, data: Dataset, pre: Preprocess, cfg: TrainConfig, ctx: DistContext, batch: int, collate_fn=None):
+    def __init__(
+        self,
+        data: Dataset,
+        pre: Preprocess,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        batch: int,
+        collate_fn=None,
+        worker_init_fn=None,
+    ):
         self.data, self.pre, self.ctx, self.batch = data, pre, ctx, batch
         self.indices = range(ctx.rank, len(data), ctx.world_size)
         self.loader = None
@@ -511,7 +527,7 @@ class EvalSource:
             self._label_index = self.index.to(data.labels.device if isinstance(data, ImageData) else where)
         else:
             keyed = KeyedBatches(list(self.indices), batch, drop_last=False, key=(cfg.seed, ctx.rank, EVAL))
-            self.loader = _dataloader(data, keyed, cfg, ctx, collate_fn=collate_fn)
+            self.loader = _dataloader(data, keyed, cfg, ctx, collate_fn, worker_init_fn)
 
     def batches(self) -> Iterator:
         data, ctx = self.data, self.ctx

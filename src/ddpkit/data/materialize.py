@@ -21,6 +21,7 @@ took and why, and the run's ``[start]`` line shows it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -49,11 +50,11 @@ def materialize(splits: DataSplits, cfg: TrainConfig, available: int | None = No
         out[name] = held
         budget -= _nbytes(held)
         notes.append(note)
-    return DataSplits(out["train"], out["test"], splits.meta, splits.collate_fn, "; ".join(notes))
+    return dataclasses.replace(splits, train=out["train"], test=out["test"], note="; ".join(notes))
 
 
 def _with_note(splits: DataSplits, note: str) -> DataSplits:
-    return DataSplits(splits.train, splits.test, splits.meta, splits.collate_fn, note)
+    return dataclasses.replace(splits, note=note)
 
 
 def _nbytes(data) -> int:

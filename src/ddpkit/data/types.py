@@ -97,6 +97,7 @@ class DataSplits:
     meta: Meta | None  # None: a user dataset whose batches go to the model as they come
     collate_fn: Callable | None = None  # the user's, for DataLoader-path datasets
     note: str = ""  # how the data is held, and why (materialised, cached, streamed): logged at start
+    worker_init_fn: Callable | None = None  # the user's DataLoader's, called in each loader worker as it starts
 
 
 def infer_meta(data: Dataset | None) -> Meta | None:

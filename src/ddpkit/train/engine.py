@@ -64,7 +64,13 @@ def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
     if getattr(train_src, "on_device", False) and isinstance(test, ImageData):
         test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
     eval_src = EvalSource(
-        test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, max(256, per_rank_batch), splits.collate_fn
+        test,
+        Preprocess.for_config(splits.meta, ctx.device, cfg),
+        cfg,
+        ctx,
+        max(256, per_rank_batch),
+        splits.collate_fn,
+        splits.worker_init_fn,
     )
     return train_src, eval_src
 

@@ -119,7 +119,13 @@ def eval_worker(job: Job) -> dict:
             model = load_trained_model(cfg, splits.meta, cfg.run_dir)
         model.to(ctx.device)
         source = EvalSource(
-            splits.test, Preprocess.for_config(splits.meta, ctx.device, cfg), cfg, ctx, 256, splits.collate_fn
+            splits.test,
+            Preprocess.for_config(splits.meta, ctx.device, cfg),
+            cfg,
+            ctx,
+            256,
+            splits.collate_fn,
+            splits.worker_init_fn,
         )
         result, _ = evaluate(model, source, job.task, cfg, ctx)
         return {**result, "world_size": ctx.world_size, "run_dir": cfg.run_dir}
