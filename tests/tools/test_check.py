@@ -152,12 +152,13 @@ def test_check_fails_on_what_couples_the_batch_and_its_noise_stays_rounding(case
         assert report.worst.diff < 1e-12 and max(t.noise for t in report.tensors) > 0, text
 
 
-@pytest.mark.multiprocess
-def test_the_cli_check_fails_on_a_batch_centred_model_with_exit_1(tmp_path):
-    proc = run_cli(
+def tiny_check(tmp_path, model: str, *more: str):
+    """`ddpkit check` of ``model`` on 64 MNIST images, 2 steps on the CPU, its report in tmp_path/check.json."""
+    return run_cli(
         "check",
         "--model",
-        "batch_coupled:centred_net",
+        model,
+        *more,
         "--dataset",
         "mnist",
         "--limit-train",
@@ -173,6 +174,11 @@ def test_the_cli_check_fails_on_a_batch_centred_model_with_exit_1(tmp_path):
         "--json",
         str(tmp_path / "check.json"),
     )
+
+
+@pytest.mark.multiprocess
+def test_the_cli_check_fails_on_a_batch_centred_model_with_exit_1(tmp_path):
+    proc = tiny_check(tmp_path, "batch_coupled:centred_net")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "FAILED: 2 processes do not compute what 1 process does"
     report = json.loads((tmp_path / "check.json").read_text())
@@ -302,27 +308,7 @@ def test_the_probe_names_the_module_that_draws_and_restores_the_generators():
 
 @pytest.mark.multiprocess
 def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
-    proc = run_cli(
-        "check",
-        "--model",
-        "random_models:noisy_net",
-        "--model-args",
-        '{"source": "torch.rand"}',
-        "--dataset",
-        "mnist",
-        "--limit-train",
-        "64",
-        "--limit-test",
-        "32",
-        "--batch-size",
-        "16",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
-        "--json",
-        str(tmp_path / "check.json"),
-    )
+    proc = tiny_check(tmp_path, "random_models:noisy_net", "--model-args", '{"source": "torch.rand"}')
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["verdict"] == "INCONCLUSIVE" and not report["passed"] and "2 (Noise)" in report["inconclusive"][0]
