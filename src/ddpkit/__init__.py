@@ -3,14 +3,23 @@
 from ddpkit import Trainer, TrainConfig
 result = Trainer(TrainConfig(dataset="mnist", epochs=2, nproc="2")).fit()
 
-from ddpkit import launch               # your own loop: fn(ctx, *args) on every rank
+from ddpkit import Loop                 # your own loop, with snapshots, exact metrics, resume
+with Loop("runs/mine") as loop: ...     # under torchrun, ddpkit.launch or plain python
+
+from ddpkit import launch               # fn(ctx, *args) on every rank
 launch(fn, *args, nproc=2)
 """
 
 from .config import TrainConfig
 from .version import __version__
 
-_LAZY = {"Trainer": ".trainer", "FitResult": ".trainer", "launch": ".dist.launcher"}  # these import torch
+_LAZY = {
+    "Trainer": ".trainer",
+    "FitResult": ".trainer",
+    "launch": ".dist.launcher",
+    "Loop": ".loop",
+    "LoopConfig": ".loop",
+}  # these import torch
 
 
 def __getattr__(name: str):
@@ -21,4 +30,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["FitResult", "Trainer", "TrainConfig", "launch", "__version__"]
+__all__ = ["FitResult", "Loop", "LoopConfig", "Trainer", "TrainConfig", "launch", "__version__"]

@@ -34,7 +34,7 @@ LAYERS = (
     ("ddpkit.data", "ddpkit.models", "ddpkit.identity"),  # what it trains on, and what
     ("ddpkit.run",),  # what a run leaves behind
     ("ddpkit.train",),  # what runs on one rank
-    ("ddpkit.trainer", "ddpkit.preflight"),  # the public API, and its checks before launch
+    ("ddpkit.trainer", "ddpkit.preflight", "ddpkit.loop"),  # the public API, and its checks before launch
     ("ddpkit.tools",),  # built on training
     ("ddpkit", "ddpkit.__main__", "ddpkit.cli", "ddpkit.commands"),  # the public face
 )

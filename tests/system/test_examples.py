@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from clirun import ROOT, cli_env
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -59,3 +63,91 @@ def test_custom_images_learns_the_generated_image_folder(tmp_path):
     out = run_example("custom_images", tmp_path, str(tmp_path / "stripes"))
     assert sorted(p.name for p in (tmp_path / "stripes" / "train").iterdir()) == ["diagonal", "horizontal", "vertical"]
     assert number(r"test accuracy ([\d.]+) over 150 images", out) > 0.7
+
+
+def test_tutorial_trainer_trains_prints_its_epochs_and_resumes_by_rerunning(tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    whole.mkdir(), split.mkdir()
+    out = run_example("tutorial_trainer", whole, "3", "1")
+    for epoch in range(3):
+        for rank in range(2):
+            assert f"[rank{rank}] Epoch {epoch} | Batchsize: 32 | Steps: 32" in out  # 2048 samples, 2 ranks, 32 each
+        assert f"Epoch {epoch} | Training snapshot saved at its end in runs/tutorial/checkpoints" in out
+    losses = [float(x) for x in re.findall(r"\[epoch\] step=\d+ epoch=\d+ loss=([\d.]+)", out)]
+    assert len(losses) == 3 and losses[2] < losses[0], out  # MSE falls (the tutorial's cross-entropy stays 0)
+    final = number(r"final loss ([\d.]+) \(epoch 2, mean over both ranks\)", out)
+    assert abs(final - losses[2]) < 1e-3
+    assert "run dir: runs/tutorial" in out
+    assert (whole / "runs/tutorial/checkpoints/snapshot-000000096.pt").is_file()
+
+    # Two epochs, then the same script asked for three: it resumes at the snapshot and ends where the
+    # uninterrupted run ended (the loss printed to 6 digits; the GAN's test below compares weights).
+    first = run_example("tutorial_trainer", split, "2", "1")
+    assert "Epoch 2" not in first and "final loss" in first
+    second = run_example("tutorial_trainer", split, "3", "1")
+    assert "resumed_at_step=64" in second and "Epoch 0" not in second and "Epoch 1" not in second
+    assert re.search(r"final loss [\d.]+ .*", second).group(0) == re.search(r"final loss [\d.]+ .*", out).group(0)
+
+
+GAN_RUN = ("--steps", "600", "--save-every", "100")  # the example's defaults, spelled out: the kill test needs them
+
+
+@pytest.fixture(scope="module")
+def gan_uninterrupted(tmp_path_factory):
+    """One uninterrupted GAN run, shared by the tests below: its output and rank 0's final weights."""
+    where = tmp_path_factory.mktemp("gan")
+    out = run_example("gan", where, *GAN_RUN, "--save-weights", "final.pt")
+    return out, torch.load(where / "final.pt")
+
+
+def test_gan_trains_both_models_and_gets_near_the_ring(gan_uninterrupted):
+    out, weights = gan_uninterrupted
+    assert len(re.findall(r"\[step\] step=\d+ epoch=0 loss_d=[\d.]+ loss_g=[\d.]+", out)) == 6  # log_every 100
+    # Near an equilibrium D cannot tell real from fake: its loss near 2 ln 2, G's near ln 2 (not collapsed).
+    assert 0.8 < number(r"step 600: loss_d ([\d.]+)", out) < 1.6
+    assert 0.4 < number(r"loss_g ([\d.]+)", out) < 1.5
+    assert 1.5 < number(r"generated radius ([\d.]+) \(target 2\.0\)", out) < 2.5
+    assert 0.0 < number(r"spread ([\d.]+)", out) < 0.6
+    assert "run dir: runs/gan" in out
+    assert set(weights) == {"G", "D"} and weights["G"]["4.weight"].shape == (2, 32)
+
+
+def test_gan_sigkilled_mid_run_then_rerun_ends_with_the_uninterrupted_weights_bitwise(tmp_path, gan_uninterrupted):
+    _, expected = gan_uninterrupted
+    command = [sys.executable, str(ROOT / "examples" / "gan.py"), *GAN_RUN, "--save-weights", "final.pt"]
+    snapshots = tmp_path / "runs" / "gan" / "checkpoints"
+    # Its own session: the launcher, its forkserver and both workers are one process group, killed at once.
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(snapshots.glob("snapshot-*.pt")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read()[-2000:]!r}"
+        assert list(snapshots.glob("snapshot-*.pt")), "no snapshot within 120 s"
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        gone = time.monotonic() + 30
+        while time.monotonic() < gone:  # the workers too, before the rerun reads the run dir
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a process of the killed run outlived SIGKILL")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
+    left = sorted(int(p.stem.split("-")[1]) for p in snapshots.glob("snapshot-*.pt"))
+    assert left and left[-1] < 600 and not (tmp_path / "final.pt").exists()
+
+    out = run_example("gan", tmp_path, *GAN_RUN, "--save-weights", "final.pt")
+    assert f"resumed_at_step={left[-1]}" in out
+    got = torch.load(tmp_path / "final.pt")
+    for model in ("G", "D"):
+        assert expected[model].keys() == got[model].keys()
+        for name, tensor in expected[model].items():
+            assert torch.equal(got[model][name], tensor), f"{model}.{name} differs from the uninterrupted run's"

@@ -44,22 +44,44 @@ def wrap(
     # bucket copies, buffer broadcasts) took 20-37% of the MNIST ConvNet's step on an H100
     # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
     if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
-        sync_buffers = not only_batchnorm_buffers(raw)
-        ddp = DDP(
+        ddp = make_ddp(
             raw,
-            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy
-            **{SYNC_BUFFERS: sync_buffers},
+            ctx,
             static_graph=static_graph,
             find_unused_parameters=bool(cfg.find_unused_parameters),  # set by preflight, which says why
+            sync_buffers=not only_batchnorm_buffers(raw),
+            comm_hook=cfg.comm_hook,
         )
-        if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
-            ctx.broadcast_many(list(raw.buffers()))
-        register_comm_hook(ddp, cfg.comm_hook)
     wrapped = ddp or raw
     if cfg.compile:
         wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
     return raw, ddp, wrapped
+
+
+def make_ddp(
+    raw: nn.Module,
+    ctx: DistContext,
+    *,
+    static_graph: bool = False,
+    find_unused_parameters: bool = False,
+    sync_buffers: bool = True,
+    comm_hook: str = "none",
+) -> DDP:
+    """The DDP wrapper around ``raw`` (already on ``ctx.device``): the one place ddpkit builds one, for
+    ``Trainer`` (through :func:`wrap`) and for ``Loop.wrap`` alike. ``sync_buffers``: DDP's per-forward
+    broadcast of rank 0's buffers (its default); off, the buffers are broadcast once here instead."""
+    ddp = DDP(
+        raw,
+        device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # grads are views into the all-reduce buckets: no copy, the same values
+        **{SYNC_BUFFERS: sync_buffers},
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+    )
+    if not sync_buffers:  # before torch 2.14 this also skipped DDP's start-up sync of buffers
+        ctx.broadcast_many(list(raw.buffers()))
+    register_comm_hook(ddp, comm_hook)
+    return ddp
 
 
 def register_comm_hook(ddp: DDP, name: str) -> None:

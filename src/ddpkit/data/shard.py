@@ -1,0 +1,157 @@
+"""A user's DataLoader, split into this rank's share and resumable at any batch: what
+``Loop.data()`` returns (:mod:`ddpkit.loop`).
+
+    loader = ShardedLoader(dataset, ctx, batch_size=32, shuffle=True)   # batch_size: this rank's
+    for epoch in range(2):
+        loader.set_epoch(epoch)        # optional: a pass that ends moves to the next epoch by itself
+        for x, y in loader: ...
+    loader.state_dict()                # {"epoch": e, "batch": b}: b batches of epoch e handed out
+
+The order is torch's own ``DistributedSampler`` (the same object, with its ``shuffle``, ``seed``
+and ``drop_last``, padded as it pads), cut into batches as the user's DataLoader cut them
+(``batch_size``, ``drop_last``), and collated by the user's ``collate_fn``. So a loop ported from
+``DataLoader(..., sampler=DistributedSampler(ds))`` reads exactly the samples it read before.
+
+Random draws. With ``num_workers=0`` the dataset and the collate draw from the rank's own
+generators, as they do in a plain DataLoader; the snapshot saves those generators, so a resume is
+exact. A plain DataLoader also draws one number from the rank's torch generator each time a pass
+starts (its workers' base seed); this loader draws it too, at the start of each epoch only, so the
+rank's stream is the plain loop's, and a mid-epoch resume does not draw it twice. With workers,
+each batch is fetched under generators seeded for that batch alone, from (seed, epoch, rank, batch)
+(:mod:`ddpkit.data.draws`), the only way its draws are the same after a resume; the ``[start]``
+line says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, default_collate
+
+from ..dist.context import DistContext
+from ..errors import ConfigError
+from .batch import to_device
+from .draws import TRAIN, KeyedBatches, SeededFetch, as_is
+from .loader import WORKER_START, _worker_start, unwrapped
+
+
+class ShardedLoader:
+    """``dataset`` in this rank's share, in batches of ``batch_size`` (this rank's, as with a
+    DistributedSampler), at a position that is saved and loaded with :meth:`state_dict`."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        ctx: DistContext,
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        even: bool = False,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+        worker_init_fn: Callable | None = None,
+        pin_memory: bool = False,
+        to_device: bool = True,
+    ):
+        if isinstance(dataset, IterableDataset):
+            raise ConfigError(
+                "Loop.data() takes a map-style dataset (with __len__ and __getitem__), not an IterableDataset: "
+                "an IterableDataset shards itself; iterate it in your loop as you do today"
+            )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"Loop.data(): batch_size must be a positive int (each rank's batch), got {batch_size!r}")
+        self.dataset, self.ctx, self.batch_size = dataset, ctx, batch_size
+        self.shuffle, self.drop_last, self.seed, self.to_device = shuffle, drop_last, seed, to_device
+        self.num_workers = num_workers
+        # even=True (the sampler's drop_last): the tail that does not divide by the world size is dropped,
+        # not padded with repeated samples; Loop.evaluate() uses its own unpadded split instead.
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=shuffle, seed=seed, drop_last=even
+        )
+        self.batches = KeyedBatches(self.sampler, batch_size, drop_last)
+        self.epoch, self.batch = 0, 0
+        self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
+        if num_workers:
+            # Each batch fetched and collated under its own seeds, in whichever worker reads it.
+            self.loader = DataLoader(
+                SeededFetch(dataset, collate_fn),
+                batch_size=None,
+                sampler=self.batches,
+                collate_fn=as_is,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                persistent_workers=True,  # started once, not at every epoch
+                generator=torch.Generator().manual_seed(seed),  # never the rank's own stream
+                multiprocessing_context=WORKER_START,
+                worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn),
+            )
+        else:
+            # As the user's DataLoader would read them: in this process, on the rank's own generators.
+            # Its base-seed draw is made by __iter__ (see the module docstring), not by a generator here.
+            kwargs = {"collate_fn": collate_fn} if collate_fn is not None else {}
+            self.loader = DataLoader(
+                dataset, batch_sampler=self.batches, pin_memory=pin_memory, generator=torch.Generator(), **kwargs
+            )
+
+    @classmethod
+    def from_dataloader(cls, loader: DataLoader, ctx: DistContext, **overrides: Any) -> "ShardedLoader":
+        """The DataLoader's dataset, batch size, shuffle, collate, workers and drop_last, split over ranks."""
+        if loader.batch_size is None:
+            raise ConfigError(
+                "Loop.data() got a DataLoader with batch_size=None (or a batch_sampler of its own): pass the "
+                "dataset and batch_size= instead, e.g. loop.data(dataset, batch_size=32)"
+            )
+        settings = {
+            "batch_size": loader.batch_size,
+            "shuffle": isinstance(loader.sampler, (RandomSampler, DistributedSampler))
+            and getattr(loader.sampler, "shuffle", True),
+            "drop_last": loader.drop_last,
+            "collate_fn": None if loader.collate_fn is default_collate else loader.collate_fn,
+            "num_workers": loader.num_workers,
+            "worker_init_fn": loader.worker_init_fn,
+            "pin_memory": loader.pin_memory,
+        }
+        settings.update(overrides)
+        return cls(loader.dataset, ctx, **settings)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """As ``DistributedSampler.set_epoch``; the epoch the loader is in already keeps its position."""
+        if epoch != self.epoch:
+            self.epoch, self.batch, self._resume_at = int(epoch), 0, 0
+
+    def __iter__(self) -> Iterator:
+        # As a DataLoader: every iter() starts the epoch's pass at its first batch (a peek with
+        # next(iter(loader)) costs nothing later), except the first after a snapshot was loaded.
+        start, self._resume_at = self._resume_at, 0
+        if start == 0:
+            # The plain DataLoader's draw of its workers' base seed, from the rank's torch generator
+            # (torch.utils.data.dataloader._BaseDataLoaderIter): the same stream as the plain loop's.
+            torch.empty((), dtype=torch.int64).random_()
+        self.sampler.set_epoch(self.epoch)
+        self.batch = start
+        self.batches.start, self.batches.key = start, (self.seed, self.epoch, self.ctx.rank, TRAIN)
+        for batch in unwrapped(self.loader):
+            self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
+            yield to_device(batch, self.ctx.device) if self.to_device else batch
+        self.epoch, self.batch = self.epoch + 1, 0  # a whole pass: the next one is the next epoch's order
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch, "world_size": self.ctx.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        old = int(state.get("world_size", self.ctx.world_size))
+        if old != self.ctx.world_size and self.batch:
+            # Another world size: another split. Carry on after as many samples of the epoch's order as the
+            # old world read (each rank's share now starts elsewhere in it; said by Loop in its one line).
+            self.batch = min(len(self), self.batch * old // self.ctx.world_size)
+        self._resume_at = self.batch

@@ -1,0 +1,758 @@
+"""Your own loop, with ddpkit's guarantees: the DDP tutorial's five changes, one call each.
+
+    with ddpkit.Loop("runs/gpt", log_every=50, save_every_steps=100) as loop:   # 1. the process group
+        model = loop.wrap(GPT(cfg))                          # 2. to the rank's device, DDP-wrapped
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4)  #    (your optimizer, as you wrote it)
+        loader = loop.data(train_loader)                     # 3. this rank's share, position saved
+        state = loop.resume(model=model, optimizer=opt, best=1e9)   # 4. what a snapshot holds; reloaded
+        for step in loop.steps(5000):                        # 5. safe points: snapshots, stop, records
+            ...your step, as written...
+            loop.log(loss=loss)                              #    a tensor: no host sync
+
+Under ``torchrun``, ``ddpkit.launch(main)``, SLURM or plain ``python``: where a process group exists
+already (``ddpkit.launch``, or your own ``init_process_group``) the Loop uses it and leaves it to its
+owner; otherwise it makes one (:func:`ddpkit.dist.context.distributed`) and destroys it on exit.
+
+What it adds, and the parts it is built from (the same ones ``Trainer`` uses):
+
+- **snapshots** (``run/checkpoint.py``'s ``Checkpointer``: rank 0 writes, checksummed, pruned to
+  ``keep_snapshots``): what ``resume()`` names, every rank's RNG states (torch, CUDA, numpy,
+  random) and each ``data()`` loader's position, at every ``save_every_steps``-th step, at each
+  ``epochs()`` end, at the end, and at the next log interval after SIGTERM/SIGUSR1/Ctrl-C (then
+  :class:`ddpkit.errors.Stopped`). Rerunning the same command resumes there, bitwise at the same
+  world size; at another, the RNG streams are reseeded from (seed, step, rank), said in one line.
+- **metrics** (``train/metrics.py``'s ``Accumulator``): ``log()`` adds (sum, count) pairs on the
+  device; every ``log_every`` steps one all-reduce makes exact means over ranks, written by rank 0
+  to ``metrics.jsonl`` (``run/recorder.py``) and shown on the console. ``evaluate()`` runs over a
+  whole split with no padded duplicates. ``best()`` keeps the best weights by a metric.
+- **the hang report**: each safe point is the heartbeat the hang watch (``dist/hangwatch.py``)
+  judges a rank late by, with the line it waits at.
+- **the run identity** (``identity.py``): the code of the function that made the Loop, read as a
+  loss function is read for ``Trainer``; a snapshot made by other code is refused in one line.
+
+Nothing else changes: your optimizer, schedule, loss, dtype, batch size and data are used as
+given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the ``[start]`` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import types
+import zlib
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from .config import check_timeout_s
+from .data.batch import leading_size, tree_map
+from .data.shard import ShardedLoader
+from .device import resolve_device_type
+from .dist import env, hangwatch
+from .dist.context import DistContext, distributed, on_rank0
+from .dist.env import under_launcher
+from .dist.failures import exit_status
+from .errors import ConfigError, DdpkitError, RunDirError, Stopped
+from .files import atomic_write, torch_bytes
+from .identity import code_fingerprint
+from .run.checkpoint import Checkpointer, reseed, set_rng_state
+from .run.paths import RunFiles
+from .run.recorder import MetricLogger
+from .train.ddp import make_ddp
+from .train.metrics import Accumulator
+from .train.signals import StopSignal
+from .train.syncbn import convert_sync_batchnorm
+
+AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PLAIN = (int, float, bool, str, type(None))  # what a snapshot holds besides tensors (torch.load weights_only)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the user asked of a :class:`Loop`; saved as ``loop.json`` in the run dir."""
+
+    run_dir: str = "runs/loop"
+    device: str = "auto"  # auto (cuda when there is a GPU), cpu, cuda
+    seed: int = 0  # the reseed at another world size, and the per-batch draws of DataLoader workers
+    amp: str = "off"  # off, bf16, fp16 (fp16 adds a GradScaler, used by backward/optimizer_step)
+    sync_bn: bool = False  # every BatchNorm made synchronised across ranks by wrap()
+    deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic
+    save_every_steps: int = 0  # 0: snapshots at each epochs() end, at the end, and on a stop only
+    keep_snapshots: int = 2
+    log_every: int = 50  # steps per record; a stop signal is acted on at the next one
+    timeout_s: float = 600.0  # collectives and the hang watch (seconds)
+    check_code: bool = True  # refuse a snapshot that other code (the loop function's) made
+
+    # What a snapshot is matched on, with the loop's code: the rest may differ between runs.
+    HASHED = ("seed", "amp", "sync_bn", "deterministic")
+
+    def validate(self) -> None:
+        if self.amp not in AMP:
+            raise ConfigError(f"Loop(amp={self.amp!r}): choose one of {', '.join(AMP)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"Loop(device={self.device!r}): choose auto, cpu or cuda")
+        for name in ("save_every_steps", "log_every", "keep_snapshots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "keep_snapshots" else 0):
+                raise ConfigError(f"Loop({name}={value!r}): expected an int >= {int(name == 'keep_snapshots')}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"Loop(seed={self.seed!r}): expected an int")
+        check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")
+
+
+class _RunKey:
+    """What a snapshot's ``config`` is matched on (the duck type ``Checkpointer`` reads of a config):
+    the hashed fields of :class:`LoopConfig` and the loop's code."""
+
+    join = False  # Trainer's --join; a Loop's data split is its own
+
+    def __init__(self, config: LoopConfig, code: dict):
+        self.config, self.code = config, code
+
+    def to_dict(self) -> dict:
+        return {**asdict(self.config), "code": self.code}
+
+    def _keyed(self, d: dict) -> dict:
+        keyed = {k: d.get(k) for k in LoopConfig.HASHED}
+        if self.config.check_code:
+            keyed["code"] = d.get("code")
+        return keyed
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self._keyed(self.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
+
+    def differing_keys(self, other: dict) -> list[str]:
+        mine, theirs = self._keyed(self.to_dict()), self._keyed(other)
+        keys = [k for k in mine if k != "code" and mine[k] != theirs.get(k)]
+        if "code" in mine and mine["code"] != theirs.get("code"):
+            parts, old = mine["code"] or {}, theirs.get("code") or {}
+            changed = sorted(k for k in set(parts) | set(old) if parts.get(k) != old.get(k))
+            keys.append(f"the loop's code ({', '.join(changed[:3]) or 'code'}; Loop(check_code=False) resumes anyway)")
+        return keys
+
+
+class State(dict):
+    """What :meth:`Loop.resume` was given, by name, as a snapshot holds it; after a resume, its plain
+    values are the snapshot's. ``step`` and ``epoch``: the loop's position (steps and epochs done)."""
+
+    step: int = 0
+    epoch: int = 0
+
+
+class Loop:
+    """See the module docstring. Every method that says "every rank" is a collective: call it on all."""
+
+    def __init__(
+        self,
+        run_dir: str = "runs/loop",
+        *,
+        device: str = "auto",
+        seed: int = 0,
+        amp: str = "off",
+        sync_bn: bool = False,
+        deterministic: bool = False,
+        save_every_steps: int = 0,
+        keep_snapshots: int = 2,
+        log_every: int = 50,
+        timeout_s: float = 600.0,
+        check_code: bool = True,
+    ):
+        self.config = LoopConfig(
+            str(run_dir),
+            device,
+            seed,
+            amp,
+            sync_bn,
+            deterministic,
+            save_every_steps,
+            keep_snapshots,
+            log_every,
+            timeout_s,
+            check_code,
+        )
+        self.config.validate()
+        self._maker = _caller_function(sys._getframe(1))  # the run identity reads the loop's own code
+        self.ctx: DistContext | None = None
+        self._stack = ExitStack()
+        self._owns_group = False
+        self.state: State | None = None
+        self._models: list[nn.Module] = []
+        self._loaders: list[ShardedLoader] = []
+        self._pending_loaders: list[dict] = []  # positions from a snapshot, for loaders made after resume()
+        self._scaler = None
+        self._acc: Accumulator | None = None
+        self._changes: list[str] = []
+        self._best: dict = {}
+        self._last_saved = -1
+        self.metrics: dict[str, float | None] = {}  # the last record's means, the same on every rank
+
+    # ------------------------------------------------------------------ 1. the process group
+    def __enter__(self) -> "Loop":
+        try:
+            if dist.is_available() and dist.is_initialized():
+                self.ctx = _adopted_context(self.config.device)
+            else:
+                self.ctx = self._stack.enter_context(
+                    distributed(self.config.device, self.config.timeout_s, self.config.deterministic)
+                )
+                self._owns_group = True
+            self._stop = self._stack.enter_context(StopSignal())
+            self.files = RunFiles(self.config.run_dir)
+            code = self._identity()
+            self.key = _RunKey(self.config, code)
+            self.ckpt = Checkpointer(
+                self.config.run_dir,
+                self.ctx,
+                self.key,
+                keep=self.config.keep_snapshots,
+                every_steps=self.config.save_every_steps,
+            )
+            self.log_writer = MetricLogger(self.ctx, self.files.root, 0, progress=False, config=self.key.to_dict())
+            self._stack.callback(self.log_writer.close)
+            on_rank0(self.ctx, lambda: self.files.checkpoints.mkdir(parents=True, exist_ok=True), "making the run dir")
+            hangwatch.report_to(self.config.run_dir)
+            if AMP[self.config.amp] is torch.float16:
+                self._scaler = torch.amp.GradScaler(self.ctx.device.type)
+        except BaseException:
+            self._stack.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None and self.state is not None and self._last_saved != self.state.step:
+                self._save(finished=True)  # a rerun resumes here: at the end
+            if exc_type is None and self.state is not None:
+                self.log_writer.log("end", step=self.state.step, epoch=self.state.epoch)
+        except BaseException:
+            exc_type, exc, tb = sys.exc_info()
+            if not self._stack.__exit__(exc_type, exc, tb):
+                raise
+            return True
+        try:
+            if self._stack.__exit__(exc_type, exc, tb):
+                return True
+        except DdpkitError as error:  # the group's teardown names the failure (a lost peer, a timeout)
+            exc = error
+        if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
+            # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
+            # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
+            raise SystemExit(exit_status(exc)) from None
+        if exc is not None and exc_type is not None and not isinstance(exc, exc_type):
+            raise exc
+        return False
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on global rank 0 only."""
+        if self.ctx.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # ------------------------------------------------------------------ 2. the model
+    def wrap(
+        self,
+        model: nn.Module,
+        *,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        static_graph: bool = False,
+    ) -> nn.Module:
+        """``model`` on this rank's device (SyncBatchNorm first if ``Loop(sync_bn=True)``), wrapped in
+        DDP as ``DDP(model)`` wraps it (its defaults; ``.module`` is your model). Every rank."""
+        raw = model.to(self.ctx.device)
+        if self.config.sync_bn:
+            raw = convert_sync_batchnorm(raw, self.ctx.device)
+            self._said("SyncBatchNorm")
+        wrapped = make_ddp(
+            raw,
+            self.ctx,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            sync_buffers=broadcast_buffers,
+        )
+        self._models.append(wrapped)
+        return wrapped
+
+    @contextmanager
+    def no_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Gradient accumulation: no all-reduce in this backward (DDP's ``no_sync``) while ``enabled``."""
+        with model.no_sync() if enabled and isinstance(model, DDP) else nullcontext():
+            yield
+
+    def autocast(self):
+        """``torch.autocast`` in ``Loop(amp=...)``'s dtype on this device, or nothing when amp is off."""
+        dtype = AMP[self.config.amp]
+        return torch.autocast(self.ctx.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the GradScaler under ``amp="fp16"``."""
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:
+        """Clip by the global gradient norm (after DDP's all-reduce each rank holds the same gradients,
+        so its own norm is the global one); unscaled first under fp16 (pass the ``optimizer``)."""
+        if self._scaler is not None:
+            if optimizer is None:
+                raise ConfigError("Loop.clip_grad_norm_() under amp='fp16' needs optimizer= (to unscale first)")
+            self._scaler.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``; through the GradScaler under ``amp="fp16"``."""
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+
+    # ------------------------------------------------------------------ 3. the data
+    def data(
+        self, data: DataLoader | Dataset, *, batch_size: int | None = None, to_device: bool = True, **settings: Any
+    ) -> ShardedLoader:
+        """This rank's share of ``data`` (a DataLoader, or a dataset with ``batch_size=``: each rank's),
+        in ``DistributedSampler``'s order, the next epoch's order at each pass; its position is in every
+        snapshot. A DataLoader keeps its batch size, shuffle, collate_fn, workers and drop_last."""
+        if isinstance(data, DataLoader):
+            loader = ShardedLoader.from_dataloader(
+                data, self.ctx, to_device=to_device, **({"batch_size": batch_size} if batch_size else {}), **settings
+            )
+        else:
+            if batch_size is None:
+                raise ConfigError("Loop.data(dataset) needs batch_size= (each rank's), or pass a DataLoader")
+            loader = ShardedLoader(data, self.ctx, batch_size=batch_size, to_device=to_device, **settings)
+        if loader.num_workers:
+            self._said("DataLoader workers draw per batch, seeded from (seed, epoch, rank, batch)")
+        if len(self._pending_loaders) > len(self._loaders):  # made after resume(): its position is waiting
+            loader.load_state_dict(self._pending_loaders[len(self._loaders)])
+        self._loaders.append(loader)
+        return loader
+
+    # ------------------------------------------------------------------ 4. what a snapshot holds
+    def resume(self, **state: Any) -> State:
+        """Name the loop's state: modules, optimizers, schedulers, anything with ``state_dict``, and plain
+        values (numbers, strings, tensors, lists and dicts of them). From the newest snapshot in the run
+        dir, if there is one, every object is loaded in place and every plain value replaced in the
+        returned :class:`State`, with each rank's RNG states and each loader's position. Every rank."""
+        if self.state is not None:
+            raise ConfigError("Loop.resume() was called twice: call it once, after building what it names")
+        for name, value in state.items():
+            if not hasattr(value, "state_dict"):
+                _check_plain(name, value)
+        self.state = State(state)
+        snap = self.ckpt.load_latest(warn=self.print)
+        resumed_from = None
+        if snap is not None:
+            resumed_from = self._load(snap)
+        self.log_writer.begin(self.state.step, self.state.epoch)
+        on_rank0(self.ctx, self._write_config, "writing loop.json")
+        start = {
+            "world_size": self.ctx.world_size,
+            "backend": self.ctx.backend,
+            "device": str(self.ctx.device),
+            "run_dir": self.config.run_dir,
+            "resumed_at_step": self.state.step if snap is not None else None,
+            "resumed_from_world": resumed_from,
+            "changes": "; ".join(self._changes) or "none",
+            "not_read": "; ".join(self.key.code.get("unproven", [])) or None,
+        }
+        self.log_writer.log("start", **start)
+        self._t_interval, self._steps_interval = time.perf_counter(), 0
+        return self.state
+
+    def _load(self, snap: dict) -> int | None:
+        saved = snap["trainer"]
+        for name, value in saved["state"].items():
+            if name not in self.state:
+                raise RunDirError(
+                    f"the snapshot in {self.config.run_dir} holds {name!r}, which this resume() was not given; "
+                    f"name the same state as the run that made it, or pass a new run_dir"
+                )
+            target = self.state[name]
+            if hasattr(target, "load_state_dict"):
+                _unwrapped(target).load_state_dict(value)
+            else:
+                self.state[name] = value
+        missing = [n for n in self.state if n not in saved["state"]]
+        if missing:
+            raise RunDirError(
+                f"the snapshot in {self.config.run_dir} holds no {', '.join(map(repr, missing))}: name the same "
+                f"state as the run that made it, or pass a new run_dir"
+            )
+        self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
+        self._best = saved["loop"]["best"]
+        if self._scaler is not None and saved.get("scaler"):
+            self._scaler.load_state_dict(saved["scaler"])
+        self._pending_loaders = list(saved["loaders"])
+        for loader, position in zip(self._loaders, self._pending_loaders):
+            loader.load_state_dict(position)
+        self._last_saved = self.state.step
+        old_world = snap["world_size"]
+        if old_world == self.ctx.world_size:
+            mine = snap["ranks"][self.ctx.rank]
+            set_rng_state(mine["rng"], self.ctx.device)
+            self._restore_metrics(mine.get("rank_state") or {})
+            return None
+        reseed(self.config.seed, self.state.step, self.ctx.rank)
+        self.print(
+            f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {old_world}, now "
+            f"{self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams anew "
+            f"from (seed, step, rank), and each loader's split is the new world's from the same place in its epoch",
+            file=sys.stderr,
+        )
+        return old_world
+
+    # ------------------------------------------------------------------ 5. safe points
+    def steps(self, total: int) -> Iterator[int]:
+        """``range(state.step, total)``: between two steps is a safe point (:meth:`step`)."""
+        self._require_state()
+        while self.state.step < total:
+            yield self.state.step
+            self.step()
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """``range(state.epoch, total)``, each ``data()`` loader set to that epoch; a snapshot at each end."""
+        self._require_state()
+        while self.state.epoch < total:
+            for loader in self._loaders:
+                loader.set_epoch(self.state.epoch)
+            yield self.state.epoch
+            self.state.epoch += 1
+            self._safe_point(epoch_end=True)
+
+    def step(self) -> None:
+        """One optimizer step is done: a safe point (called by :meth:`steps`; call it yourself after
+        ``optimizer.step()`` in an epoch loop). Host work only, except every ``log_every`` steps (one
+        all-reduce: the records and the stop flag) and at snapshots."""
+        self._require_state()
+        self.state.step += 1
+        self._steps_interval += 1
+        self._safe_point()
+
+    def _safe_point(self, epoch_end: bool = False) -> None:
+        s, cfg = self.state.step, self.config
+        hangwatch.progress(s)  # the heartbeat a rank late in the user's code is seen by
+        due_log = not epoch_end and cfg.log_every and s % cfg.log_every == 0
+        due_save = epoch_end or (cfg.save_every_steps and s % cfg.save_every_steps == 0)
+        if not (due_log or due_save):
+            return
+        totals, names, stop = self._sync()
+        if due_log or epoch_end:
+            self._record("epoch" if epoch_end else "step", totals, names)
+        if (due_save or stop) and self._last_saved != s:
+            path = self._save()
+        elif stop:
+            path = self.ckpt.snapshots()[0]
+        if stop:
+            self.log_writer.log("stopped", reason=stop, step=s)
+            raise Stopped(
+                f"stopped on {stop} at step {s} (epoch {self.state.epoch}); saved {path}; run the same command "
+                f"again to resume from it",
+                stop,
+            )
+
+    def _sync(self) -> tuple[list[float], tuple[str, ...], str | None]:
+        """One all-reduce and one host copy: every rank's metric sums and counts, the stop flag, and a
+        check that every rank logged the same names."""
+        acc = self._acc
+        names = acc.names if acc is not None else ()
+        local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=self.ctx.device)
+        crc = float(zlib.crc32(",".join(names).encode()))
+        flags = torch.tensor(
+            [float(self._stop.received is not None), float(self.log_writer.error is not None), crc],
+            dtype=torch.float64,
+        ).to(self.ctx.device)
+        values = self.ctx.all_reduce(torch.cat([local, flags])).tolist()
+        if values[-2] > 0:
+            raise self.log_writer.error or RunDirError(
+                "global rank 0 could not write metrics.jsonl (its message is the one printed)"
+            )
+        if values[-1] != crc * self.ctx.world_size:
+            raise ConfigError(
+                f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): call "
+                f"loop.log() with the same names on every rank"
+            )
+        stop = self._stop.received if values[-3] > 0 else None
+        return values[:-3], names, (stop or "a stop signal") if values[-3] > 0 else None
+
+    def _record(self, event: str, totals: list[float], names: tuple[str, ...]) -> None:
+        now = time.perf_counter()
+        elapsed, steps = now - self._t_interval, self._steps_interval
+        means = _means(names, totals)
+        self.metrics = means
+        record = {"step": self.state.step, "epoch": self.state.epoch, **means}
+        if steps and elapsed > 0:
+            record["steps_per_s"] = round(steps / elapsed, 3)
+        self.log_writer.log(event, **record)
+        if self._acc is not None:
+            self._acc.reset()
+        self._t_interval, self._steps_interval = now, 0
+
+    def _save(self, finished: bool = False):
+        state = self.state
+        trainer = {
+            "loop": {"step": state.step, "epoch": state.epoch, "best": self._best, "finished": finished},
+            "state": {
+                name: _to_host(_unwrapped(v).state_dict() if hasattr(v, "state_dict") else v)
+                for name, v in state.items()
+            },
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "loaders": [loader.state_dict() for loader in self._loaders],
+            "rank_state": {"metrics": self._acc.state() if self._acc is not None else [], "names": list(self._names())},
+        }
+        for name, value in state.items():
+            if not hasattr(value, "state_dict"):
+                _check_plain(name, value)
+        path = self.ckpt.save(trainer, state.step)
+        self._last_saved = state.step
+        return path
+
+    def _names(self) -> tuple[str, ...]:
+        return self._acc.names if self._acc is not None else ()
+
+    def _restore_metrics(self, rank_state: dict) -> None:
+        names = tuple(rank_state.get("names") or ())
+        if names:
+            self._acc = Accumulator(names, self.ctx.device)
+            self._acc.load(rank_state["metrics"])
+
+    # ------------------------------------------------------------------ metrics
+    def log(self, **values: Any) -> None:
+        """Add to this interval's metrics, on the device (no host sync): a tensor or number is one value
+        (its mean is over the calls), a ``(sum, count)`` pair adds both. Reduced over ranks, exactly,
+        every ``log_every`` steps."""
+        names = self._names()
+        if not set(values) <= set(names):  # a new name: a wider accumulator, carrying what was added so far
+            grown = Accumulator(tuple(sorted(set(names) | set(values))), self.ctx.device)
+            if self._acc is not None:
+                k, totals = len(names), self._acc.local()  # on the device: no host sync
+                grown.add(
+                    [
+                        (totals[names.index(n)], totals[k + names.index(n)]) if n in names else (0, 0)
+                        for n in grown.names
+                    ]
+                )
+            self._acc = grown
+        pairs = []
+        for name in self._acc.names:
+            if name not in values:
+                pairs.append((0, 0))
+                continue
+            v = values[name]
+            if isinstance(v, tuple):
+                pairs.append((v[0].detach() if isinstance(v[0], torch.Tensor) else v[0], v[1]))
+            elif isinstance(v, torch.Tensor):
+                v = v.detach()
+                pairs.append((v if v.ndim == 0 else v.sum(), 1 if v.ndim == 0 else v.numel()))
+            else:
+                pairs.append((v, 1))
+        self._acc.add(pairs)
+
+    def reduce(self, **values: Any) -> dict[str, float]:
+        """Now, over every rank (one all-reduce and a host copy): each value's mean, a ``(sum, count)``
+        pair's sum/count. Every rank, with the same names."""
+        names = sorted(values)
+        parts = []
+        for name in names:
+            v = values[name]
+            s, c = v if isinstance(v, tuple) else (v, 1)
+            parts += [torch.as_tensor(s, dtype=torch.float64).reshape(()), torch.as_tensor(c, dtype=torch.float64)]
+        totals = self.ctx.all_reduce(torch.stack(parts).to(self.ctx.device)).tolist() if parts else []
+        return {n: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None for i, n in enumerate(names)}
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        model: nn.Module,
+        data: DataLoader | Dataset,
+        fn: Callable[[nn.Module, Any], dict],
+        *,
+        batch_size: int | None = None,
+    ) -> dict[str, float | None]:
+        """Exact means over the whole of ``data``: each rank reads every world_size-th sample (no padded
+        repeats, no shuffle), ``fn(model, batch)`` returns {name: (sum, count)} or {name: batch mean}, and
+        one all-reduce adds them up. ``model`` runs unwrapped, in eval mode. Every rank."""
+        dataset = data.dataset if isinstance(data, DataLoader) else data
+        bs = batch_size or (data.batch_size if isinstance(data, DataLoader) else None)
+        if not bs:
+            raise ConfigError("Loop.evaluate(dataset, ...) needs batch_size= (or pass a DataLoader)")
+        collate = {"collate_fn": data.collate_fn} if isinstance(data, DataLoader) else {}
+        if len(dataset) < self.ctx.world_size:
+            raise ConfigError(
+                f"Loop.evaluate(): {len(dataset)} samples for {self.ctx.world_size} ranks; each rank needs one"
+            )
+        share = Subset(dataset, range(self.ctx.rank, len(dataset), self.ctx.world_size))
+        raw = _unwrapped(model)
+        was_training = raw.training
+        raw.eval()
+        acc = None
+        try:
+            for batch in DataLoader(share, batch_size=bs, shuffle=False, **collate):
+                batch = tree_map(lambda t: t.to(self.ctx.device, non_blocking=True), batch)
+                with self.autocast():
+                    out = fn(raw, batch)
+                pairs = {
+                    k: v if isinstance(v, tuple) else (v.detach() * leading_size(batch), leading_size(batch))
+                    for k, v in out.items()
+                }
+                if acc is None:
+                    acc = Accumulator(tuple(sorted(pairs)), self.ctx.device)
+                acc.add([pairs[n] for n in acc.names])
+        finally:
+            raw.train(was_training)
+        local = acc.local().tolist()
+        k = len(acc.names)
+        return self.reduce(**{n: (local[i], local[k + i]) for i, n in enumerate(acc.names)})
+
+    def best(self, metric: str, value: float, mode: str = "min") -> bool:
+        """Keep the best weights by ``metric``: when ``value`` beats the best so far (``mode`` min or
+        max), rank 0 writes ``best.pt`` (every module named in resume(), the step and the value). The
+        best so far is snapshot state. Every rank; rank 0's value decides. True when this is the best."""
+        self._require_state()
+        if mode not in ("min", "max"):
+            raise ConfigError(f"Loop.best(mode={mode!r}): choose min or max")
+        v = self.ctx.broadcast(torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)).item()
+        old = self._best.get(metric)
+        better = old is None or (v < old["value"] if mode == "min" else v > old["value"])
+        if not better:
+            return False
+        self._best[metric] = {"value": v, "step": self.state.step}
+        weights = {
+            name: _to_host(_unwrapped(obj).state_dict())
+            for name, obj in self.state.items()
+            if isinstance(_unwrapped(obj), nn.Module)
+        }
+        blob = {"metric": metric, "value": v, "step": self.state.step, "weights": weights}
+        on_rank0(self.ctx, lambda: atomic_write(self.files.root / "best.pt", torch_bytes(blob)), "writing best.pt")
+        return True
+
+    @property
+    def best_so_far(self) -> dict:
+        """{metric: {"value": v, "step": s}} of :meth:`best`."""
+        return dict(self._best)
+
+    # ------------------------------------------------------------------ helpers
+    def _require_state(self) -> None:
+        if self.ctx is None:
+            raise ConfigError("use the Loop in a with-statement: with ddpkit.Loop(...) as loop: ...")
+        if self.state is None:
+            raise ConfigError(
+                "call loop.resume(model=..., optimizer=..., ...) before the first step: it names what a snapshot "
+                "saves and reloads it when the run dir holds one"
+            )
+
+    def _said(self, change: str) -> None:
+        if change not in self._changes:
+            self._changes.append(change)
+
+    def _identity(self) -> dict:
+        """The loop's code as rank 0 read it (every rank uses rank 0's, so they decide alike)."""
+        mine = None
+        if self.ctx.is_main or self.ctx.world_size == 1:
+            if self._maker is None:
+                mine = {"parts": {}, "unproven": ["the code that made the Loop (not a function)"]}
+            else:
+                fp = code_fingerprint("loop", {"loop": self._maker})
+                mine = {"parts": fp.parts, "unproven": list(fp.unproven)}
+        if self.ctx.world_size > 1:
+            box = [mine]
+            dist.broadcast_object_list(box, src=0)
+            mine = box[0]
+        return mine
+
+    def _write_config(self) -> None:
+        atomic_write(self.files.root / "loop.json", json.dumps(self.key.to_dict(), indent=1, default=str).encode())
+
+
+# ---------------------------------------------------------------------- module helpers
+def _caller_function(frame) -> Callable | None:
+    """The function running ``frame`` (what the run identity reads), rebuilt from its code, globals and
+    closure; None for module-level code, whose module's values change from run to run."""
+    code = frame.f_code
+    if code.co_name == "<module>":
+        return None
+    cells = tuple(types.CellType(frame.f_locals.get(name)) for name in code.co_freevars)
+    return types.FunctionType(code, frame.f_globals, code.co_name, None, cells or None)
+
+
+def _adopted_context(device: str) -> DistContext:
+    """The process group already made (by ``ddpkit.launch`` or the user): this rank's place in it."""
+    import os
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get(env.LOCAL_RANK, rank))
+    local_world = int(os.environ.get(env.LOCAL_WORLD_SIZE, world))
+    backend = str(dist.get_backend())
+    if resolve_device_type(device) == "cuda":
+        index = torch.cuda.current_device() if backend == "gloo" else local_rank
+        where = torch.device("cuda", index)
+    else:
+        where = torch.device("cpu")
+    return DistContext(rank, local_rank, world, local_world, where, backend)
+
+
+def _unwrapped(obj: Any) -> Any:
+    """A module out of its DDP and torch.compile wrappers (its state_dict has no ``module.`` prefix)."""
+    while True:
+        if isinstance(obj, DDP):
+            obj = obj.module
+        elif hasattr(obj, "_orig_mod") and isinstance(obj, nn.Module):
+            obj = obj._orig_mod
+        else:
+            return obj
+
+
+def _check_plain(name: str, value: Any) -> None:
+    if isinstance(value, PLAIN) or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_plain(name, v)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(name, k)
+            _check_plain(name, v)
+        return
+    raise ConfigError(
+        f"Loop.resume(): {name!r} holds {type(value).__module__}.{type(value).__qualname__}, which a snapshot "
+        f"cannot hold: pass an object with state_dict(), or plain values (numbers, strings, tensors, lists, "
+        f"dicts); convert numpy values with float() or torch.as_tensor()"
+    )
+
+
+def _to_host(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_host(v) for v in tree)
+    return tree
+
+
+def _means(names: tuple[str, ...], totals: list[float]) -> dict[str, float | None]:
+    k = len(names)
+    return {n: (totals[i] / totals[k + i] if totals[k + i] else None) for i, n in enumerate(names)}

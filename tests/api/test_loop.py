@@ -1,0 +1,229 @@
+"""ddpkit.Loop: the user's own loop with ddpkit's guarantees (exact data order, resume, metrics, errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import loop_workers as lw
+import numpy as np
+import pytest
+import torch
+from clirun import ROOT, cli_env
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit.errors import ConfigError, RunDirError, Stopped
+
+HELPERS = ROOT / "tests" / "helpers"
+
+
+# ---------------------------------------------------------------- in one process: no host sync per step
+def test_a_step_costs_no_host_sync_and_no_collective_between_log_intervals(tmp_path, monkeypatch):
+    syncs = []
+    for name in ("item", "tolist", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            syncs.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with ddpkit.Loop(str(tmp_path / "run"), log_every=50) as loop:
+        model = loop.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop.resume(model=model, optimizer=opt)
+        x = torch.randn(8, 4)
+        before = len(syncs)
+        for step in loop.steps(100):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loop.log(loss=loss.detach())
+        during = syncs[before:]
+    # Two log intervals: one host copy each (the all-reduced sums); nothing in the 98 other steps.
+    assert during == ["tolist", "tolist"], during
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "step"] == [50, 100]
+
+
+def test_a_peek_at_the_loader_costs_nothing_as_with_a_dataloader(tmp_path):
+    """The tutorial reads ``len(next(iter(train_data))[0])`` before each epoch: the pass after it still
+    starts at the first batch, and the rank's generator moves as a DataLoader's does (a draw per iter())."""
+    data = TensorDataset(torch.arange(8.0))
+    plain = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=False))
+    torch.manual_seed(0)
+    next(iter(plain))
+    want, want_after = [b[0].tolist() for b in plain], torch.rand(1)
+    with ddpkit.Loop(str(tmp_path / "r")) as loop:
+        ours = loop.data(data, batch_size=2, shuffle=False)
+        torch.manual_seed(0)
+        next(iter(ours))
+        got, got_after = [b[0].tolist() for b in ours], torch.rand(1)
+    assert got == want == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert torch.equal(got_after, want_after)
+
+
+def test_misuse_is_one_public_error(tmp_path):
+    with ddpkit.Loop(str(tmp_path / "a")) as loop:
+        with pytest.raises(ConfigError, match="call loop.resume"):
+            loop.step()
+        with pytest.raises(ConfigError, match="'rng' holds numpy.random"):
+            loop.resume(rng=np.random.default_rng())
+    with ddpkit.Loop(str(tmp_path / "b")) as loop:
+        loop.resume(x=1)
+        with pytest.raises(ConfigError, match="called twice"):
+            loop.resume(x=1)
+    with pytest.raises(ConfigError, match="amp='fp8'"):
+        ddpkit.Loop(str(tmp_path / "c"), amp="fp8")
+
+
+def _run_to(run_dir, total: int, value: float = 1.0):
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        lin = torch.nn.Linear(1, 1)
+        state = loop.resume(lin=lin, tag=value)
+        for _ in loop.steps(total):
+            pass
+        return state
+
+
+def test_a_rerun_resumes_at_the_end_and_a_longer_horizon_trains_on(tmp_path):
+    run = str(tmp_path / "r")
+    assert _run_to(run, 3).step == 3
+    again = _run_to(run, 5, value=2.0)
+    assert again.step == 5 and again["tag"] == 1.0  # the snapshot's value, not the new default
+    starts = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"start"' in line]
+    assert starts[-1]["resumed_at_step"] == 3
+
+
+def test_a_snapshot_other_code_made_is_refused_in_one_line(tmp_path):
+    run = str(tmp_path / "r")
+    _run_to(run, 2)
+
+    def _other_loop(run_dir):  # another function makes the Loop: other code
+        with ddpkit.Loop(run_dir) as loop:
+            loop.resume(lin=torch.nn.Linear(1, 1), tag=1.0)
+
+    with pytest.raises(RunDirError, match=r"differs in: the loop's code .*check_code=False"):
+        _other_loop(run)
+
+
+def test_a_snapshot_naming_other_state_is_refused(tmp_path):
+    run = str(tmp_path / "r")
+
+    def loop_fn(names):
+        with ddpkit.Loop(run) as loop:
+            loop.resume(**{n: torch.nn.Linear(1, 1) for n in names})
+
+    loop_fn(["a"])
+    with pytest.raises(RunDirError, match="holds no 'b'"):
+        loop_fn(["a", "b"])
+
+
+# ---------------------------------------------------------------- world 2, launched
+pytestmark_mp = pytest.mark.multiprocess
+
+
+@pytestmark_mp
+def test_the_loader_reads_what_dataloader_with_distributedsampler_reads(tmp_path):
+    plain = ddpkit.launch(lw.batches_as_plain_ddp, 3, nproc=2, device="cpu")
+    ours = ddpkit.launch(lw.batches_from_loop, str(tmp_path / "r"), 3, nproc=2, device="cpu")
+    assert ours == plain  # rank 0's batches, epoch by epoch (11 samples: DistributedSampler's padding too)
+    assert plain[0] != plain[1]  # and the epochs differ: set_epoch took effect
+
+
+@pytestmark_mp
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stopped_loop_resumes_its_loader_and_draws_exactly(tmp_path, workers):
+    whole = ddpkit.launch(lw.loader_resumes, str(tmp_path / "whole"), workers, None, nproc=2, device="cpu")
+    run = str(tmp_path / "cut")
+    with pytest.raises(Stopped):
+        ddpkit.launch(lw.loader_resumes, run, workers, 5, nproc=2, device="cpu")
+    rest = ddpkit.launch(lw.loader_resumes, run, workers, None, nproc=2, device="cpu")
+    assert len(whole) == 8  # 24 samples / 2 ranks / 3 per batch = 4 batches, 2 epochs
+    assert rest == whole[5:]  # the batches after the snapshot at step 5, the same random draws
+
+
+@pytestmark_mp
+def test_logged_values_are_reduced_exactly_over_ranks(tmp_path):
+    means = ddpkit.launch(lw.logged_means, str(tmp_path / "r"), nproc=2, device="cpu")
+    # steps 4..7 of the second interval: rank 0 logs 4..7, rank 1 logs 14..17
+    assert means["v"] == pytest.approx(np.mean([4, 5, 6, 7, 14, 15, 16, 17]), abs=0)
+    assert means["acc"] == (1 + 2) * 4 / (4 * 2 * 4)  # (sum, count) pairs: sums 1 and 2 per step, count 4
+
+
+@pytestmark_mp
+def test_evaluate_counts_every_sample_once(tmp_path):
+    result = ddpkit.launch(lw.exact_evaluation, str(tmp_path / "r"), 7, nproc=2, device="cpu")
+    assert result["x"] == pytest.approx(np.mean(range(7)), abs=0)  # 7 samples, 2 ranks, batches of 2
+    assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-6)
+
+
+@pytestmark_mp
+def test_the_best_checkpoint_survives_a_stop(tmp_path):
+    values = [5.0, 3.0, 4.0, 2.0, 6.0, 2.5]
+    whole = ddpkit.launch(lw.best_kept, str(tmp_path / "w"), values, None, nproc=2, device="cpu")
+    run = str(tmp_path / "cut")
+    with pytest.raises(Stopped):
+        ddpkit.launch(lw.best_kept, run, values, 3, nproc=2, device="cpu")
+    rest = ddpkit.launch(lw.best_kept, run, values, None, nproc=2, device="cpu")
+    assert whole == rest == {"val": {"value": 2.0, "step": 3}}
+    best = torch.load(os.path.join(run, "best.pt"))
+    torch.manual_seed(0)
+    at_step_3 = torch.nn.Linear(2, 2).weight.detach() + 1 + 1 + 1 + 1  # steps 0-3 each added 1
+    assert best["step"] == 3 and best["value"] == 2.0 and torch.equal(best["weights"]["model"]["weight"], at_step_3)
+
+
+# ---------------------------------------------------------------- a char-GPT loop under torchrun
+def _torchrun(tmp_path, run_dir: str, out: str, nproc: int = 2, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(HELPERS / "loop_gpt.py"),
+            run_dir,
+            out,
+        ],
+        cwd=tmp_path,
+        env=cli_env(TOKENS=str(tmp_path / "tokens.bin"), **env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+@pytestmark_mp
+def test_a_gpt_loop_killed_twice_finishes_bitwise_equal_and_resumes_at_another_world(tmp_path):
+    np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    whole = _torchrun(tmp_path, "whole", "whole.pt")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    # SIGTERM at iteration 33: saved at the next log interval (step 35), exit status 143, one line
+    term = _torchrun(tmp_path, "cut", "cut.pt", DIE_AT="33", SIG="SIGTERM")
+    assert term.returncode != 0 and "ddpkit: stopped on SIGTERM at step 35" in term.stderr
+    assert (
+        "exitcode  : 143" in term.stderr
+        and "Traceback (most recent call last)" not in term.stderr.split("ddpkit: stopped")[0]
+    )
+    # SIGKILL at iteration 47: nothing saved then; the rerun resumes from the step-40 snapshot
+    kill = _torchrun(tmp_path, "cut", "cut.pt", DIE_AT="47", SIG="SIGKILL", SAVE="10")
+    assert kill.returncode != 0
+    done = _torchrun(tmp_path, "cut", "cut.pt", SAVE="10")
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "cut.pt")
+    assert a["best_val"] == b["best_val"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # At world 1 it resumes from the world-2 snapshot (its weights exactly), and says so in one line
+    kill1 = _torchrun(tmp_path, "w1", "w1.pt", DIE_AT="33", SIG="SIGTERM")
+    assert kill1.returncode != 0
+    one = _torchrun(tmp_path, "w1", "w1.pt", nproc=1)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "from a snapshot made at world size 2, now 1" in one.stderr
+    w1 = torch.load(tmp_path / "w1.pt")
+    drift = max((w1["model"][k] - a["model"][k]).abs().max().item() for k in a["model"])
+    assert 0 < drift < 0.5  # the same run from step 35 on, with other random windows: close, not equal

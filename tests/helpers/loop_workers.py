@@ -1,0 +1,104 @@
+"""Functions run on every rank by tests/api/test_loop.py (importable by the launched processes)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import ddpkit
+
+
+class Jittered(Dataset):
+    """Each sample drawn at random as it is read, from torch's, numpy's and Python's generators."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item(), float(np.random.rand()), random.random()])
+
+
+def batches_as_plain_ddp(_ctx, epochs: int) -> list:
+    """What DataLoader + DistributedSampler (its defaults: shuffle, seed 0, padding) give this rank."""
+    data = TensorDataset(torch.arange(11.0))
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.append([b[0].tolist() for b in loader])
+    return out
+
+
+def batches_from_loop(_ctx, run_dir: str, epochs: int) -> list:
+    with ddpkit.Loop(run_dir) as loop:
+        loader = loop.data(DataLoader(TensorDataset(torch.arange(11.0)), batch_size=2, shuffle=True))
+        return [[b[0].tolist() for b in loader] for _ in range(epochs)]
+
+
+def loader_resumes(_ctx, run_dir: str, workers: int, stop_after: int | None) -> list:
+    """Two epochs of a randomly drawn dataset; with ``stop_after`` the run stops (a snapshot, then a Stopped
+    as a signal would) after that many steps; rerun, it resumes. Returns every batch this run read."""
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        # Seeded as a user's script seeds them: a fresh process's Python and numpy streams are the OS's
+        torch.manual_seed(loop.rank)
+        np.random.seed(loop.rank)
+        random.seed(loop.rank)
+        loader = loop.data(Jittered(), batch_size=3, num_workers=workers)
+        counter = nn.Linear(1, 1)
+        loop.resume(counter=counter)
+        seen = []
+        for _ in loop.epochs(2):
+            for batch in loader:
+                seen.append(batch.tolist())
+                if stop_after is not None and loop.state.step + 1 == stop_after:
+                    loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+                loop.step()
+        return seen
+
+
+def logged_means(_ctx, run_dir: str) -> dict:
+    """Each rank logs its own values: the record's means are the exact means over every rank and step."""
+    with ddpkit.Loop(run_dir, log_every=4) as loop:
+        loop.resume()
+        for step in loop.steps(8):
+            value = torch.tensor(float(10 * loop.rank + step), dtype=torch.float64)
+            loop.log(v=value, acc=(torch.tensor(loop.rank + 1.0), 4))
+        return loop.metrics
+
+
+def exact_evaluation(_ctx, run_dir: str, n: int) -> dict:
+    """A mean over all n samples, with n not a multiple of the world size or the batch."""
+    with ddpkit.Loop(run_dir) as loop:
+        data = TensorDataset(torch.arange(float(n)).unsqueeze(1), torch.arange(n) % 3)
+        model = loop.wrap(nn.Linear(1, 3))
+        result = loop.evaluate(
+            model,
+            data,
+            lambda m, b: {"x": (b[0].sum(), len(b[0])), "loss": F.cross_entropy(m(b[0]), b[1])},
+            batch_size=2,
+        )
+        with torch.no_grad():
+            x, y = data.tensors
+            result["expected_loss"] = F.cross_entropy(model.module(x), y).item()
+        return result
+
+
+def best_kept(_ctx, run_dir: str, values: list, stop_at: int | None) -> dict:
+    """best() over a sequence of metric values, one per step; stopped at ``stop_at`` and rerun."""
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(nn.Linear(2, 2))
+        loop.resume(model=model)
+        for step in loop.steps(len(values)):
+            with torch.no_grad():
+                model.module.weight.add_(1.0)  # so the best weights tell which step they came from
+            loop.best("val", values[step], mode="min")
+            if stop_at == step:
+                loop._stop.received = "SIGTERM"
+        return loop.best_so_far
