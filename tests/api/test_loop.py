@@ -227,3 +227,9 @@ def test_a_gpt_loop_killed_twice_finishes_bitwise_equal_and_resumes_at_another_w
     w1 = torch.load(tmp_path / "w1.pt")
     drift = max((w1["model"][k] - a["model"][k]).abs().max().item() for k in a["model"])
     assert 0 < drift < 0.5  # the same run from step 35 on, with other random windows: close, not equal
+
+
+@pytestmark_mp
+def test_a_branch_one_rank_skips_is_one_line_naming_the_loop_keyword(tmp_path):
+    with pytest.raises(ConfigError, match=r"find_unused_parameters=True in TrainConfig or Loop.wrap"):
+        ddpkit.launch(lw.unused_branch, str(tmp_path / "r"), nproc=2, device="cpu")

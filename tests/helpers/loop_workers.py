@@ -102,3 +102,22 @@ def best_kept(_ctx, run_dir: str, values: list, stop_at: int | None) -> dict:
             if stop_at == step:
                 loop._stop.received = "SIGTERM"
         return loop.best_so_far
+
+
+class Branchy(nn.Module):
+    """Rank 1's batches never reach ``b``: DDP's gradient sync cannot finish without find_unused_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, use_b: bool):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def unused_branch(_ctx, run_dir: str) -> None:
+    with ddpkit.Loop(run_dir) as loop:
+        model = loop.wrap(Branchy())
+        loop.resume(model=model)
+        for _ in loop.steps(3):
+            model(torch.ones(1, 2), loop.rank == 0).sum().backward()
