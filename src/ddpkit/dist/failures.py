@@ -260,8 +260,8 @@ def unused_parameters(exc: RuntimeError) -> ConfigError | None:
     error = ConfigError(
         f"parameters got no gradient in a training step{which}, and which ones depends on the batch (ddpkit's "
         f"trial step before launch used them all), so DDP could not finish its gradient sync: pass "
-        f"--find-unused-parameters (find_unused_parameters=True in TrainConfig or Loop.wrap), or make every parameter take "
-        f"part in every step's loss"
+        f"--find-unused-parameters (find_unused_parameters=True in TrainConfig or Loop.wrap), or make every "
+        f"parameter take part in every step's loss"
     )
     error.said_by_launcher = True  # every rank whose step left them out meets it: one line for the job
     return error
