@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ddpkit import TrainConfig  # noqa: E402
-from ddpkit.dist.context import distributed  # noqa: E402
 from ddpkit.models import build_model  # noqa: E402
+from ddpkit.ranks.context import distributed  # noqa: E402
 from ddpkit.run.checkpoint import Checkpointer  # noqa: E402
 from ddpkit.train.optim import build_optimizer, build_schedule  # noqa: E402
 

@@ -49,8 +49,8 @@ from faults import src_env, train_killing_one_worker  # noqa: E402
 from pipelines import seed_worker, torchvision_mnist_root  # noqa: E402
 
 from ddpkit import TrainConfig, Trainer  # noqa: E402
-from ddpkit.dist.launcher import run_workers  # noqa: E402
 from ddpkit.models import ResNet9  # noqa: E402
+from ddpkit.ranks.launcher import run_workers  # noqa: E402
 from ddpkit.train.syncbn import convert_sync_batchnorm  # noqa: E402
 
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ddpkit.config import TrainConfig  # noqa: E402
 from ddpkit.data import load_dataset  # noqa: E402
-from ddpkit.dist.context import distributed  # noqa: E402
 from ddpkit.models import ConvNet, build_model  # noqa: E402
+from ddpkit.ranks.context import distributed  # noqa: E402
 from ddpkit.train.engine import Engine  # noqa: E402
 from ddpkit.train.metrics import Accumulator  # noqa: E402
 from ddpkit.train.optim import EMA, ScheduleFactor, autocast, build_schedule  # noqa: E402

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ddpkit import TrainConfig, Trainer  # noqa: E402
 from ddpkit.data import MNIST_DIR  # noqa: E402
-from ddpkit.dist.context import distributed  # noqa: E402
-from ddpkit.dist.launcher import run_workers  # noqa: E402
 from ddpkit.models import ConvNet  # noqa: E402
+from ddpkit.ranks.context import distributed  # noqa: E402
+from ddpkit.ranks.launcher import run_workers  # noqa: E402
 
 
 def torchvision_mnist_root() -> Path:

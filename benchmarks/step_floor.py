@@ -105,8 +105,8 @@ def mnist_engine(device, batch: int, run_dir: str, cuda_graph: str = "off", **kw
     float32 like the bare step; auto picks bf16 on CPUs with native bf16)."""
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
-    from ddpkit.dist.context import DistContext
     from ddpkit.models import build_model
+    from ddpkit.ranks.context import DistContext
     from ddpkit.train.engine import Engine
 
     cfg = TrainConfig(

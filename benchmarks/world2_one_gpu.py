@@ -4,7 +4,7 @@
     python benchmarks/world2_one_gpu.py --device cpu --out w2/    # the same procedures on the CPU (gloo)
 
 NCCL refuses two ranks on one GPU, so both ranks share ``cuda:0`` over gloo, which moves CUDA
-tensors through the host (``DDPKIT_SHARE_GPU=1``, dist/context.py). Slow, and not a speed
+tensors through the host (``DDPKIT_SHARE_GPU=1``, ranks/context.py). Slow, and not a speed
 figure: what it shows is that the code paths that only run at world >= 2 on CUDA work.
 
 | check | what passes |

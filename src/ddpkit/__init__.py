@@ -16,7 +16,7 @@ from .version import __version__
 _LAZY = {
     "Trainer": ".trainer",
     "FitResult": ".trainer",
-    "launch": ".dist.launcher",
+    "launch": ".ranks.launcher",
     "Loop": ".loop",
     "LoopConfig": ".loop",
 }  # these import torch

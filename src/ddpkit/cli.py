@@ -17,9 +17,9 @@ import sys
 import time
 
 from .commands import COMMANDS
-from .dist import env
-from .dist.failures import exit_status
 from .errors import DdpkitError, WorkersFailed
+from .ranks import env
+from .ranks.failures import exit_status
 from .version import __version__
 
 

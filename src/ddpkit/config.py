@@ -436,7 +436,7 @@ class TrainConfig:
                 f"--max-restarts {self.max_restarts} resumes from snapshots, and a --comm-hook powersgd run "
                 f"cannot resume exactly (its error feedback is not in snapshots); drop one of them"
             )
-        # --nnodes > 1 without --rdzv-endpoint is refused at launch (dist/launcher.py: LaunchSpec.from_config),
+        # --nnodes > 1 without --rdzv-endpoint is refused at launch (ranks/launcher.py: LaunchSpec.from_config),
         # where SLURM's and Kubeflow's variables, which may give the endpoint, are read
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")

@@ -5,7 +5,7 @@ data, conflicting run dir, a stalled rank, a diverged loss). The CLI prints its 
 on one line and exits with its ``exit_code``; it never shows a traceback for these.
 Anything else is a bug and keeps its traceback.
 
-Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.dist.child.worker_entry`):
+Inside workers, ``all_ranks`` says how an error travels (see :func:`ddpkit.ranks.child.worker_entry`):
 
 * ``True``: every rank raises it at the same step from the same all-reduced facts. The
   workers hand it back to the launcher, which reports it once; the elastic agent does

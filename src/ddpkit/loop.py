@@ -11,7 +11,7 @@
 
 Under ``torchrun``, ``ddpkit.launch(main)``, SLURM or plain ``python``: where a process group exists
 already (``ddpkit.launch``, or your own ``init_process_group``) the Loop uses it and leaves it to its
-owner; otherwise it makes one (:func:`ddpkit.dist.context.distributed`) and destroys it on exit.
+owner; otherwise it makes one (:func:`ddpkit.ranks.context.distributed`) and destroys it on exit.
 
 What it adds, and the parts it is built from (the same ones ``Trainer`` uses):
 
@@ -25,7 +25,7 @@ What it adds, and the parts it is built from (the same ones ``Trainer`` uses):
   device; every ``log_every`` steps one all-reduce makes exact means over ranks, written by rank 0
   to ``metrics.jsonl`` (``run/recorder.py``) and shown on the console. ``evaluate()`` runs over a
   whole split with no padded duplicates. ``best()`` keeps the best weights by a metric.
-- **the hang report**: each safe point is the heartbeat the hang watch (``dist/hangwatch.py``)
+- **the hang report**: each safe point is the heartbeat the hang watch (``ranks/hangwatch.py``)
   judges a rank late by, with the line it waits at.
 - **the run identity** (``identity.py``): the code of the function that made the Loop, read as a
   loss function is read for ``Trainer``; a snapshot made by other code is refused in one line.
@@ -56,13 +56,13 @@ from .config import check_timeout_s
 from .data.batch import leading_size, tree_map
 from .data.shard import ShardedLoader
 from .device import resolve_device_type
-from .dist import env, hangwatch
-from .dist.context import DistContext, distributed, on_rank0
-from .dist.env import under_launcher
-from .dist.failures import exit_status
 from .errors import ConfigError, DdpkitError, RunDirError, Stopped
 from .files import atomic_write, torch_bytes
 from .identity import code_fingerprint
+from .ranks import env, hangwatch
+from .ranks.context import DistContext, distributed, on_rank0
+from .ranks.env import under_launcher
+from .ranks.failures import exit_status
 from .run.checkpoint import Checkpointer, reseed, set_rng_state
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger

@@ -22,13 +22,13 @@ from .data import DataSplits, ImageData, TensorData, load_dataset
 from .data.batch import first_tensor
 from .data.loader import Preprocess
 from .data.materialize import materialize
-from .dist import env
-from .dist.context import cpu_cores
-from .dist.launcher import LaunchSpec
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, raised_at
 from .identity import Fingerprint, data_fingerprint, file_fingerprint, with_code
 from .importpath import generators_kept, is_import_path, resolve
 from .models import model_for
+from .ranks import env
+from .ranks.context import cpu_cores
+from .ranks.launcher import LaunchSpec
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
 from .train.graph import blockers

@@ -12,7 +12,7 @@
 ``fit`` checks everything it can before any worker starts (config values, world size,
 batch divisibility, dataset files, one real batch through the model and the task, the
 run directory), so a mistake is reported once, then hands the run to
-:func:`ddpkit.dist.launcher.run_workers`. Each worker builds an :class:`ddpkit.train.engine.Engine`
+:func:`ddpkit.ranks.launcher.run_workers`. Each worker builds an :class:`ddpkit.train.engine.Engine`
 and trains. Afterwards the model object passed in holds the trained weights
 (``model.pt``). With N > 1 processes the model and datasets are pickled to the workers,
 so a script that passes its own must guard its entry point with
@@ -36,8 +36,6 @@ from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
 from .data.types import infer_meta
-from .dist import env
-from .dist.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
 from .errors import ConfigError, DataError, RunDirError, article
 from .identity import (
     Fingerprint,
@@ -57,6 +55,8 @@ from .preflight import (
     move_to_cpu,
     preflight,
 )
+from .ranks import env
+from .ranks.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
 from .run.paths import RunFiles

@@ -110,7 +110,7 @@ def test_help_lists_the_subcommands():
 )
 def test_which_rank_prints_an_error_under_torchrun(monkeypatch, capsys, env, error, printed):
     from ddpkit import cli, errors
-    from ddpkit.dist import failures
+    from ddpkit.ranks import failures
 
     monkeypatch.setattr(failures, "PEER_WAIT_S", 0.0)
     for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
@@ -208,8 +208,8 @@ def test_the_cli_surface_changes_only_on_purpose():
 def test_launcher_variables_set_by_hand_or_half_way_are_one_line(env, said):
     """Regression: RANK and WORLD_SIZE without LOCAL_RANK trained silently at world 1; without MASTER_ADDR a
     47-line traceback; RANK >= WORLD_SIZE waited at the rendezvous for --timeout-s."""
-    from ddpkit.dist.env import check_launcher_env
     from ddpkit.errors import ConfigError
+    from ddpkit.ranks.env import check_launcher_env
 
     with pytest.raises(ConfigError, match=re.escape(said)):
         check_launcher_env(env)

@@ -30,7 +30,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS = (
     ("ddpkit.errors", "ddpkit.version", "ddpkit.files", "ddpkit.importpath"),  # no ddpkit imports but errors
     ("ddpkit.config", "ddpkit.recipes", "ddpkit.device"),  # what a run is: plain data, no torch
-    ("ddpkit.dist",),  # processes and the process group
+    ("ddpkit.ranks",),  # processes and the process group
     ("ddpkit.data", "ddpkit.models", "ddpkit.identity"),  # what it trains on, and what
     ("ddpkit.run",),  # what a run leaves behind
     ("ddpkit.train",),  # what runs on one rank
@@ -230,7 +230,7 @@ def test_help_plot_and_show_data_load_no_torch_at_import():
     heavy = loads_torch(import_graph())
     assert not help_modules(import_graph()) & heavy
     assert not {"ddpkit.run.plots", "ddpkit.run.records", "ddpkit.tools.showdata", "ddpkit.files"} & heavy
-    assert {"ddpkit.train.engine", "ddpkit.dist.context", "ddpkit.data"} <= heavy  # the rule can tell
+    assert {"ddpkit.train.engine", "ddpkit.ranks.context", "ddpkit.data"} <= heavy  # the rule can tell
 
 
 @pytest.mark.multiprocess

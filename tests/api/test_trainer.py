@@ -284,7 +284,7 @@ def test_init_from_and_resume_never(tmp_path):
 def test_each_run_of_one_process_is_timed_from_its_own_start(tmp_path, monkeypatch):
     """check and bench start several runs from one CLI call: each reported the time since the CLI
     started as its own start-up (8.7 s, 50.9 s, 89.5 s for runs that each started in seconds)."""
-    from ddpkit.dist import env
+    from ddpkit.ranks import env
 
     monkeypatch.setenv(env.T0, repr(time.time() - 100.0))  # the CLI started 100 s ago
     data = dict(train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)

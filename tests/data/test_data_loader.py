@@ -11,7 +11,7 @@ from torch.utils.data import DistributedSampler
 from ddpkit.data import ImageData, Meta
 from ddpkit.data.augment import crop_flip, epoch_params
 from ddpkit.data.loader import LoaderSource, ResidentSource, epoch_order
-from ddpkit.dist.context import DistContext
+from ddpkit.ranks.context import DistContext
 
 META = Meta(3, 8, 8, 10, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), "crop-flip")
 
@@ -383,7 +383,7 @@ def test_ranks_with_different_free_gpu_memory_choose_the_same_path():
     test set moved to the device on one rank only). 1700 bytes: a quarter of 10000 holds it, of 2000 not."""
     from workers import data_path_on_a_busy_gpu
 
-    from ddpkit.dist.launcher import run_workers
+    from ddpkit.ranks.launcher import run_workers
 
     assert run_workers(data_path_on_a_busy_gpu, ((10_000, 2_000),), 2) == ["host", "host"]
     assert run_workers(data_path_on_a_busy_gpu, ((80 * 2**30, 10_000),), 2) == ["device", "device"]
@@ -393,7 +393,7 @@ def test_ranks_with_different_free_gpu_memory_choose_the_same_path():
 def test_the_least_free_memory_is_agreed_in_one_collective_on_every_rank_whatever_the_flags():
     from workers import least_free_per_rank
 
-    from ddpkit.dist.launcher import run_workers
+    from ddpkit.ranks.launcher import run_workers
 
     ranks = run_workers(least_free_per_rank, ((80 * 2**30, 3 * 2**32 + 5),), 2)  # past 32 bits: int64
     for rank in ranks:

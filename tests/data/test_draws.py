@@ -13,7 +13,7 @@ import torch
 from user_code import Draws, drawing_collate
 
 from ddpkit.data.loader import EvalSource, LoaderSource, Preprocess
-from ddpkit.dist.context import DistContext
+from ddpkit.ranks.context import DistContext
 from ddpkit.run.checkpoint import rng_state, set_rng_state
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 from user_code import Draws
 from ddpkit.data.loader import LoaderSource
-from ddpkit.dist.context import DistContext
+from ddpkit.ranks.context import DistContext
 
 if __name__ == "__main__":
     flags = SimpleNamespace(seed=0, channels_last=False, num_workers=2)

@@ -17,7 +17,7 @@ from ddpkit.data import DataSplits, ImageData, TensorData
 from ddpkit.data.folder import CACHE_DIR, image_files, load_imagefolder
 from ddpkit.data.loader import LoaderSource, ResidentSource
 from ddpkit.data.materialize import materialize
-from ddpkit.dist.context import DistContext
+from ddpkit.ranks.context import DistContext
 
 CTX = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
 

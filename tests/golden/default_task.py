@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-import ddpkit.dist.context  # noqa: E402
+import ddpkit.ranks.context  # noqa: E402
 from ddpkit import TrainConfig, Trainer  # noqa: E402
 
 GOLDEN = Path(__file__).with_suffix(".json")
@@ -52,7 +52,7 @@ SUMMARY_KEYS = ("test_accuracy", "test_loss", "final_train_loss", "steps")
 
 
 def digests(root: Path) -> dict:
-    ddpkit.dist.context.cpu_cores = lambda: 2  # the thread count of the machines the golden was made on
+    ddpkit.ranks.context.cpu_cores = lambda: 2  # the thread count of the machines the golden was made on
     runs = {}
     for name, overrides in RUNS.items():
         run_dir = root / name

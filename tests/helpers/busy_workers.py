@@ -1,4 +1,4 @@
-"""Healthy runs with a pause longer than the hang watch's threshold, for tests/dist/test_hangwatch.py: run
+"""Healthy runs with a pause longer than the hang watch's threshold, for tests/ranks/test_hangwatch.py: run
 as ``python busy_workers.py CASE RUN_DIR``, it trains 2 gloo ranks at ``--timeout-s 10`` (the watch looks
 at 5 s, and looks again 1.25 s later before it reports). The pause is a sleep, patched into each worker
 when it imports this file:

@@ -60,8 +60,8 @@ def train_at_world(run_dir: str, cuda_graph: str, fail_ranks: str = "") -> dict:
 
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
-    from ddpkit.dist.context import distributed
     from ddpkit.models import build_model
+    from ddpkit.ranks.context import distributed
     from ddpkit.train.engine import Engine
     from ddpkit.train.task import Classification
 

@@ -1,4 +1,4 @@
-"""Three ways a job hangs, for the hang report (tests/dist/test_hangwatch.py): run as
+"""Three ways a job hangs, for the hang report (tests/ranks/test_hangwatch.py): run as
 ``python hang_workers.py CASE`` with TMPDIR set, it launches 2 gloo ranks with a 6 s timeout."""
 
 from __future__ import annotations

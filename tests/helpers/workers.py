@@ -11,7 +11,7 @@ from torch import nn
 
 from ddpkit.data import ImageData, Meta
 from ddpkit.data.loader import EvalSource, Preprocess
-from ddpkit.dist.context import distributed
+from ddpkit.ranks.context import distributed
 from ddpkit.train.evaluate import evaluate
 from ddpkit.train.task import Classification
 
@@ -123,7 +123,7 @@ def late_from_init_on_rank_1(late_s: float) -> list[tuple[float, float]]:
             time.sleep(late_s)
         late.returned = time.time()
 
-    dist.init_process_group = late  # ddpkit.dist.context calls it through the torch.distributed module
+    dist.init_process_group = late  # ddpkit.ranks.context calls it through the torch.distributed module
     try:
         with distributed("cpu", timeout_s=30) as ctx:
             mine, times = (late.returned, time.time()), [None] * ctx.world_size
@@ -384,7 +384,7 @@ def data_path_on_a_busy_gpu(free_bytes: tuple) -> list[str]:
     one of the GPUs), as rank 0 gathers them. The GPU is a label: ``torch.cuda.mem_get_info`` answers
     for it, and the process group is gloo on the CPU."""
     from ddpkit.data.loader import choose_path
-    from ddpkit.dist.context import DistContext
+    from ddpkit.ranks.context import DistContext
 
     with distributed("cpu") as ctx:
         real = torch.cuda.mem_get_info
@@ -412,7 +412,7 @@ def least_free_per_rank(free_bytes: tuple) -> list[dict]:
     """``least_free_bytes`` at world 2 with each rank's own value, and how many all-reduces ``choose_path``
     runs whatever the flags (every rank must run the same collectives)."""
     from ddpkit.data.loader import choose_path, least_free_bytes
-    from ddpkit.dist.context import DistContext
+    from ddpkit.ranks.context import DistContext
 
     with distributed("cpu") as ctx:
         least = least_free_bytes(ctx, free_bytes[ctx.rank])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddpkit.config import TrainConfig
-from ddpkit.dist.context import DistContext
 from ddpkit.errors import RunDirError
+from ddpkit.ranks.context import DistContext
 from ddpkit.run.checkpoint import Checkpointer, rng_state, set_rng_state
 from ddpkit.run.checksums import checksums
 
@@ -202,7 +202,7 @@ def test_ranks_agree_on_the_snapshot_step_exactly_past_float32s_range(tmp_path):
     """float32 holds integers exactly only up to 2**24: 2**24 + 1 and 2**24 once compared as equal."""
     from workers import agree_on_steps
 
-    from ddpkit.dist.launcher import run_workers
+    from ddpkit.ranks.launcher import run_workers
 
     said = run_workers(agree_on_steps, (str(tmp_path), (2**24 + 1, 2**24)), 2)
     assert len(said) == 2 and all(f"(steps {2**24} and {2**24 + 1})" in s for s in said), said

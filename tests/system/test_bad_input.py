@@ -999,7 +999,7 @@ BRANCH_BY_BATCH = """
 import sys
 from user_code import DataDependentBranch, flagged_first
 from ddpkit import TrainConfig, Trainer
-from ddpkit.dist.failures import exit_status
+from ddpkit.ranks.failures import exit_status
 from ddpkit.errors import ConfigError
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 import torch
 from clirun import cli_env, read_jsonl
 
-from ddpkit.dist.context import cpu_cores
+from ddpkit.ranks.context import cpu_cores
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run_v0.2_step6"
 FLAGS = (

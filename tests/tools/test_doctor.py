@@ -75,7 +75,7 @@ def test_stray_launch_variables_are_a_warning():
 
 
 def test_oversubscribed_threads_warn():
-    from ddpkit.dist.context import cpu_cores
+    from ddpkit.ranks.context import cpu_cores
     from ddpkit.tools.doctor import cpu
 
     cores = cpu_cores()

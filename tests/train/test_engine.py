@@ -7,8 +7,8 @@ import torch
 
 from ddpkit.config import TrainConfig
 from ddpkit.data import load_dataset
-from ddpkit.dist.context import distributed
 from ddpkit.models import build_model
+from ddpkit.ranks.context import distributed
 from ddpkit.train.engine import Engine
 from ddpkit.train.task import Classification
 

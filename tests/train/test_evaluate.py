@@ -3,7 +3,7 @@
 import pytest
 from workers import eval_counts
 
-from ddpkit.dist.launcher import run_workers
+from ddpkit.ranks.launcher import run_workers
 
 
 @pytest.mark.multiprocess

@@ -18,9 +18,9 @@ from clirun import read_jsonl
 
 from ddpkit.config import TrainConfig
 from ddpkit.data import load_dataset
-from ddpkit.dist.context import distributed
 from ddpkit.errors import ConfigError
 from ddpkit.models import build_model
+from ddpkit.ranks.context import distributed
 from ddpkit.train import graph
 from ddpkit.train.engine import Engine
 from ddpkit.train.optim import ScheduleFactor
@@ -223,7 +223,7 @@ def test_at_world_two_a_capture_failing_on_one_rank_drops_the_graph_on_every_ran
     """Rank 1's capture fails, rank 0's works: both take the eager step from there (one all-reduce
     says so), rank 1 and its reason are named, and the weights are an eager world-2 run's, bitwise.
     Without a failure both ranks replay, and it is the same run again (DDP's all-reduce in the step)."""
-    from ddpkit.dist.launcher import run_workers
+    from ddpkit.ranks.launcher import run_workers
 
     off = run_workers(graph_emulation.train_at_world, (str(tmp_path / "off"), "off"), 2)
     fell = run_workers(graph_emulation.train_at_world, (str(tmp_path / "fell"), "on", "1"), 2)
@@ -242,7 +242,7 @@ def test_on_a_gpu_an_optimizer_that_reads_its_lr_on_the_host_is_refused_and_a_fu
     capture's lr into the graph. Pure: the decision reads the config, the context and the run's parts."""
     from types import SimpleNamespace
 
-    from ddpkit.dist.context import DistContext
+    from ddpkit.ranks.context import DistContext
 
     ctx = DistContext(0, 0, 1, 1, torch.device("cuda", 0), "nccl")
     cfg = TrainConfig(**{**BASE, "model": "mlp", "cuda_graph": "on"}).resolved()

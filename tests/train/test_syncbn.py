@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from workers import precision_matrix, syncbn_vs_bn
 
-from ddpkit.dist.launcher import run_workers
+from ddpkit.ranks.launcher import run_workers
 from ddpkit.train.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.dist.context import DistContext
+from ddpkit.ranks.context import DistContext
 from ddpkit.train import workers
 from ddpkit.train.workers import copy_onto, foreign_devices, own_copy, user_tensors
 
@@ -157,7 +157,7 @@ def test_the_training_worker_hands_the_engine_the_ranks_own_copy(monkeypatch):
 def test_the_warning_is_said_once_for_the_job_by_rank_0_when_another_rank_copied():
     from workers import user_model_on_another_gpu_in_rank_1
 
-    from ddpkit.dist.launcher import run_workers
+    from ddpkit.ranks.launcher import run_workers
 
     ranks = run_workers(user_model_on_another_gpu_in_rank_1, (), 2)
     assert ranks[0]["said"].count("ddpkit: warning: the model passed in is on") == 1

@@ -99,12 +99,12 @@ def visible_gpus() -> int:
 
 
 def prestart_if_workers(nproc: str, max_restarts: int = 0, nnodes: int = 1) -> None:
-    """Start the forkserver now if this command will fork workers (see ddpkit.dist.prestart); under
+    """Start the forkserver now if this command will fork workers (see ddpkit.ranks.prestart); under
     torchrun the processes exist already."""
     import os
 
-    from ..dist.env import slurm_per_gpu
-    from ..dist.prestart import prestart_workers
+    from ..ranks.env import slurm_per_gpu
+    from ..ranks.prestart import prestart_workers
 
     if "RANK" in os.environ or slurm_per_gpu() is not None:  # each srun task is one rank: it forks none
         return

@@ -41,8 +41,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..config import TrainConfig
-from ..dist.context import DistContext, cpu_threads
 from ..errors import ConfigError, DdpkitError
+from ..ranks.context import DistContext, cpu_threads
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
 from .draws import EVAL, LOADER, TRAIN, KeyedBatches, SeededFetch, as_is, seed_of
@@ -375,7 +375,7 @@ def loader_workers(cfg: TrainConfig, ctx: DistContext) -> int:
 
 
 # How a rank starts its DataLoader workers. Not the start method it inherits from the launcher (a
-# forkserver, dist/prestart.py): a worker watches its parent and exits when that dies, and a rank's
+# forkserver, ranks/prestart.py): a worker watches its parent and exits when that dies, and a rank's
 # forkserver outlives a SIGKILLed rank, kept alive by the very workers that watch it, so they ran on
 # for ever (holding their dataset and the job's output pipes). Forked from the rank itself, they end
 # within torch's watchdog interval (5 s) of it; spawned where fork is unsafe (macOS).

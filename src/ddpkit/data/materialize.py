@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from ..config import TrainConfig
-from ..dist.context import cpu_cores
 from ..errors import DataError, raised_at
+from ..ranks.context import cpu_cores
 from .batch import tensor_leaves
 from .folder import cached_decode
 from .types import DataSplits, ImageData, TensorData

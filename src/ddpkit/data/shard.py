@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, default_collate
 
-from ..dist.context import DistContext
 from ..errors import ConfigError
+from ..ranks.context import DistContext
 from .batch import to_device
 from .draws import TRAIN, KeyedBatches, SeededFetch, as_is
 from .loader import WORKER_START, _worker_start, unwrapped

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainConfig
-from ..dist.context import DistContext, on_rank0
 from ..errors import ConfigError, RunDirError, article
 from ..files import atomic_write, torch_bytes
+from ..ranks.context import DistContext, on_rank0
 from ..version import __version__
 from .checksums import checksums, first_difference
 from .paths import RunFiles

@@ -11,10 +11,10 @@ import json
 import time
 from pathlib import Path
 
-from ..dist import hangwatch
-from ..dist.context import DistContext
 from ..errors import RunDirError
 from ..files import atomic_write, describe_io_error
+from ..ranks import hangwatch
+from ..ranks.context import DistContext
 from .display import Display
 from .loggers import LOGGERS, open_loggers
 from .paths import RunFiles

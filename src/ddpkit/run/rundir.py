@@ -1,7 +1,7 @@
 """The run directory: who may write it, whether a run may use it, and how nothing in it gets lost.
 
 Its files are named in :mod:`ddpkit.run.paths`. Every writer here is called on all ranks and writes
-only on global rank 0, atomically (:func:`ddpkit.files.atomic_write`); :func:`ddpkit.dist.context.on_rank0`
+only on global rank 0, atomically (:func:`ddpkit.files.atomic_write`); :func:`ddpkit.ranks.context.on_rank0`
 tells every rank whether the write worked, so no rank is left waiting for one that stopped. Before
 launch, :func:`check_run_dir` refuses a run dir that cannot be used as asked, and one process at a
 time owns a run dir (:func:`owning_run_dir` in the launcher, :func:`rank0_owns` under torchrun or
@@ -23,14 +23,14 @@ from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig
 from ..data.types import Meta
-from ..dist import env
-from ..dist.context import DistContext, agree, on_rank0
-from ..dist.launcher import LaunchSpec
 from ..errors import ConfigError, DdpkitError, RunDirError
 from ..files import atomic_write, describe_io_error, torch_bytes
 from ..identity import READING, data_fingerprint, model_fingerprint, with_code
 from ..importpath import is_import_path, resolve
 from ..models import model_for, own_model
+from ..ranks import env
+from ..ranks.context import DistContext, agree, on_rank0
+from ..ranks.launcher import LaunchSpec
 from .checkpoint import check_weights_fit, read_weights
 from .paths import EXPECTED, RunFiles
 

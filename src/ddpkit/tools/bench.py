@@ -41,11 +41,11 @@ import torch
 from ..config import TrainConfig
 from ..data import load_dataset
 from ..device import resolve_device_type
-from ..dist.context import cpu_cores, cpu_threads, distributed
-from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import ConfigError
 from ..files import atomic_write
 from ..models import model_for
+from ..ranks.context import cpu_cores, cpu_threads, distributed
+from ..ranks.launcher import LaunchSpec, run_workers
 from ..run.paths import RunFiles
 from ..run.plots import scaling_plot
 from ..run.records import read_records

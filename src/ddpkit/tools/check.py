@@ -60,8 +60,6 @@ from ..data import DataSplits, load_dataset
 from ..data.batch import tensor_leaves, tree_map
 from ..data.draws import seed_generators
 from ..device import resolve_device_type
-from ..dist.context import distributed
-from ..dist.launcher import LaunchSpec, run_workers
 from ..errors import (
     ConfigError,
     DataError,
@@ -73,6 +71,8 @@ from ..errors import (
 from ..importpath import generators_kept
 from ..models import model_for
 from ..preflight import sample_batch
+from ..ranks.context import distributed
+from ..ranks.launcher import LaunchSpec, run_workers
 from ..run.checkpoint import read_weights
 from ..run.paths import RunFiles
 from ..train.engine import make_sources

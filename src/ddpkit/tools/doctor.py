@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dist import hangwatch
-from ..dist.context import DistContext, cpu_cores, cpu_threads
-from ..dist.env import under_launcher
-from ..dist.launcher import launch
-from ..dist.netinfo import is_local, is_loopback
+from ..ranks import hangwatch
+from ..ranks.context import DistContext, cpu_cores, cpu_threads
+from ..ranks.env import under_launcher
+from ..ranks.launcher import launch
+from ..ranks.netinfo import is_local, is_loopback
 from ..version import __version__
 
 DEFAULT_PORT = 29500  # torchrun's MASTER_PORT when none is given
@@ -266,7 +266,7 @@ def smoke(backend: str, nproc: int, timeout_s: float) -> dict:
 
 def hang_reports() -> dict:
     """What a hang's report will hold here: ddpkit's own record always; torch's NCCL Flight Recorder where
-    this torch has it (:mod:`ddpkit.dist.hangwatch`)."""
+    this torch has it (:mod:`ddpkit.ranks.hangwatch`)."""
     available, how = hangwatch.flight_recorder_status()
     return {
         "ddpkit's hang report": row(

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import TrainConfig
-from ..dist.context import DistContext
 from ..models import to_channels_last, uses_conv
+from ..ranks.context import DistContext
 from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.

@@ -26,10 +26,10 @@ from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits, ImageData
 from ..data.draws import seed_rank
 from ..data.loader import EvalSource, Preprocess, make_train_source
-from ..dist import env, hangwatch
-from ..dist.context import DistContext, on_rank0, settle
 from ..errors import NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
+from ..ranks import env, hangwatch
+from ..ranks.context import DistContext, on_rank0, settle
 from ..run.checkpoint import Checkpointer, read_weights, reseed, set_rng_state, weights_mismatch
 from ..run.display import summary_fields
 from ..run.paths import RunFiles

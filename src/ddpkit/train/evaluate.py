@@ -14,7 +14,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..data.batch import leading_size
 from ..data.loader import EvalSource
-from ..dist.context import DistContext
+from ..ranks.context import DistContext
 from .metrics import Accumulator
 from .optim import autocast
 from .task import Task

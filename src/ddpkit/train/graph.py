@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..dist.context import DistContext
 from ..errors import ConfigError
+from ..ranks.context import DistContext
 
 # Eager steps before the capture. DDP samples its runtime statistics on iterations 1-10 and
 # rebuilds its buckets after the first (torch/nn/parallel/distributed.py, _set_static_graph and
@@ -270,7 +270,7 @@ class CudaCapture:
         an emulation (tests) undoes it after each replay."""
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the hang watch's thread queries CUDA events during the capture (dist/hangwatch.py),
+        # thread_local: the hang watch's thread queries CUDA events during the capture (ranks/hangwatch.py),
         # which the default "global" mode counts as an unsafe call that invalidates it
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()

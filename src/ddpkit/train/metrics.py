@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..dist.context import DistContext
+from ..ranks.context import DistContext
 
 
 class Accumulator:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..dist.context import DistContext
 from ..errors import ConfigError
+from ..ranks.context import DistContext
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

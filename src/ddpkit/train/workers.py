@@ -1,7 +1,7 @@
 """The functions the launcher runs on every rank: train (start to finish, the process group destroyed
 even on error) and evaluate. What each needs travels as one :class:`Job`.
 
-    run_workers(train_worker, (Job(cfg, task, model, splits),), spec)     # ddpkit.dist.launcher
+    run_workers(train_worker, (Job(cfg, task, model, splits),), spec)     # ddpkit.ranks.launcher
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch import nn
 from ..config import TrainConfig
 from ..data import DataSplits, load_dataset
 from ..data.loader import EvalSource, Preprocess
-from ..dist import env
-from ..dist.context import DistContext, distributed
 from ..errors import AlreadyReported, ConfigError, DataError, TaskError
 from ..models import model_for
+from ..ranks import env
+from ..ranks.context import DistContext, distributed
 from ..run.rundir import load_trained_model, rank0_owns, read_fatal, record_fatal
 from .engine import Engine
 from .evaluate import evaluate

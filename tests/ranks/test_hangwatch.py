@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from clirun import cli_env
 
-from ddpkit.dist.hangwatch import summary
+from ddpkit.ranks.hangwatch import summary
 
 HELPER = Path(__file__).parents[1] / "helpers" / "hang_workers.py"
 
@@ -124,7 +124,7 @@ def test_a_queued_collective_that_has_not_completed_is_waited_in():
     completes (the watch once saw nothing there, and said no rank waited)."""
     import torch
 
-    from ddpkit.dist.hangwatch import HangWatch
+    from ddpkit.ranks.hangwatch import HangWatch
 
     class Work:
         done = False
@@ -178,7 +178,7 @@ def test_a_healthy_run_slower_than_the_threshold_reports_no_hang_and_exits_0(tmp
 def test_the_verdict_tells_ranks_at_work_from_a_hang():
     """A flag is a question: ranks in their own compute, in the same backward, or waiting for a rank busy in
     ddpkit's own work are no hang; a rank waiting for one that is elsewhere, or for a silent one, is."""
-    from ddpkit.dist.hangwatch import verdict
+    from ddpkit.ranks.hangwatch import verdict
 
     ar = {"op": "all_reduce", "seq": 7, "called_at": "checkpoint.py:188"}
     backward = ("engine.py:408 in _step", "autograd/__init__.py:353 in backward", "graph.py:829 in run_backward")
@@ -227,7 +227,7 @@ def waiting_watch(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from ddpkit.dist.hangwatch import HangWatch
+    from ddpkit.ranks.hangwatch import HangWatch
 
     store = dist.HashStore()
     watch = HangWatch(rank=0, world_size=2, timeout_s=3.0, store=store)  # threshold 1.5 s, rounds 0.375 s apart

@@ -253,7 +253,7 @@ def distributed(
 
 
 def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
-    """The hang watch of a multi-rank group (:mod:`ddpkit.dist.hangwatch`), on the group's own store."""
+    """The hang watch of a multi-rank group (:mod:`ddpkit.ranks.hangwatch`), on the group's own store."""
     if ctx.world_size == 1:
         return None
     try:

@@ -1,4 +1,4 @@
-"""Imported only by the forkserver (see ddpkit.dist.prestart.PRELOAD): when the launcher dies, exit at once.
+"""Imported only by the forkserver (see ddpkit.ranks.prestart.PRELOAD): when the launcher dies, exit at once.
 
 The forkserver exits when its launcher does, and the workers it forked die with it (their
 parent-death signal). Finalising an interpreter that holds torch and dynamo takes ~2.5 s,

@@ -9,7 +9,6 @@ import torch.distributed as dist
 from workers import FaultyConvNet
 
 from ddpkit import TrainConfig, Trainer
-from ddpkit.dist.failures import Failure, public_kind, rebuilt, returned_failure
 from ddpkit.errors import (
     AlreadyReported,
     CollectiveTimeout,
@@ -19,6 +18,7 @@ from ddpkit.errors import (
     TaskError,
     WorkersFailed,
 )
+from ddpkit.ranks.failures import Failure, public_kind, rebuilt, returned_failure
 
 # 400 MNIST images, global batch 50: 8 steps per epoch at any world size.
 SMALL = dict(
@@ -71,7 +71,7 @@ def metric_raising_at_step_3() -> dict:
 )
 def test_fit_raises_the_same_public_class_and_message_at_world_1_and_2(tmp_path, make, cls, fragment):
     """Regression: at world 1 fit() raised NonFiniteLoss, at world 2 a private class of
-    ddpkit.dist.failures (and WorkersFailed for a rank's TaskError), so a caller could not catch by class."""
+    ddpkit.ranks.failures (and WorkersFailed for a rank's TaskError), so a caller could not catch by class."""
     said = {}
     for nproc in ("1", "2"):
         torch.manual_seed(0)

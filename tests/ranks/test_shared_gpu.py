@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.dist import env, launcher
-from ddpkit.dist.context import plan
 from ddpkit.errors import ConfigError
+from ddpkit.ranks import env, launcher
+from ddpkit.ranks.context import plan
 
 WORKER = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
 SHARED = {"DDPKIT_SHARE_GPU": "1"}

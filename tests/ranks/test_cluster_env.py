@@ -1,4 +1,4 @@
-"""The cluster variables ddpkit reads (ddpkit.dist.env): SLURM's compact host lists and task counts, which
+"""The cluster variables ddpkit reads (ddpkit.ranks.env): SLURM's compact host lists and task counts, which
 srun task is one rank (one task per GPU) and which starts ddpkit's launcher (one per node), and Kubeflow's
 PET_* variables against the flags. No process starts here: tests/system/test_launch_envs.py trains under each."""
 
@@ -9,9 +9,9 @@ import re
 import pytest
 
 from ddpkit import TrainConfig
-from ddpkit.dist import env
-from ddpkit.dist.launcher import LaunchSpec
 from ddpkit.errors import ConfigError
+from ddpkit.ranks import env
+from ddpkit.ranks.launcher import LaunchSpec
 
 
 @pytest.mark.parametrize(

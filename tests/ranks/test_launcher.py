@@ -13,10 +13,10 @@ import torch
 from clirun import cli_env
 
 from ddpkit.config import TrainConfig
-from ddpkit.dist import context as dist
-from ddpkit.dist import launcher
-from ddpkit.dist.failures import signal_failure
 from ddpkit.errors import ConfigError, PeerLost, WorkersFailed
+from ddpkit.ranks import context as dist
+from ddpkit.ranks import launcher
+from ddpkit.ranks.failures import signal_failure
 
 
 def test_auto_is_one_process_on_cpu(monkeypatch):
@@ -126,7 +126,7 @@ def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, frag
 @pytest.mark.multiprocess
 def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
     code = (
-        "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
+        "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.ranks.launcher import run_workers; "
         "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
@@ -360,7 +360,7 @@ def test_no_rank_starts_its_function_before_every_rank_has_left_init():
 
 
 TERM_WHILE_STARTING = (
-    "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.dist.launcher import run_workers; "
+    "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.ranks.launcher import run_workers; "
     "from workers import TermWhileStarting, sleep_then_return; "
     "sys.exit(run_reporting_errors(lambda: run_workers(sleep_then_return, (90, TermWhileStarting(sys.argv[1])), 2)))"
 )
@@ -386,7 +386,7 @@ def test_a_sigterm_while_the_workers_start_reaches_them_and_ends_the_job_at_once
     assert elapsed < 25, elapsed  # not the agent's 30 s grace period (generous: process starts on a busy machine)
 
 
-GUARD_PROBE = "from ddpkit.dist.launcher import refuse_unguarded_main\n"
+GUARD_PROBE = "from ddpkit.ranks.launcher import refuse_unguarded_main\n"
 
 
 @pytest.mark.multiprocess  # starts interpreters (no process group)

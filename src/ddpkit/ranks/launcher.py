@@ -11,7 +11,7 @@
   ``--rdzv-endpoint`` where ``--nnodes`` agents meet. ``--max-restarts`` is the agent's:
   after a worker fails it restarts the whole group, which resumes from the newest snapshot.
 
-Workers are forked from a forkserver (see :mod:`ddpkit.dist.prestart`), which imported torch
+Workers are forked from a forkserver (see :mod:`ddpkit.ranks.prestart`), which imported torch
 once, and unpickle ``fn`` and its arguments, as ``spawn`` would but without importing
 torch again (``spawn`` where a platform has no forkserver). Where neither can import
 ``fn`` (a function or class defined in a notebook, ``python -c`` or a lambda), workers
@@ -206,7 +206,7 @@ def resolve_nproc(nproc: str, device: str) -> int:
     if nproc == "auto":
         return max(1, gpus)
     n = int(nproc)
-    if gpus and n > gpus and os.environ.get(names.SHARE_GPU) != "1":  # shared: every rank on cuda:0 (dist.context)
+    if gpus and n > gpus and os.environ.get(names.SHARE_GPU) != "1":  # shared: every rank on cuda:0 (ranks.context)
         raise ConfigError(
             f"--nproc {n} asks for more processes than the {gpus} visible GPU(s); use --nproc {gpus} or --nproc auto "
             f"(or, for testing, {names.SHARE_GPU}=1: every rank on cuda:0, over gloo)"
@@ -224,7 +224,7 @@ def launch(
 ) -> Any:
     """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
 
-    ``ctx`` is a :class:`ddpkit.dist.context.DistContext` (rank, local_rank, world_size, device,
+    ``ctx`` is a :class:`ddpkit.ranks.context.DistContext` (rank, local_rank, world_size, device,
     backend, and all_reduce/broadcast/all_gather/barrier helpers). The process group is
     destroyed even on error. For users who write their own loop (as a script that calls
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
@@ -423,8 +423,8 @@ def _stop_signals() -> Iterator[_Stops]:
 # torch's loggers that speak of a failed worker in their own terms, muted during a launch: the agent
 # logs each failed worker with the traceback of its own ``join``, and torch.multiprocessing's join
 # warns "Terminating process N via signal SIGTERM" for each peer it stops, which reads as a cause.
-# Workers report their own errors (ddpkit.dist.child.worker_entry), and the launcher names a rank
-# that died without a word (ddpkit.dist.failures.launch_failure).
+# Workers report their own errors (ddpkit.ranks.child.worker_entry), and the launcher names a rank
+# that died without a word (ddpkit.ranks.failures.launch_failure).
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
@@ -463,7 +463,7 @@ def _our_agent(spec: LaunchSpec, stops: _Stops) -> Iterator[None]:
 def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) -> type:
     """``base`` (torch's LocalElasticAgent), which
 
-    * under ``--max-restarts``, prints :func:`ddpkit.dist.failures.restart_note` before each restart that a
+    * under ``--max-restarts``, prints :func:`ddpkit.ranks.failures.restart_note` before each restart that a
       failure caused (not those for nodes joining): why it restarts the workers (a rank killed by a signal,
       which printed nothing; a peer's timeout), as the launcher says a failure that ends the job;
     * raises a stop signal kept while it started the workers (``stops``) once they exist;
@@ -600,7 +600,7 @@ def _tests_main(test: ast.expr) -> bool:
 def start_method(fn: Callable, args: tuple, device_type: str, nproc: int = 1) -> str:
     """How workers start.
 
-    * the forkserver (:mod:`ddpkit.dist.prestart`) when it can import ``fn`` and its arguments: a
+    * the forkserver (:mod:`ddpkit.ranks.prestart`) when it can import ``fn`` and its arguments: a
       single-threaded process that imported torch once, so each fork is safe and quick. The
       CLI starts it first thing, so its import of torch overlaps the launcher's.
     * ``spawn`` where a platform has no forkserver.

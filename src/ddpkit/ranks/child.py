@@ -1,9 +1,9 @@
 """The child side of a launch: what every worker runs first, around the function it was given.
 
-    elastic_launch(config, worker_entry)(env, fn, *args)      # in ddpkit.dist.launcher.run_workers
+    elastic_launch(config, worker_entry)(env, fn, *args)      # in ddpkit.ranks.launcher.run_workers
 
 It takes the launcher's environment, dies with the launcher, and turns an error into the right
-exit: an error every rank met alike is returned as a :class:`~ddpkit.dist.failures.Failure` (the
+exit: an error every rank met alike is returned as a :class:`~ddpkit.ranks.failures.Failure` (the
 launcher reports it once, and the agent does not restart into it), one rank's own error is printed
 by that rank and filed for the launcher, and a bug keeps its traceback.
 """
@@ -30,7 +30,7 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
     and the right exit."""
     os.environ.update(env)
     # A forked worker inherits the agent's handlers (SIGTERM would raise the agent's SignalException here),
-    # a forkserver worker the forkserver's ignored SIGTERM and SIGUSR1 (dist/_forkserver_exit.py): the
+    # a forkserver worker the forkserver's ignored SIGTERM and SIGUSR1 (ranks/_forkserver_exit.py): the
     # defaults back, so that the engine's stop handler and the agent's SIGTERM reach it.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)

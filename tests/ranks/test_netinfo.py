@@ -2,8 +2,8 @@
 
 import pytest
 
-from ddpkit.dist import netinfo
 from ddpkit.errors import ConfigError
+from ddpkit.ranks import netinfo
 
 
 def test_loopback_routes_from_loopback():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from workers import coalesced_broadcast, coalesced_engine
 
-from ddpkit.dist.context import DistContext
-from ddpkit.dist.launcher import run_workers
+from ddpkit.ranks.context import DistContext
+from ddpkit.ranks.launcher import run_workers
 
 
 @pytest.mark.multiprocess

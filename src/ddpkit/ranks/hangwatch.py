@@ -1,6 +1,6 @@
 """When a job hangs, say which rank is behind and where: a watch thread on every rank.
 
-    watch = HangWatch(ctx.rank, ctx.world_size, timeout_s, store)   # started by dist.context.distributed
+    watch = HangWatch(ctx.rank, ctx.world_size, timeout_s, store)   # started by ranks.context.distributed
     with watch.collective("all_reduce", tensor): dist.all_reduce(tensor)   # DistContext's collectives
     watch.progress(step)                                             # the engine, every step (two stores)
 
@@ -427,7 +427,7 @@ def _shown(path: str) -> str:
 
 
 def _caller() -> str:
-    """file:line of the first frame outside ddpkit.dist and the standard library (contextlib): the
+    """file:line of the first frame outside ddpkit.ranks and the standard library (contextlib): the
     code that asked for the collective."""
     frame = sys._getframe(2)
     skip = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))

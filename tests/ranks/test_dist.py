@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.dist.context import DistContext, deterministic, plan
 from ddpkit.errors import ConfigError
+from ddpkit.ranks.context import DistContext, deterministic, plan
 
 WORKER = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
 
@@ -87,7 +87,7 @@ def test_any_error_in_a_rank0_write_reaches_the_all_reduce_the_others_wait_in(mo
     """Review finding: on_rank0 let only RunDirError reach its all-reduce, so any other error in rank 0's
     write skipped it, and the other ranks waited there until their peer's death was noticed (with NCCL,
     up to --timeout-s). Rank 0 now takes part in the all-reduce, then raises what it met."""
-    from ddpkit.dist.context import on_rank0
+    from ddpkit.ranks.context import on_rank0
 
     reduced = []
 

@@ -124,7 +124,7 @@ def check_launcher_env(env: Mapping[str, str] = os.environ) -> None:
         raise ConfigError(f"RANK, LOCAL_RANK and WORLD_SIZE are set but {' and '.join(unset)} {verb} not: {fix}")
     if world > 1:  # read by torch's env:// rendezvous, whose int() failed with a 30-line traceback per rank
         port_var(env, MASTER_VARS[1], fix)
-    if env.get(LOCAL_WORLD_SIZE):  # optional (torchrun sets it); read by dist.context as the node's process count
+    if env.get(LOCAL_WORLD_SIZE):  # optional (torchrun sets it); read by ranks.context as the node's process count
         int_var(env, LOCAL_WORLD_SIZE, "a process count (a whole number >= 1)", fix, low=1)
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import multiprocessing
 
 PRELOAD = [
-    "ddpkit.dist.child",
+    "ddpkit.ranks.child",
     "ddpkit.train.workers",
     "torch._dynamo",  # torch, ddpkit; and dynamo (~1.9 s), which DDP.__init__ imports
-    "ddpkit.dist._forkserver_exit",
+    "ddpkit.ranks._forkserver_exit",
 ]  # last: the forkserver then exits at once when the launcher dies
 
 
