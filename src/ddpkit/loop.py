@@ -36,8 +36,10 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import math
 import sys
 import time
 import types
@@ -50,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from .config import check_timeout_s
 from .data.batch import leading_size, tree_map
@@ -60,7 +62,7 @@ from .errors import ConfigError, DdpkitError, RunDirError, Stopped
 from .files import atomic_write, torch_bytes
 from .identity import code_fingerprint
 from .ranks import env, hangwatch
-from .ranks.context import DistContext, distributed, on_rank0
+from .ranks.context import DistContext, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status
 from .run.checkpoint import Checkpointer, reseed, set_rng_state
@@ -73,6 +75,7 @@ from .train.syncbn import convert_sync_batchnorm
 
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PLAIN = (int, float, bool, str, type(None))  # what a snapshot holds besides tensors (torch.load weights_only)
+STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
 
 
 @dataclass(frozen=True)
@@ -199,10 +202,15 @@ class Loop:
         try:
             if dist.is_available() and dist.is_initialized():
                 self.ctx = _adopted_context(self.config.device)
+                self._stack.enter_context(deterministic(self.config.deterministic))  # the group's owner's timeout
             else:
+                # The process's intra-op threads as it has them (torchrun's OMP_NUM_THREADS=1, or yours):
+                # distributed() would set cores / ranks, and CPU kernels' results depend on the thread count.
+                threads = torch.get_num_threads()
                 self.ctx = self._stack.enter_context(
                     distributed(self.config.device, self.config.timeout_s, self.config.deterministic)
                 )
+                torch.set_num_threads(threads)
                 self._owns_group = True
             self._stop = self._stack.enter_context(StopSignal())
             self.files = RunFiles(self.config.run_dir)
@@ -214,6 +222,7 @@ class Loop:
                 self.key,
                 keep=self.config.keep_snapshots,
                 every_steps=self.config.save_every_steps,
+                new_run="pass another run_dir to Loop",
             )
             self.log_writer = MetricLogger(self.ctx, self.files.root, 0, progress=False, config=self.key.to_dict())
             self._stack.callback(self.log_writer.close)
@@ -227,16 +236,13 @@ class Loop:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        try:
-            if exc_type is None and self.state is not None and self._last_saved != self.state.step:
-                self._save(finished=True)  # a rerun resumes here: at the end
-            if exc_type is None and self.state is not None:
+        if exc_type is None and self.state is not None:
+            try:
+                if self._last_saved != self.state.step:
+                    self._save(finished=True)  # a rerun resumes here: at the end
                 self.log_writer.log("end", step=self.state.step, epoch=self.state.epoch)
-        except BaseException:
-            exc_type, exc, tb = sys.exc_info()
-            if not self._stack.__exit__(exc_type, exc, tb):
-                raise
-            return True
+            except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
+                exc_type, exc, tb = type(error), error, error.__traceback__
         try:
             if self._stack.__exit__(exc_type, exc, tb):
                 return True
@@ -246,7 +252,7 @@ class Loop:
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
             # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
             raise SystemExit(exit_status(exc)) from None
-        if exc is not None and exc_type is not None and not isinstance(exc, exc_type):
+        if exc is not None and (exc_type is None or not isinstance(exc, exc_type) or exc_type is not type(exc)):
             raise exc
         return False
 
@@ -335,6 +341,8 @@ class Loop:
         """This rank's share of ``data`` (a DataLoader, or a dataset with ``batch_size=``: each rank's),
         in ``DistributedSampler``'s order, the next epoch's order at each pass; its position is in every
         snapshot. A DataLoader keeps its batch size, shuffle, collate_fn, workers and drop_last."""
+        if not (isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler)):
+            settings.setdefault("seed", self.config.seed)  # DistributedSampler's default is 0, as Loop's
         if isinstance(data, DataLoader):
             loader = ShardedLoader.from_dataloader(
                 data, self.ctx, to_device=to_device, **({"batch_size": batch_size} if batch_size else {}), **settings
@@ -456,7 +464,9 @@ class Loop:
         hangwatch.progress(s)  # the heartbeat a rank late in the user's code is seen by
         due_log = not epoch_end and cfg.log_every and s % cfg.log_every == 0
         due_save = epoch_end or (cfg.save_every_steps and s % cfg.save_every_steps == 0)
-        if not (due_log or due_save):
+        # A stop signal is read with the records; with no records (log_every=0), every STOP_CHECK steps
+        due_check = not cfg.log_every and s % STOP_CHECK == 0
+        if not (due_log or due_save or due_check):
             return
         totals, names, stop = self._sync()
         if due_log or epoch_end:
@@ -479,30 +489,35 @@ class Loop:
         acc = self._acc
         names = acc.names if acc is not None else ()
         local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=self.ctx.device)
-        crc = float(zlib.crc32(",".join(names).encode()))
+        # Every rank logged the same names iff the sums of a 16-bit hash and of its square are world times
+        # this rank's (equality in Cauchy-Schwarz): exact in float64, and the same verdict on every rank.
+        crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
         flags = torch.tensor(
-            [float(self._stop.received is not None), float(self.log_writer.error is not None), crc],
+            [float(self._stop.received is not None), float(self.log_writer.error is not None), crc, crc * crc],
             dtype=torch.float64,
         ).to(self.ctx.device)
         values = self.ctx.all_reduce(torch.cat([local, flags])).tolist()
-        if values[-2] > 0:
+        if values[-3] > 0:
             raise self.log_writer.error or RunDirError(
                 "global rank 0 could not write metrics.jsonl (its message is the one printed)"
             )
-        if values[-1] != crc * self.ctx.world_size:
+        world = self.ctx.world_size
+        if values[-2] * values[-2] != world * values[-1]:
             raise ConfigError(
                 f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): call "
                 f"loop.log() with the same names on every rank"
             )
-        stop = self._stop.received if values[-3] > 0 else None
-        return values[:-3], names, (stop or "a stop signal") if values[-3] > 0 else None
+        stopping = values[-4] > 0
+        return values[:-4], names, (self._stop.received or "a stop signal") if stopping else None
 
     def _record(self, event: str, totals: list[float], names: tuple[str, ...]) -> None:
         now = time.perf_counter()
         elapsed, steps = now - self._t_interval, self._steps_interval
         means = _means(names, totals)
         self.metrics = means
-        record = {"step": self.state.step, "epoch": self.state.epoch, **means}
+        # an epoch record names the epoch that ended (state.epoch counts it already); a step record the current one
+        epoch = self.state.epoch - 1 if event == "epoch" else self.state.epoch
+        record = {"step": self.state.step, "epoch": epoch, **means}
         if steps and elapsed > 0:
             record["steps_per_s"] = round(steps / elapsed, 3)
         self.log_writer.log(event, **record)
@@ -522,9 +537,8 @@ class Loop:
             "loaders": [loader.state_dict() for loader in self._loaders],
             "rank_state": {"metrics": self._acc.state() if self._acc is not None else [], "names": list(self._names())},
         }
-        for name, value in state.items():
-            if not hasattr(value, "state_dict"):
-                _check_plain(name, value)
+        for name, value in trainer["state"].items():  # what torch.load(weights_only=True) can read back
+            _check_plain(name, value)
         path = self.ckpt.save(trainer, state.step)
         self._last_saved = state.step
         return path
@@ -578,8 +592,8 @@ class Loop:
         for name in names:
             v = values[name]
             s, c = v if isinstance(v, tuple) else (v, 1)
-            parts += [torch.as_tensor(s, dtype=torch.float64).reshape(()), torch.as_tensor(c, dtype=torch.float64)]
-        totals = self.ctx.all_reduce(torch.stack(parts).to(self.ctx.device)).tolist() if parts else []
+            parts += [_f64(s, self.ctx.device), _f64(c, self.ctx.device)]
+        totals = self.ctx.all_reduce(torch.stack(parts)).tolist() if parts else []
         return {n: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None for i, n in enumerate(names)}
 
     @torch.no_grad()
@@ -613,13 +627,16 @@ class Loop:
                 batch = tree_map(lambda t: t.to(self.ctx.device, non_blocking=True), batch)
                 with self.autocast():
                     out = fn(raw, batch)
-                pairs = {
-                    k: v if isinstance(v, tuple) else (v.detach() * leading_size(batch), leading_size(batch))
-                    for k, v in out.items()
-                }
+                n = leading_size(batch)
+                pairs = {k: v if isinstance(v, tuple) else (_f64(v, self.ctx.device) * n, n) for k, v in out.items()}
                 if acc is None:
                     acc = Accumulator(tuple(sorted(pairs)), self.ctx.device)
-                acc.add([pairs[n] for n in acc.names])
+                if set(pairs) != set(acc.names):
+                    raise ConfigError(
+                        f"Loop.evaluate(): fn returned {sorted(pairs)} for one batch and {list(acc.names)} for the "
+                        f"first: return the same names for every batch"
+                    )
+                acc.add([pairs[name] for name in acc.names])
         finally:
             raw.train(was_training)
         local = acc.local().tolist()
@@ -634,6 +651,8 @@ class Loop:
         if mode not in ("min", "max"):
             raise ConfigError(f"Loop.best(mode={mode!r}): choose min or max")
         v = self.ctx.broadcast(torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)).item()
+        if not math.isfinite(v):
+            return False  # a NaN would stay the best for ever: no later value compares better
         old = self._best.get(metric)
         better = old is None or (v < old["value"] if mode == "min" else v > old["value"])
         if not better:
@@ -705,9 +724,12 @@ def _adopted_context(device: str) -> DistContext:
     local_rank = int(os.environ.get(env.LOCAL_RANK, rank))
     local_world = int(os.environ.get(env.LOCAL_WORLD_SIZE, world))
     backend = str(dist.get_backend())
-    if resolve_device_type(device) == "cuda":
-        index = torch.cuda.current_device() if backend == "gloo" else local_rank
-        where = torch.device("cuda", index)
+    # The group's backend says where its ranks run: gloo on the CPU (unless device="cuda" asks for CUDA tensors
+    # over gloo, every rank on its current device), NCCL on the rank's GPU.
+    if backend == "nccl":
+        where = torch.device("cuda", local_rank)
+    elif device == "cuda" and resolve_device_type(device) == "cuda":
+        where = torch.device("cuda", torch.cuda.current_device())
     else:
         where = torch.device("cpu")
     return DistContext(rank, local_rank, world, local_world, where, backend)
@@ -725,13 +747,13 @@ def _unwrapped(obj: Any) -> Any:
 
 
 def _check_plain(name: str, value: Any) -> None:
-    if isinstance(value, PLAIN) or isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, (list, tuple)):
+    if type(value) in PLAIN or isinstance(value, torch.Tensor):  # exact types: numpy's float64 is a float too,
+        return  # and torch.load(weights_only=True) refuses it
+    if type(value) in (list, tuple):
         for v in value:
             _check_plain(name, v)
         return
-    if isinstance(value, dict):
+    if type(value) in (dict, collections.OrderedDict):
         for k, v in value.items():
             _check_plain(name, k)
             _check_plain(name, v)
@@ -741,6 +763,13 @@ def _check_plain(name: str, value: Any) -> None:
         f"cannot hold: pass an object with state_dict(), or plain values (numbers, strings, tensors, lists, "
         f"dicts); convert numpy values with float() or torch.as_tensor()"
     )
+
+
+def _f64(x: Any, device: torch.device) -> torch.Tensor:
+    """``x`` (a tensor or a number) as a 0-d float64 tensor on ``device``, detached."""
+    return torch.as_tensor(
+        x.detach() if isinstance(x, torch.Tensor) else x, dtype=torch.float64, device=device
+    ).reshape(())
 
 
 def _to_host(tree: Any) -> Any:

@@ -233,3 +233,93 @@ def test_a_gpt_loop_killed_twice_finishes_bitwise_equal_and_resumes_at_another_w
 def test_a_branch_one_rank_skips_is_one_line_naming_the_loop_keyword(tmp_path):
     with pytest.raises(ConfigError, match=r"find_unused_parameters=True in TrainConfig or Loop.wrap"):
         ddpkit.launch(lw.unused_branch, str(tmp_path / "r"), nproc=2, device="cpu")
+
+
+# ---------------------------------------------------------------- found in review: each failed before its fix
+def _peeking(run_dir: str, stop_at: int | None) -> list:
+    """The tutorial's epoch loop (a peek with next(iter(loader)) before each pass), stopped and rerun."""
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        torch.manual_seed(0)  # each run from the same stream, as a script's own process would start
+        loader = loop.data(TensorDataset(torch.arange(8.0)), batch_size=2)
+        state = loop.resume(seen=[])
+        for _ in loop.epochs(2):
+            next(iter(loader))
+            for (x,) in loader:
+                state["seen"] = state["seen"] + [x.tolist()]
+                if loop.state.step + 1 == stop_at:
+                    loop._stop.received = "SIGTERM"
+                loop.step()
+        return state["seen"] + [torch.rand(1).item()]  # and where the rank's torch stream ended
+
+
+def test_a_peek_after_a_mid_epoch_resume_still_resumes_exactly(tmp_path):
+    whole = _peeking(str(tmp_path / "w"), None)
+    with pytest.raises(Stopped):
+        _peeking(str(tmp_path / "c"), 3)
+    assert _peeking(str(tmp_path / "c"), None) == whole
+
+
+def test_a_sampler_of_the_users_own_is_refused_not_replaced(tmp_path):
+    from torch.utils.data import SubsetRandomSampler
+
+    with ddpkit.Loop(str(tmp_path / "r")) as loop:
+        with pytest.raises(ConfigError, match="SubsetRandomSampler"):
+            loop.data(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2, sampler=SubsetRandomSampler([0, 1])))
+
+
+def test_a_state_dict_a_snapshot_cannot_hold_is_refused_before_it_is_written(tmp_path):
+    class Holder:
+        def state_dict(self):
+            return {"v": np.float64(1.0)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with pytest.raises(ConfigError, match="'holder' holds numpy.float64"):
+        with ddpkit.Loop(str(tmp_path / "r"), save_every_steps=1) as loop:
+            loop.resume(holder=Holder())
+            for _ in loop.steps(2):
+                pass
+    assert not list((tmp_path / "r" / "checkpoints").glob("snapshot-*.pt"))
+
+
+def test_epoch_records_name_the_epoch_that_ended_and_survive_a_rerun(tmp_path):
+    def run():
+        with ddpkit.Loop(str(tmp_path / "r"), log_every=100) as loop:
+            loop.resume()
+            for _ in loop.epochs(2):
+                loop.log(x=1.0)
+                loop.step()
+
+    run()
+    run()
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [0, 1]
+
+
+def test_with_no_records_a_stop_is_still_read(tmp_path):
+    with pytest.raises(Stopped, match="at step 50"):
+        with ddpkit.Loop(str(tmp_path / "r"), log_every=0) as loop:
+            loop.resume()
+            for step in loop.steps(200):
+                if step == 10:
+                    loop._stop.received = "SIGTERM"
+
+
+def test_best_skips_a_nan_and_evaluate_takes_plain_numbers(tmp_path):
+    with ddpkit.Loop(str(tmp_path / "r")) as loop:
+        model = loop.wrap(torch.nn.Linear(1, 1))
+        loop.resume(model=model)
+        assert [loop.best("v", x) for x in (float("nan"), 1.0, 0.5)] == [False, True, True]
+        data = TensorDataset(torch.arange(5.0).unsqueeze(1))
+        assert loop.evaluate(model, data, lambda m, b: {"x": b[0].mean().item()}, batch_size=2) == {"x": 2.0}
+
+
+def test_the_loop_keeps_the_thread_count_the_process_has(tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 leaves it
+    try:
+        with ddpkit.Loop(str(tmp_path / "r")):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -245,6 +245,7 @@ def plain_train():
 
     if is_master:
         wandb.finish()
+    dist.barrier()  # CPU fix: gloo aborts a rank whose peer tears down mid-collective ("terminate called")
     dist.destroy_process_group()
     return model
 
@@ -455,6 +456,7 @@ def plain_main(device, total_epochs, save_every, batch_size):
     train_data = plain_prepare_dataloader(dataset, batch_size)
     trainer = PlainTrainer(model, train_data, optimizer, device, save_every)
     trainer.train(total_epochs)
+    torch.distributed.barrier()  # CPU fix: gloo aborts a rank whose peer tears down mid-collective
     destroy_process_group()
     return trainer.model
 
@@ -690,6 +692,7 @@ def plain_toy_main(rank, world_size, num_epochs):
     print(f"[GPU{rank}] Training accuracy", train_acc)
     test_acc = compute_accuracy(model, test_loader, device=device)
     print(f"[GPU{rank}] Test accuracy", test_acc)
+    torch.distributed.barrier()  # CPU fix: gloo aborts a rank whose peer tears down mid-collective
     destroy_process_group()  # NEW: cleanly exit distributed mode
     return model
 

@@ -14,8 +14,6 @@ import seed_loops
 import torch
 from clirun import ROOT, cli_env, read_jsonl
 
-from ddpkit.ranks.context import cpu_threads
-
 SEEDS = ["tutorial", "mnist", "appendix"]  # in docs/port.md's order
 STEPS = {"mnist": 8, "tutorial": 8, "appendix": 3}  # optimizer steps each seed's run takes at world size 2
 
@@ -26,10 +24,8 @@ def torchrun(name: str, cwd) -> dict:
     out = cwd / "final.pt"
     helper = ROOT / "tests" / "helpers" / "seed_loops.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(helper)]
-    # A Loop gives each rank cores/ranks intra-op threads where torchrun gives 1 (OMP_NUM_THREADS), and a
-    # conv's sums on the CPU depend on the thread count: the plain run is given the same count.
-    env = cli_env(OMP_NUM_THREADS=str(cpu_threads(2)))
-    proc = subprocess.run([*cmd, name, str(out)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    # torchrun's own thread count for both (OMP_NUM_THREADS=1): a Loop keeps the process's, as the plain run does
+    proc = subprocess.run([*cmd, name, str(out)], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return torch.load(out)
 

@@ -28,9 +28,17 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
-from ..errors import ConfigError
+from ..errors import ConfigError, article
 from ..ranks.context import DistContext
 from .batch import to_device
 from .draws import TRAIN, KeyedBatches, SeededFetch, as_is
@@ -105,16 +113,25 @@ class ShardedLoader:
                 "Loop.data() got a DataLoader with batch_size=None (or a batch_sampler of its own): pass the "
                 "dataset and batch_size= instead, e.g. loop.data(dataset, batch_size=32)"
             )
+        sampler = loader.sampler
+        plain_random = isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
+        if not (type(sampler) is SequentialSampler or plain_random or isinstance(sampler, DistributedSampler)):
+            raise ConfigError(
+                f"Loop.data() got a DataLoader whose sampler is {article(type(sampler).__name__)}: it reads the "
+                f"dataset in DistributedSampler's order instead, which would not be yours. Pass shuffle=True or "
+                f"False (no sampler), or split the dataset first (torch.utils.data.Subset) and pass that"
+            )
         settings = {
             "batch_size": loader.batch_size,
-            "shuffle": isinstance(loader.sampler, (RandomSampler, DistributedSampler))
-            and getattr(loader.sampler, "shuffle", True),
+            "shuffle": plain_random or (isinstance(sampler, DistributedSampler) and sampler.shuffle),
             "drop_last": loader.drop_last,
             "collate_fn": None if loader.collate_fn is default_collate else loader.collate_fn,
             "num_workers": loader.num_workers,
             "worker_init_fn": loader.worker_init_fn,
             "pin_memory": loader.pin_memory,
         }
+        if isinstance(sampler, DistributedSampler):  # the user's own: its seed and its drop_last (no padding)
+            settings.update(seed=sampler.seed, even=sampler.drop_last)
         settings.update(overrides)
         return cls(loader.dataset, ctx, **settings)
 
@@ -129,9 +146,11 @@ class ShardedLoader:
             self.epoch, self.batch, self._resume_at = int(epoch), 0, 0
 
     def __iter__(self) -> Iterator:
-        # As a DataLoader: every iter() starts the epoch's pass at its first batch (a peek with
-        # next(iter(loader)) costs nothing later), except the first after a snapshot was loaded.
-        start, self._resume_at = self._resume_at, 0
+        # As a DataLoader: every iter() starts the epoch's pass at its first batch, so a peek with
+        # next(iter(loader)) costs nothing later. After a snapshot was loaded mid-epoch, "first" is the
+        # snapshot's batch, until that epoch's pass ends: the uninterrupted run made its iter() calls of this
+        # epoch (and their draws below) before the snapshot, so the resumed run's make none.
+        start = self._resume_at
         if start == 0:
             # The plain DataLoader's draw of its workers' base seed, from the rank's torch generator
             # (torch.utils.data.dataloader._BaseDataLoaderIter): the same stream as the plain loop's.
@@ -142,7 +161,8 @@ class ShardedLoader:
         for batch in unwrapped(self.loader):
             self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
             yield to_device(batch, self.ctx.device) if self.to_device else batch
-        self.epoch, self.batch = self.epoch + 1, 0  # a whole pass: the next one is the next epoch's order
+        # a whole pass: the next one is the next epoch's order, from its start
+        self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch": self.batch, "world_size": self.ctx.world_size}

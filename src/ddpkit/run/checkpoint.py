@@ -149,7 +149,16 @@ def check_weights_fit(model: nn.Module, path: str | Path, what: str = "--init-fr
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, ctx: DistContext, cfg: TrainConfig, keep: int = 2, every_steps: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        ctx: DistContext,
+        cfg: TrainConfig,
+        keep: int = 2,
+        every_steps: int = 0,
+        new_run: str = "pass a new --run-dir",
+    ):
+        self.new_run = new_run  # how the user starts a new run, in their interface's words (CLI, Trainer, Loop)
         self.dir = RunFiles(run_dir).checkpoints
         self.ctx, self.cfg, self.keep, self.every_steps = ctx, cfg, max(1, keep), every_steps
         self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
@@ -246,7 +255,7 @@ class Checkpointer:
             one, them = ("it", "it") if len(skipped) == 1 else ("one", "them")
             raise RunDirError(
                 f"no snapshot in {self.dir} can be resumed: {listed}{more}. Restore an intact copy of {one}, "
-                f"or move {them} into {self.dir / 'corrupt'} to train again from the start, or pass a new --run-dir"
+                f"or move {them} into {self.dir / 'corrupt'} to train again from the start, or {self.new_run}"
             )
         if self.ctx.is_main:
             for path, why in skipped:
@@ -280,14 +289,14 @@ class Checkpointer:
         if snap["format"] != FORMAT:
             raise RunDirError(
                 f"snapshot {path} was written by another ddpkit version (snapshot format "
-                f"{snap['format']}, this one reads {FORMAT}); pass a new --run-dir"
+                f"{snap['format']}, this one reads {FORMAT}); {self.new_run}"
             )
         # By key, not by hash alone: a snapshot from before a key was recorded matches on the rest
         keys = self.cfg.differing_keys(snap["config"]) if snap["config_hash"] != self.cfg.hash() else []
         if keys:
             raise RunDirError(
                 f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
-                f"pass a new --run-dir to start a new run"
+                f"{self.new_run} to start a new run"
             )
         if snap["world_size"] != self.ctx.world_size and self.cfg.join:
             # Under --join the last, uneven batch of an epoch is averaged per rank (each rank's
