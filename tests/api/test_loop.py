@@ -323,3 +323,9 @@ def test_the_loop_keeps_the_thread_count_the_process_has(tmp_path):
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytestmark_mp
+def test_deterministic_applies_in_a_group_the_loop_did_not_make(tmp_path):
+    assert ddpkit.launch(lw.deterministic_inside, str(tmp_path / "r"), nproc=2, device="cpu") is True
+    assert not torch.are_deterministic_algorithms_enabled()

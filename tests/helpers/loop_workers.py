@@ -121,3 +121,8 @@ def unused_branch(_ctx, run_dir: str) -> None:
         loop.resume(model=model)
         for _ in loop.steps(3):
             model(torch.ones(1, 2), loop.rank == 0).sum().backward()
+
+
+def deterministic_inside(_ctx, run_dir: str) -> bool:
+    with ddpkit.Loop(run_dir, deterministic=True):
+        return torch.are_deterministic_algorithms_enabled()

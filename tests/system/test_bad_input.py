@@ -1026,7 +1026,7 @@ def test_parameters_unused_by_some_batches_name_ddpkits_flag_once(tmp_path):
         proc.stderr,
         ["parameters got no gradient in a training step (parameters 4, 5 in model.parameters() order)"],
     )
-    assert "--find-unused-parameters (find_unused_parameters=True in TrainConfig)" in said
+    assert "--find-unused-parameters (find_unused_parameters=True in TrainConfig or Loop.wrap)" in said
     assert "CAUGHT ConfigError" in proc.stdout  # a public class, from Python
 
 
