@@ -72,10 +72,33 @@ def train(run_dir: str):
     ).fit()
 
 
+def slow_step():
+    time.sleep(60)  # HANG: loop step
+
+
+def own_loop(ctx, run_dir: str):
+    """A user's own loop on ddpkit.Loop: rank 1 stops in its own code at step 3, so rank 0 waits in DDP's
+    gradient all-reduce in the backward; the Loop's safe points are the heartbeat."""
+    from ddpkit import Loop
+
+    with Loop(run_dir) as loop:
+        model = loop.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop.resume(model=model, optimizer=opt)
+        for step in loop.steps(10):
+            if step == 3 and loop.rank == 1:
+                slow_step()
+            model(torch.ones(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
 CASES = {"sleep": sleeper, "skip": skipper, "extra": extra}
 
 if __name__ == "__main__":
     if sys.argv[1] == "train":
         train(sys.argv[2])
+    elif sys.argv[1] == "loop":
+        launch(own_loop, sys.argv[2], nproc=2, device="cpu", timeout_s=6.0)
     else:
         launch(CASES[sys.argv[1]], nproc=2, device="cpu", timeout_s=6.0)

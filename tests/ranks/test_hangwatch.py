@@ -91,6 +91,18 @@ def test_a_rank_stopped_in_its_loss_is_named_while_the_other_waits_in_ddps_backw
     assert re.match(r"rank [01] made no train step for \d+ s", report["why"]), report["why"]
 
 
+@pytest.mark.multiprocess
+def test_a_rank_late_in_its_own_loop_on_ddpkit_loop_is_named_with_its_line(tmp_path):
+    """A user's own loop (ddpkit.Loop): its safe points are the heartbeat, its run dir holds the report."""
+    proc, report = hang("loop", tmp_path, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "hang-report.json").exists()
+    line = next(line for line in proc.stderr.splitlines() if "ddpkit: hang:" in line)
+    assert re.search(r"rank 1 is behind: in `slow_step` at \S*" + re.escape(f"{line_of('loop step')} (step 3"), line), (
+        line
+    )
+    assert "rank 0 waits in DDP's gradient all-reduce in the backward (step 3" in line, line
+
+
 def answer(rank, collective=None, where=("user_fn", "train.py", 7), step=None, stack=("train.py:7 in user_fn",)):
     return {
         "rank": rank,
