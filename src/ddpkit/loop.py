@@ -65,7 +65,7 @@ from .ranks import env, hangwatch
 from .ranks.context import DistContext, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status
-from .run.checkpoint import Checkpointer, reseed, set_rng_state
+from .run.checkpoint import Checkpointer
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger
 from .train.ddp import make_ddp
@@ -391,24 +391,24 @@ class Loop:
         return self.state
 
     def _load(self, snap: dict) -> int | None:
-        saved = snap["trainer"]
+        names = snap["trainer"]["state"]
+        extra, missing = [n for n in names if n not in self.state], [n for n in self.state if n not in names]
+        if extra or missing:  # checked before anything is loaded: nothing half-resumed
+            what = f"holds {', '.join(map(repr, extra))}, which this resume() was not given" if extra else ""
+            what += ("; " if extra and missing else "") + (
+                f"holds no {', '.join(map(repr, missing))}" if missing else ""
+            )
+            raise RunDirError(
+                f"the snapshot in {self.config.run_dir} {what}: name the same state as the run that made it, "
+                f"or pass another run_dir to Loop"
+            )
+        saved = self.ckpt.restore(snap, self.config.seed)  # every rank's RNG states back, as save() took them
         for name, value in saved["state"].items():
-            if name not in self.state:
-                raise RunDirError(
-                    f"the snapshot in {self.config.run_dir} holds {name!r}, which this resume() was not given; "
-                    f"name the same state as the run that made it, or pass a new run_dir"
-                )
             target = self.state[name]
             if hasattr(target, "load_state_dict"):
                 _unwrapped(target).load_state_dict(value)
             else:
                 self.state[name] = value
-        missing = [n for n in self.state if n not in saved["state"]]
-        if missing:
-            raise RunDirError(
-                f"the snapshot in {self.config.run_dir} holds no {', '.join(map(repr, missing))}: name the same "
-                f"state as the run that made it, or pass a new run_dir"
-            )
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
         if self._scaler is not None and saved.get("scaler"):
@@ -417,13 +417,10 @@ class Loop:
         for loader, position in zip(self._loaders, self._pending_loaders):
             loader.load_state_dict(position)
         self._last_saved = self.state.step
-        old_world = snap["world_size"]
-        if old_world == self.ctx.world_size:
-            mine = snap["ranks"][self.ctx.rank]
-            set_rng_state(mine["rng"], self.ctx.device)
-            self._restore_metrics(mine.get("rank_state") or {})
+        if saved["rank_state"] is not None:
+            self._restore_metrics(saved["rank_state"])
             return None
-        reseed(self.config.seed, self.state.step, self.ctx.rank)
+        old_world = snap["world_size"]
         self.print(
             f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {old_world}, now "
             f"{self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams anew "

@@ -3,6 +3,7 @@
     ckpt = Checkpointer(run_dir, ctx, cfg, keep=3)
     state = ckpt.load_latest()          # every rank; None when there is nothing to resume
     ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
+    trainer_state = ckpt.restore(snap, seed)   # every rank: what save() was given, its RNG put back
 
 A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
 (model, optimizer, schedule, scaler, EMA, data position, metric accumulators, where the log
@@ -207,6 +208,24 @@ class Checkpointer:
         # also the barrier: nobody moves on (or reads) before the file is complete
         on_rank0(self.ctx, write, f"saving {path.name}")
         return path
+
+    def restore(self, snap: dict, seed: int) -> dict:
+        """What :meth:`save` was given on this rank, from a snapshot :meth:`load_latest` chose: the global
+        state with this rank's own ``rank_state``; this rank's RNG states put back. Call on every rank.
+
+        At another world size (an elastic resume) no rank's streams can be continued (there is no rank 2
+        to take over from a world of 2): ``rank_state`` is None, ``rank_states`` holds every old rank's, for
+        the caller to merge, and the streams are reseeded from (seed, step, rank)."""
+        state = dict(snap["trainer"])
+        ranks = snap["ranks"]
+        if len(ranks) == self.ctx.world_size:
+            mine = ranks[self.ctx.rank]
+            state["rank_state"] = mine.get("rank_state")
+            set_rng_state(mine["rng"], self.ctx.device)
+        else:
+            state["rank_state"], state["rank_states"] = None, [r.get("rank_state") for r in ranks]
+            reseed(seed, snap["global_step"], self.ctx.rank)
+        return state
 
     def _prune(self) -> None:
         """Delete what ``keep`` newer valid snapshots supersede. A file never validated (a stray or

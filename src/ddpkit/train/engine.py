@@ -30,7 +30,7 @@ from ..errors import NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
 from ..ranks import env, hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
-from ..run.checkpoint import Checkpointer, read_weights, reseed, set_rng_state, weights_mismatch
+from ..run.checkpoint import Checkpointer, read_weights, weights_mismatch
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import training_plots
@@ -236,8 +236,9 @@ class Engine:
             "rank_state": {"acc": self.acc.state()},
         }
 
-    def load_state_dict(self, snap: dict) -> None:
-        state = snap["trainer"]
+    def load_state_dict(self, state: dict) -> None:
+        """What :meth:`state_dict` returned, as ``Checkpointer.restore`` gives it back (which has put this
+        rank's RNG states back, or reseeded them at another world size)."""
         for key, part in self._stateful().items():
             if part is not None:
                 part.load_state_dict(state[key])
@@ -246,18 +247,15 @@ class Engine:
         self.final_train = state["final_train"]
         # Older snapshots have none: the first step record after the resume then covers the steps since it
         self._resumed_interval = Interval(**state["interval"]) if state.get("interval") else None
-        ranks = snap["ranks"]
-        if len(ranks) == self.ctx.world_size:
-            self.acc.load(ranks[self.ctx.rank]["rank_state"]["acc"])
-            set_rng_state(ranks[self.ctx.rank]["rng"], self.ctx.device)
+        if state["rank_state"] is not None:
+            self.acc.load(state["rank_state"]["acc"])
             return
         # Another world size (elastic resume). The position is in optimizer steps of a fixed global
         # batch, and the epoch order is a function of (seed, epoch), so the next step takes the same
         # samples. The epoch's metric sums so far are only ever summed over ranks: rank 0 takes all
-        # of them. Per-rank random streams (dropout) cannot be continued, so they start afresh.
-        merged = torch.tensor([r["rank_state"]["acc"] for r in ranks], dtype=torch.float64).sum(0)
+        # of them. Per-rank random streams (dropout) cannot be continued: restore() started them afresh.
+        merged = torch.tensor([r["acc"] for r in state["rank_states"]], dtype=torch.float64).sum(0)
         self.acc.load(merged if self.ctx.rank == 0 else torch.zeros_like(merged))
-        reseed(self.cfg.seed, self.pos.global_step, self.ctx.rank)
 
     # ------------------------------------------------------------------ loop
     def _fits(self, snap: dict) -> None:
@@ -287,7 +285,7 @@ class Engine:
             if snap is not None and self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent
                 raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
             if snap is not None:
-                self.load_state_dict(snap)
+                self.load_state_dict(self.ckpt.restore(snap, self.cfg.seed))
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
