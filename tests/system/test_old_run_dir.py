@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import cli_env, read_jsonl
+from cpu import cpu_vendor
 
 from ddpkit.ranks.context import cpu_cores
 
@@ -85,4 +86,9 @@ def test_a_run_dir_from_before_the_move_resumes_and_finishes_bitwise(tmp_path):
             f"the run resumed and finished"
         )
     assert summary["test_accuracy"] == expected["test_accuracy"]
-    assert weights_sha256(run_dir / "model.pt") == expected["model_sha256"]
+    # Made on AMD; on Intel the last bits differ even pinned to AVX2 (tests/golden/default_task.py), and the
+    # Intel digest was taken from main at 78c1070, whose run matched the AMD digest on AMD
+    vendor = cpu_vendor()
+    assert weights_sha256(run_dir / "model.pt") == expected.get("model_sha256_by_cpu_vendor", {}).get(
+        vendor, expected["model_sha256"]
+    )
