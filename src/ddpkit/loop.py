@@ -64,7 +64,7 @@ from .identity import code_fingerprint
 from .ranks import env, hangwatch
 from .ranks.context import DistContext, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
-from .ranks.failures import exit_status
+from .ranks.failures import exit_status, stop_exits_with_its_status
 from .run.checkpoint import Checkpointer
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger
@@ -182,6 +182,7 @@ class Loop:
             check_code,
         )
         self.config.validate()
+        stop_exits_with_its_status()  # an uncaught Stopped ends the script with 143, not a traceback and 1
         self._maker = _caller_function(sys._getframe(1))  # the run identity reads the loop's own code
         self.ctx: DistContext | None = None
         self._stack = ExitStack()

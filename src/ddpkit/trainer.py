@@ -56,6 +56,7 @@ from .preflight import (
     preflight,
 )
 from .ranks import env
+from .ranks.failures import stop_exits_with_its_status
 from .ranks.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
@@ -176,6 +177,7 @@ class Trainer:
         """Train (resuming from the run dir when it holds a snapshot); afterwards the model object
         passed in holds the trained weights."""
         refuse_if_importing_main()
+        stop_exits_with_its_status()  # an uncaught Stopped ends the user's script with 143, as documented
         # The CLI's launch time belongs to the first run it starts; check and bench start several,
         # and each later one is timed from its own fit() (all were once timed from the CLI's start).
         t0 = float(os.environ.pop(env.T0, time.time()))

@@ -356,3 +356,24 @@ def test_a_zero_run_is_resharded_when_it_resumes_at_another_world_size(tmp_path)
     final = load(run_dir / "model.pt")
     for name, tensor in reference.items():
         assert torch.allclose(final[name], tensor, rtol=1e-9, atol=1e-12), name
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tmp_path):
+    """Issue 35, item 6: fit() raised Stopped, but the script ended with a traceback and status 1, after
+    torch's agent's own "Received 15 death signal" warning."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "stop_fit.py"), str(tmp_path / "run")],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:  # the workers are training: a step record is out
+        if line.startswith("[step]"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.count("ddpkit: stopped on SIGTERM") == 1, err[-3000:]
+    assert "Traceback" not in err and "death signal" not in err, err[-3000:]

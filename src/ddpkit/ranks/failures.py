@@ -476,6 +476,24 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
     return 130
 
 
+def stop_exits_with_its_status() -> None:
+    """From now on, a :class:`Stopped` that reaches the top of the user's script uncaught ends it as the CLI
+    does: its one line, once, and exit status 143 (138 for SIGUSR1, 130 for Ctrl-C), not a traceback and
+    status 1. Any other exception goes to the hook that was there. Installed once, by ``Trainer.fit()`` and
+    ``Loop``: a stop is how a preempted job is meant to end, and schedulers read its status."""
+    previous = sys.excepthook
+    if getattr(previous, "ddpkit_stop", False):
+        return
+
+    def hook(kind, exc, tb):
+        if isinstance(exc, Stopped):
+            sys.exit(exit_status(exc))
+        previous(kind, exc, tb)
+
+    hook.ddpkit_stop = True
+    sys.excepthook = hook
+
+
 def _report_once(exc: DdpkitError) -> int:
     """Print ``exc`` once for the job. Under torchrun every rank gets here.
 

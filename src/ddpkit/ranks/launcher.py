@@ -430,16 +430,27 @@ AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multipr
 
 @contextmanager
 def _quiet_agent_logs() -> Iterator[None]:
-    """Mute :data:`AGENT_LOGGERS` for the launch, then restore their levels."""
+    """Mute :data:`AGENT_LOGGERS` for the launch, and the agent's "Received 15 death signal, shutting down
+    workers" (a stop signal is ddpkit's to say: the workers' one ``stopped on SIGTERM`` line); then restore."""
     logs = [logging.getLogger(name) for name in AGENT_LOGGERS]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
+    agent = logging.getLogger(AGENT_SERVER_LOGGER)
+    agent.addFilter(_no_death_signal)
     try:
         yield
     finally:
+        agent.removeFilter(_no_death_signal)
         for log, level in zip(logs, levels):
             log.setLevel(level)
+
+
+AGENT_SERVER_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs a stop signal as a "death signal"
+
+
+def _no_death_signal(record: logging.LogRecord) -> bool:
+    return "death signal" not in str(record.msg)
 
 
 @contextmanager
