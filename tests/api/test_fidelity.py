@@ -232,7 +232,7 @@ def test_your_collate_fn_makes_every_batch_of_a_tensor_dataset(tmp_path, given):
         ours, start = trained("collate", DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=times50))
     assert not all(torch.equal(plain[k], scaled[k]) for k in plain)  # the collate changes what is learnt
     assert all(torch.equal(ours[k], scaled[k]) for k in plain)  # and it made every training batch
-    assert plain_start["data_path"] == "device-resident" and "indexed in place" in plain_start["data"]
+    assert plain_start["data_path"] == "in-memory" and "indexed in place" in plain_start["data"]
     assert start["data_path"] == "dataloader" and "train streamed (a collate_fn is given" in start["data"]
 
 

@@ -129,7 +129,7 @@ def test_the_host_staged_path_gives_the_device_paths_batches_from_two_reused_buf
     images_ptr = d.images.data_ptr()
     device = ResidentSource(d, META, cfg(), ctx(1, 2), per_rank_batch=8, on_device=True)
     host = ResidentSource(d, META, cfg(), ctx(1, 2), per_rank_batch=8, on_device=False)
-    assert host.path == "host-staged" and device.path == "device-resident"
+    assert host.path == "host-staged" and device.path == "in-memory"  # on the CPU: "device-resident" on a GPU
     assert host.images.data_ptr() == images_ptr  # the train set is neither copied nor pinned
     buffers = [b.data_ptr() for pair in host.stager.buffers for b in pair]
     for epoch, start in ((0, 0), (1, 3)):

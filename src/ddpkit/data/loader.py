@@ -207,6 +207,12 @@ class HostStager:
         return x, y
 
 
+def resident_path(ctx: DistContext) -> str:
+    """The name of the path that holds the data where the step runs: "device-resident" on a GPU; on the CPU,
+    where the device is the host's memory, "in-memory" (device-resident read as GPU memory there)."""
+    return "device-resident" if ctx.device.type != "cpu" else "in-memory"
+
+
 class ResidentSource(_Source):
     def __init__(
         self,
@@ -220,7 +226,7 @@ class ResidentSource(_Source):
     ):
         super().__init__(len(data), meta, cfg, ctx, per_rank_batch, group)
         self.on_device = on_device
-        self.path = "device-resident" if on_device else "host-staged"
+        self.path = resident_path(ctx) if on_device else "host-staged"
         if on_device:
             self.images, self.labels = data.images.to(ctx.device), data.labels.to(ctx.device)
         else:
@@ -254,10 +260,10 @@ class TensorSource(_Source):
     """A TensorData (a TensorDataset, or a materialised user dataset) batched by indexing on the device:
     the very batches the DataLoader path collates, without a DataLoader."""
 
-    path = "device-resident"
     on_device = True
 
     def __init__(self, data: TensorData, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
+        self.path = resident_path(ctx)
         super().__init__(len(data), None, cfg, ctx, per_rank_batch, group)
         self.data = data.to(ctx.device)
 
