@@ -403,7 +403,7 @@ class Loop:
                 f"the snapshot in {self.config.run_dir} {what}: name the same state as the run that made it, "
                 f"or pass another run_dir to Loop"
             )
-        saved = self.ckpt.restore(snap, self.config.seed)  # every rank's RNG states back, as save() took them
+        saved = self.ckpt.restore(snap)
         for name, value in saved["state"].items():
             target = self.state[name]
             if hasattr(target, "load_state_dict"):
@@ -418,8 +418,9 @@ class Loop:
         for loader, position in zip(self._loaders, self._pending_loaders):
             loader.load_state_dict(position)
         self._last_saved = self.state.step
-        if saved["rank_state"] is not None:
-            self._restore_metrics(saved["rank_state"])
+        self.ckpt.restore_rng(snap, self.config.seed)  # last: a load_state_dict of the user's that draws moves nothing
+        if saved["same_world"]:
+            self._restore_metrics(saved["rank_state"] or {})
             return None
         old_world = snap["world_size"]
         self.print(

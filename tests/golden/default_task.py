@@ -1,7 +1,7 @@
 """The engine's numerics, pinned: two short MNIST runs, digested as default_task.json holds them.
 
     python tests/golden/default_task.py            # print this engine's digests as JSON
-    python tests/golden/default_task.py --write    # replace default_task.json with them
+    python tests/golden/default_task.py --write    # replace this CPU vendor's golden with them
 
 Bitwise equality across machines needs the same kernels, so this pins the CPU's instruction
 set before torch is imported: ATen's dispatch (``ATEN_CPU_CAPABILITY``) and oneDNN's

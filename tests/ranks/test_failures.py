@@ -96,3 +96,18 @@ def test_the_launcher_rebuilds_only_public_ddpkit_errors_by_name():
         assert type(other) is WorkersFailed and str(other) == "rank 1: called sys.exit(3)" and other.exit_code == 3
     assert public_kind(CollectiveTimeout("x")) == "CollectiveTimeout"
     assert public_kind(type("Mine", (TaskError,), {})("x")) == ""  # a subclass of the user's own is not rebuilt
+
+
+def test_a_stop_in_an_interactive_session_goes_to_the_previous_hook(monkeypatch):
+    """Found in review: the exit-143 hook ended a REPL (or python -i) on a Ctrl-C during fit()."""
+    import sys
+
+    from ddpkit.ranks import failures
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: seen.append(kind))
+    monkeypatch.setattr(failures, "_STOP_HOOK", [False])
+    failures.stop_exits_with_its_status()
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    sys.excepthook(Stopped, Stopped("stopped on SIGINT", "SIGINT"), None)
+    assert seen == [Stopped]

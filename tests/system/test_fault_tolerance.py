@@ -377,3 +377,25 @@ def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tm
     assert proc.returncode == 143, err[-3000:]
     assert err.count("ddpkit: stopped on SIGTERM") == 1, err[-3000:]
     assert "Traceback" not in err and "death signal" not in err, err[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["plain", "launch"])
+def test_sigterm_to_a_script_with_its_own_loop_ends_it_with_143_and_one_line(tmp_path, how):
+    """Found in review: where the process made the group itself, torch's excepthook wrapper swallowed the line
+    (exit 143, nothing said); under ddpkit.launch the launcher ended with a traceback and status 1."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "stop_loop.py"), how, str(tmp_path / "run")],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:
+        if line.startswith("[step]"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.count("ddpkit: stopped on SIGTERM") == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

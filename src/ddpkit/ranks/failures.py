@@ -19,6 +19,7 @@ process group import ``torch.distributed`` when called.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -479,19 +480,27 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
 def stop_exits_with_its_status() -> None:
     """From now on, a :class:`Stopped` that reaches the top of the user's script uncaught ends it as the CLI
     does: its one line, once, and exit status 143 (138 for SIGUSR1, 130 for Ctrl-C), not a traceback and
-    status 1. Any other exception goes to the hook that was there. Installed once, by ``Trainer.fit()`` and
-    ``Loop``: a stop is how a preempted job is meant to end, and schedulers read its status."""
-    previous = sys.excepthook
-    if getattr(previous, "ddpkit_stop", False):
+    status 1. Any other exception, and any in an interactive session (which a stop must not end), goes to
+    the hook that was there. Installed once per process, by ``Trainer.fit()``, ``Loop`` and ``launch()``: a
+    stop is how a preempted job is meant to end, and schedulers read its status."""
+    if _STOP_HOOK[0]:
         return
+    previous = sys.excepthook
 
     def hook(kind, exc, tb):
-        if isinstance(exc, Stopped):
-            sys.exit(exit_status(exc))
+        if isinstance(exc, Stopped) and not (hasattr(sys, "ps1") or sys.flags.interactive):
+            # torch's init_process_group wraps the hook it finds and points sys.stderr at a buffer it prints
+            # after the hook returns, which an exit never does: the line goes to the real stderr
+            with contextlib.redirect_stderr(sys.__stderr__):
+                code = exit_status(exc)
+            sys.exit(code)
         previous(kind, exc, tb)
 
-    hook.ddpkit_stop = True
     sys.excepthook = hook
+    _STOP_HOOK[0] = True
+
+
+_STOP_HOOK = [False]  # installed in this process
 
 
 def _report_once(exc: DdpkitError) -> int:

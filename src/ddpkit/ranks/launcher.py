@@ -53,7 +53,15 @@ from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
 from .env import check_launcher_env, under_launcher
-from .failures import Failure, interrupted, launch_failure, restart_note, returned_failure, stopped_report
+from .failures import (
+    Failure,
+    interrupted,
+    launch_failure,
+    restart_note,
+    returned_failure,
+    stop_exits_with_its_status,
+    stopped_report,
+)
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
 from .prestart import forkserver_available, prestart_workers, start_resource_tracker
 
@@ -232,6 +240,7 @@ def launch(
     """
     check_timeout_s(timeout_s, "timeout_s")  # 1e30 was an OverflowError on every rank
     refuse_if_importing_main()
+    stop_exits_with_its_status()  # a stop of fn's Loop ends the script with 143 and its line
     adopt_slurm_task()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         error = ConfigError(

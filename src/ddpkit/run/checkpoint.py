@@ -3,7 +3,7 @@
     ckpt = Checkpointer(run_dir, ctx, cfg, keep=3)
     state = ckpt.load_latest()          # every rank; None when there is nothing to resume
     ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
-    trainer_state = ckpt.restore(snap, seed)   # every rank: what save() was given, its RNG put back
+    trainer_state = ckpt.restore(snap)  # every rank: what save() was given; then ckpt.restore_rng(snap, seed)
 
 A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
 (model, optimizer, schedule, scaler, EMA, data position, metric accumulators, where the log
@@ -209,23 +209,28 @@ class Checkpointer:
         on_rank0(self.ctx, write, f"saving {path.name}")
         return path
 
-    def restore(self, snap: dict, seed: int) -> dict:
+    def restore(self, snap: dict) -> dict:
         """What :meth:`save` was given on this rank, from a snapshot :meth:`load_latest` chose: the global
-        state with this rank's own ``rank_state``; this rank's RNG states put back. Call on every rank.
-
-        At another world size (an elastic resume) no rank's streams can be continued (there is no rank 2
-        to take over from a world of 2): ``rank_state`` is None, ``rank_states`` holds every old rank's, for
-        the caller to merge, and the streams are reseeded from (seed, step, rank)."""
+        state with this rank's own ``rank_state``, ``rank_states`` (every old rank's, for a caller that merges
+        them at another world size) and ``same_world``. The RNG streams are :meth:`restore_rng`'s, called
+        after everything is loaded, so nothing a ``load_state_dict`` draws moves them."""
+        ranks = snap["ranks"]
+        same = len(ranks) == self.ctx.world_size
         state = dict(snap["trainer"])
+        state["rank_states"] = [r.get("rank_state") for r in ranks]
+        state["rank_state"] = ranks[self.ctx.rank].get("rank_state") if same else None
+        state["same_world"] = same
+        return state
+
+    def restore_rng(self, snap: dict, seed: int) -> None:
+        """This rank's RNG states as the snapshot saved them; at another world size (an elastic resume), where
+        no rank's streams can be continued (there is no rank 2 to take over from a world of 2), fresh ones
+        from (seed, step, rank)."""
         ranks = snap["ranks"]
         if len(ranks) == self.ctx.world_size:
-            mine = ranks[self.ctx.rank]
-            state["rank_state"] = mine.get("rank_state")
-            set_rng_state(mine["rng"], self.ctx.device)
+            set_rng_state(ranks[self.ctx.rank]["rng"], self.ctx.device)
         else:
-            state["rank_state"], state["rank_states"] = None, [r.get("rank_state") for r in ranks]
             reseed(seed, snap["global_step"], self.ctx.rank)
-        return state
 
     def _prune(self) -> None:
         """Delete what ``keep`` newer valid snapshots supersede. A file never validated (a stray or

@@ -237,8 +237,8 @@ class Engine:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """What :meth:`state_dict` returned, as ``Checkpointer.restore`` gives it back (which has put this
-        rank's RNG states back, or reseeded them at another world size)."""
+        """What :meth:`state_dict` returned, as ``Checkpointer.restore`` gives it back (the RNG streams are
+        ``Checkpointer.restore_rng``'s, after this)."""
         for key, part in self._stateful().items():
             if part is not None:
                 part.load_state_dict(state[key])
@@ -247,13 +247,13 @@ class Engine:
         self.final_train = state["final_train"]
         # Older snapshots have none: the first step record after the resume then covers the steps since it
         self._resumed_interval = Interval(**state["interval"]) if state.get("interval") else None
-        if state["rank_state"] is not None:
+        if state["same_world"]:
             self.acc.load(state["rank_state"]["acc"])
             return
         # Another world size (elastic resume). The position is in optimizer steps of a fixed global
         # batch, and the epoch order is a function of (seed, epoch), so the next step takes the same
         # samples. The epoch's metric sums so far are only ever summed over ranks: rank 0 takes all
-        # of them. Per-rank random streams (dropout) cannot be continued: restore() started them afresh.
+        # of them. Per-rank random streams (dropout) cannot be continued: restore_rng() starts them afresh.
         merged = torch.tensor([r["acc"] for r in state["rank_states"]], dtype=torch.float64).sum(0)
         self.acc.load(merged if self.ctx.rank == 0 else torch.zeros_like(merged))
 
@@ -285,7 +285,8 @@ class Engine:
             if snap is not None and self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent
                 raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
             if snap is not None:
-                self.load_state_dict(self.ckpt.restore(snap, self.cfg.seed))
+                self.load_state_dict(self.ckpt.restore(snap))
+                self.ckpt.restore_rng(snap, self.cfg.seed)  # last: nothing loaded before moves the streams
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
