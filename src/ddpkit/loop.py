@@ -237,6 +237,7 @@ class Loop:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
                 if self._last_saved != self.state.step:
@@ -244,18 +245,19 @@ class Loop:
                 self.log_writer.log("end", step=self.state.step, epoch=self.state.epoch)
             except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
                 exc_type, exc, tb = type(error), error, error.__traceback__
+                raised_here = error
         try:
             if self._stack.__exit__(exc_type, exc, tb):
                 return True
         except DdpkitError as error:  # the group's teardown names the failure (a lost peer, a timeout)
-            exc = error
+            exc = raised_here = error
         if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
             # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
             raise SystemExit(exit_status(exc)) from None
-        if exc is not None and (exc_type is None or not isinstance(exc, exc_type) or exc_type is not type(exc)):
-            raise exc
-        return False
+        if raised_here is not None:
+            raise raised_here
+        return False  # the loop's own exception, if any, goes on as it was
 
     @property
     def rank(self) -> int:
