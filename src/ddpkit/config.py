@@ -321,12 +321,21 @@ class TrainConfig:
     # ------------------------------------------------------------------ resolution
     def resolved(self) -> "TrainConfig":
         """Fill recipe fields, check every value, and fix the run directory."""
+        return self.filled().named()
+
+    def filled(self) -> "TrainConfig":
+        """The recipe's values in every field left unset, and every value checked; the run dir as given."""
         cfg = recipes.apply(self)
         cfg.validate()
-        if not cfg.run_dir:
-            name = f"{_slug(cfg.dataset)}-{_slug(cfg.model)}-{cfg.hash()[:8]}"
-            cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / name))
         return cfg
+
+    def named(self) -> "TrainConfig":
+        """The run dir fixed: as given, or ``runs/DATASET-MODEL-HASH``, the hash over the identity fields
+        (so over the content fingerprints too, once preflight has recorded them)."""
+        if self.run_dir:
+            return self
+        name = f"{_slug(self.dataset)}-{_slug(self.model)}-{self.hash()[:8]}"
+        return dataclasses.replace(self, run_dir=str(Path("runs") / name))
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -43,7 +43,6 @@ import math
 import sys
 import time
 import types
-import zlib
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
@@ -69,7 +68,7 @@ from .run.checkpoint import Checkpointer
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger
 from .train.ddp import make_ddp
-from .train.metrics import Accumulator
+from .train.metrics import Accumulator, sync_interval
 from .train.signals import StopSignal
 from .train.syncbn import convert_sync_batchnorm
 
@@ -485,31 +484,13 @@ class Loop:
             )
 
     def _sync(self) -> tuple[list[float], tuple[str, ...], str | None]:
-        """One all-reduce and one host copy: every rank's metric sums and counts, the stop flag, and a
-        check that every rank logged the same names."""
-        acc = self._acc
-        names = acc.names if acc is not None else ()
-        local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=self.ctx.device)
-        # Every rank logged the same names iff the sums of a 16-bit hash and of its square are world times
-        # this rank's (equality in Cauchy-Schwarz): exact in float64, and the same verdict on every rank.
-        crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
-        flags = torch.tensor(
-            [float(self._stop.received is not None), float(self.log_writer.error is not None), crc, crc * crc],
-            dtype=torch.float64,
-        ).to(self.ctx.device)
-        values = self.ctx.all_reduce(torch.cat([local, flags])).tolist()
-        if values[-3] > 0:
-            raise self.log_writer.error or RunDirError(
-                "global rank 0 could not write metrics.jsonl (its message is the one printed)"
-            )
-        world = self.ctx.world_size
-        if values[-2] * values[-2] != world * values[-1]:
-            raise ConfigError(
-                f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): call "
-                f"loop.log() with the same names on every rank"
-            )
-        stopping = values[-4] > 0
-        return values[:-4], names, (self._stop.received or "a stop signal") if stopping else None
+        """One all-reduce and one host copy (``sync_interval``, the engine's too): every rank's metric sums
+        and counts, the stop flag, and a check that every rank logged the same names."""
+        synced = sync_interval(
+            self.ctx, self._acc, stop=self._stop.received is not None, log_error=self.log_writer.error
+        )
+        stop = (self._stop.received or "a stop signal") if synced.stop else None
+        return synced.totals, self._names(), stop
 
     def _record(self, event: str, totals: list[float], names: tuple[str, ...]) -> None:
         now = time.perf_counter()

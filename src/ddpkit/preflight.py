@@ -1,8 +1,10 @@
 """Every check that can fail before launch, said once, in the launcher: config values, world size,
 batch divisibility, the loggers' packages, the dataset, one real batch through the model and the task,
-the run directory's state, and whether the node can hold the processes asked for.
+the run directory's state, and whether the node can hold the processes asked for. What it decides on
+the way is one immutable :class:`Plan`, made once per fit.
 
-    cfg, spec, splits, task, found = preflight(config, splits, model, task_for, optimizer)
+    plan = preflight(config, splits, model, task_for, optimizer, fingerprints)
+    run_workers(train_worker, (Job(plan.config, plan.task, ...),), plan.spec)
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -31,17 +34,43 @@ from .ranks.context import cpu_cores
 from .ranks.launcher import LaunchSpec
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
+from .run.paths import RunFiles
+from .run.rundir import check_run_dir, unproven
 from .train.graph import blockers
 from .train.task import Classification, Task
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What ddpkit decided before launch, made once by :func:`preflight` and never changed after.
+
+    ``config`` is what the user asked with the recipe filled in, the content fingerprints recorded and the
+    run dir named (as ``config.toml`` holds it); nothing ddpkit decides is written back into it. The
+    decisions sit beside it: the launch (``spec``, built once: it may read SLURM's variables into
+    ``os.environ`` and print the cluster lines), the task, the run identity, DDP's search for unused
+    parameters, and a finished run to return instead of training."""
+
+    config: TrainConfig
+    spec: LaunchSpec
+    splits: DataSplits
+    task: Task
+    identity: dict  # what was read of what was passed in, by config field (RUN_DIR/identity.json)
+    # DDP's find_unused_parameters: the user's ask, or what the trial step found (None: the config's, off)
+    find_unused_parameters: Optional[bool] = None
+    finished: Optional[dict] = None  # a finished run's summary, returned without training
+
+
 def preflight(
-    config: TrainConfig, splits: DataSplits | None, model: nn.Module | None, task_for: Callable, optimizer: Any = None
-):
-    """Every check that can fail before launch, said once. Returns (cfg, launch spec, splits, task, found):
-    ``found`` holds the fingerprints of what was read here (the built-in data's content, the
-    --init-from file), by config field; ``cfg`` records them, and its run dir is named with them."""
-    cfg = config.resolved()
+    config: TrainConfig,
+    splits: DataSplits | None,
+    model: nn.Module | None,
+    task_for: Callable,
+    optimizer: Any = None,
+    fingerprints: dict | None = None,
+) -> Plan:
+    """Every check that can fail before launch, said once; the :class:`Plan` of the run.
+    ``fingerprints``: what the Trainer read of the objects passed in (by config field, as JSON)."""
+    cfg = config.filled()
     spec = LaunchSpec.from_config(cfg)
     world = spec.world_size
     if cfg.ddp is False and world > 1:
@@ -73,9 +102,8 @@ def preflight(
     if splits is None:
         splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")
     found = content_fingerprints(cfg, splits)
-    if found:  # the default run dir's name covers the data's content and the starting weights too
-        cfg = dataclasses.replace(config, **{k: fp.tag for k, fp in found.items()}).resolved()
-        spec = LaunchSpec.from_config(cfg)
+    # Recorded in the config, and the default run dir's name covers them: the data's content and the starting weights
+    cfg = dataclasses.replace(cfg, **{k: fp.tag for k, fp in found.items()}).named()
     if splits.meta is None and model is None:
         raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
     if splits.test is None or len(splits.test) == 0:
@@ -111,33 +139,98 @@ def preflight(
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
-    # Your model or loss: one training step here says what would fail only in the workers. The
-    # registry models with the built-in task are known: every parameter used (DDP's static graph).
-    # In one process (world 1, no restarts) the step itself runs right here, and its errors are said once
-    # anyway: no trial, no second copy of the model in memory.
-    ours = own_model or not isinstance(task, Classification)
-    unused = trial_step(model, splits, task, cfg) if ours and (not spec.in_process or cfg.ddp) else None
-    if own_model and (world > 1 or cfg.ddp) and cfg.find_unused_parameters is not True and unused is not None:
-        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-        if unused and cfg.find_unused_parameters is False:
-            raise ConfigError(
-                f"{len(unused)} parameter(s) get no gradient from the loss ({shown}), and DDP fails on them with "
-                f"--no-find-unused-parameters; drop that flag (DDP then searches for them each step), or remove "
-                f"or freeze them (requires_grad_(False))"
-            )
-        if unused:
-            print(
-                f"ddpkit: {len(unused)} parameter(s) get no gradient from the loss ({shown}): DDP will look for "
-                f"unused parameters every step (find_unused_parameters, one extra walk of the autograd graph per "
-                f"step); freeze them (requires_grad_(False)) to save it"
-            )
-        cfg = dataclasses.replace(cfg, find_unused_parameters=bool(unused))
+    find_unused = unused_parameters(model, splits, task, cfg, spec, own_model)
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
         raise RunDirError(
             f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
         )
     check_processes(spec, splits, model)
-    return cfg, spec, splits, task, found
+    identity = {**(fingerprints or {}), **{k: fp.to_json() for k, fp in found.items()}}
+    cfg, finished = settle_run_dir(cfg, identity, named=bool(config.run_dir))
+    return Plan(cfg, spec, splits, task, identity, find_unused, finished)
+
+
+def unused_parameters(
+    model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfig, spec: LaunchSpec, own_model: bool
+) -> bool | None:
+    """DDP's ``find_unused_parameters`` for this run: the user's ask, or (for a model of their own, wrapped
+    in DDP) whether the trial step left a parameter without a gradient, said in one line.
+
+    Your model or loss: one training step here says what would fail only in the workers. The registry
+    models with the built-in task are known: every parameter used (DDP's static graph). In one process
+    (world 1, no restarts) the step itself runs right here, and its errors are said once anyway: no
+    trial, no second copy of the model in memory."""
+    ours = own_model or not isinstance(task, Classification)
+    unused = trial_step(model, splits, task, cfg) if ours and (not spec.in_process or cfg.ddp) else None
+    asked = cfg.find_unused_parameters
+    if not (own_model and (spec.world_size > 1 or cfg.ddp) and asked is not True and unused is not None):
+        return asked
+    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    if unused and asked is False:
+        raise ConfigError(
+            f"{len(unused)} parameter(s) get no gradient from the loss ({shown}), and DDP fails on them with "
+            f"--no-find-unused-parameters; drop that flag (DDP then searches for them each step), or remove "
+            f"or freeze them (requires_grad_(False))"
+        )
+    if unused:
+        print(
+            f"ddpkit: {len(unused)} parameter(s) get no gradient from the loss ({shown}): DDP will look for "
+            f"unused parameters every step (find_unused_parameters, one extra walk of the autograd graph per "
+            f"step); freeze them (requires_grad_(False)) to save it"
+        )
+    return bool(unused)
+
+
+def settle_run_dir(cfg: TrainConfig, identity: dict, named: bool) -> tuple[TrainConfig, dict | None]:
+    """(the config to run, the finished run's summary to return or None). ``named``: the user gave the run dir.
+
+    The identity guards a resume; it never proves a finished run unchanged (no reading of a
+    program can: an edit it does not read looks the same). So a finished run is returned only when
+    the user asks (``reuse_finished``) and everything passed in was read and matches. Otherwise a
+    rerun of a finished run trains again: with the default run dir in the next free one
+    (``runs/NAME-2``, ..., where a rerun after a kill resumes it), and with a run dir the user named
+    it is refused, nothing overwritten. An unfinished run resumes either way: the config and
+    everything readable match, and a kill is why runs are rerun.
+    """
+    doubts = unproven(identity)
+    finished = check_run_dir(cfg, identity)
+    if finished is None:
+        return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
+    if cfg.reuse_finished and not doubts:
+        return cfg, finished
+    if env.restart_count() > 0 and finished.get("finished_at", 0) >= agent_started_at():
+        return cfg, finished  # this very job finished it, and torchrun's agent restarted it afterwards
+    why = (
+        f"ddpkit cannot tell whether this run is the same: it cannot read {'; '.join(doubts)}"
+        if doubts
+        else "reuse_finished (--reuse-finished) is off"
+    )
+    if named:
+        raise RunDirError(
+            f"{cfg.run_dir} holds a finished run, left as it is ({why}); to train again pass a new run_dir "
+            f"(--run-dir) or delete it" + ("" if doubts else "; to return its result, pass --reuse-finished")
+        )
+    base = cfg.run_dir
+    for n in range(2, 1000):
+        cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
+        if check_run_dir(cfg, identity) is None:
+            doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
+            print(f"ddpkit: {base} holds a finished run of this config ({why}); {doing} {cfg.run_dir}")
+            return cfg, None
+    raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
+
+
+def agent_started_at() -> float:
+    """When this worker's parent (torchrun's elastic agent, which restarts the workers) started, in seconds
+    since the epoch; infinity where unknown. A finished run written after it is this job's own."""
+    try:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:6] == "btime "
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("inf")
 
 
 def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fingerprint]:

@@ -36,7 +36,7 @@ from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
 from .data.types import infer_meta
-from .errors import ConfigError, DataError, RunDirError, article
+from .errors import ConfigError, DataError, article
 from .identity import (
     Fingerprint,
     code_fingerprint,
@@ -61,7 +61,7 @@ from .ranks.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguard
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
 from .run.paths import RunFiles
-from .run.rundir import check_run_dir, matched_on, owning_run_dir, record_teardown, unproven
+from .run.rundir import matched_on, owning_run_dir, record_teardown
 from .train.optim import check_owned
 from .train.task import Task, resolve_task
 from .train.workers import Job, eval_worker, train_worker
@@ -183,29 +183,37 @@ class Trainer:
         t0 = float(os.environ.pop(env.T0, time.time()))
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
-        cfg, spec, splits, task, found = preflight(self.config, self.splits, self.model, self._task, self.optimizer)
-        if not spec.in_process:
+        plan = preflight(self.config, self.splits, self.model, self._task, self.optimizer, self.fingerprints)
+        cfg = plan.config
+        if not plan.spec.in_process:
             refuse_unguarded_main()  # before the run dir is touched
-        identity = {**self.fingerprints, **{k: fp.to_json() for k, fp in found.items()}}
-        cfg, finished = self._existing(cfg, identity)
-        if finished is not None:
+        if plan.finished is not None:
             print(
                 f"ddpkit: {cfg.run_dir} already holds this finished run, and "
                 + ("--reuse-finished asks for it" if cfg.reuse_finished else "torchrun restarted the job after it")
-                + f" (matched on {matched_on(identity)}); returning its result without training"
+                + f" (matched on {matched_on(plan.identity)}); returning its result without training"
                 + (f". --log {cfg.log} applies to runs that train" if cfg.log else "")
             )
-            print(format_record({"event": "summary", **summary_fields(finished)}))
-            summary = finished
+            print(format_record({"event": "summary", **summary_fields(plan.finished)}))
+            summary = plan.finished
         else:
             # The workers get the data loaded here (tensors travel through shared memory), never
             # loading it again per rank.
-            spec = LaunchSpec.from_config(cfg)  # the run dir may have moved on (see _existing)
-            job = Job(cfg, task, self.model, splits, self.optimizer, self.scheduler, t0, identity)
-            home = None if spec.in_process else move_to_cpu(self.model)
+            job = Job(
+                cfg,
+                plan.task,
+                self.model,
+                plan.splits,
+                self.optimizer,
+                self.scheduler,
+                t0,
+                plan.identity,
+                plan.find_unused_parameters,
+            )
+            home = None if plan.spec.in_process else move_to_cpu(self.model)
             try:
-                with owning_run_dir(cfg, spec) as owner:
-                    summary = run_workers(train_worker, (job,), spec)
+                with owning_run_dir(cfg, plan.spec) as owner:
+                    summary = run_workers(train_worker, (job,), plan.spec)
                     if owner:
                         summary = record_teardown(cfg, summary)
             finally:
@@ -214,44 +222,6 @@ class Trainer:
         if self.model is not None:
             self.model.load_state_dict(read_weights(RunFiles(cfg.run_dir).model))
         return FitResult(summary, summary.get("per_rank", []), Path(cfg.run_dir))
-
-    def _existing(self, cfg: TrainConfig, identity: dict) -> tuple[TrainConfig, dict | None]:
-        """(the config to run, the finished run's summary to return or None).
-
-        The identity guards a resume; it never proves a finished run unchanged (no reading of a
-        program can: an edit it does not read looks the same). So a finished run is returned only when
-        the user asks (``reuse_finished``) and everything passed in was read and matches. Otherwise a
-        rerun of a finished run trains again: with the default run dir in the next free one
-        (``runs/NAME-2``, ..., where a rerun after a kill resumes it), and with a run dir the user named
-        it is refused, nothing overwritten. An unfinished run resumes either way: the config and
-        everything readable match, and a kill is why runs are rerun.
-        """
-        doubts = unproven(identity)
-        finished = check_run_dir(cfg, identity)
-        if finished is None:
-            return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
-        if cfg.reuse_finished and not doubts:
-            return cfg, finished
-        if env.restart_count() > 0 and finished.get("finished_at", 0) >= agent_started_at():
-            return cfg, finished  # this very job finished it, and torchrun's agent restarted it afterwards
-        why = (
-            f"ddpkit cannot tell whether this run is the same: it cannot read {'; '.join(doubts)}"
-            if doubts
-            else "reuse_finished (--reuse-finished) is off"
-        )
-        if self.config.run_dir:
-            raise RunDirError(
-                f"{cfg.run_dir} holds a finished run, left as it is ({why}); to train again pass a new run_dir "
-                f"(--run-dir) or delete it" + ("" if doubts else "; to return its result, pass --reuse-finished")
-            )
-        base = cfg.run_dir
-        for n in range(2, 1000):
-            cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
-            if check_run_dir(cfg, identity) is None:
-                doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
-                print(f"ddpkit: {base} holds a finished run of this config ({why}); {doing} {cfg.run_dir}")
-                return cfg, None
-        raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self) -> dict:
@@ -269,19 +239,6 @@ class Trainer:
             raise DataError("evaluate() needs a non-empty test_data")
         result = run_evaluation(cfg, self._task(cfg), splits, self.model)
         return {k: v for k, v in result.items() if k != "run_dir"}  # nothing was written there
-
-
-def agent_started_at() -> float:
-    """When this worker's parent (torchrun's elastic agent, which restarts the workers) started, in seconds
-    since the epoch; infinity where unknown. A finished run written after it is this job's own."""
-    try:
-        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
-        boot = next(
-            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:6] == "btime "
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return float("inf")
 
 
 def by_import_path(cfg: TrainConfig, model, train, test, meta, collate_fn):

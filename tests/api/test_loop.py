@@ -235,6 +235,14 @@ def test_a_branch_one_rank_skips_is_one_line_naming_the_loop_keyword(tmp_path):
         ddpkit.launch(lw.unused_branch, str(tmp_path / "r"), nproc=2, device="cpu")
 
 
+@pytestmark_mp
+def test_ranks_logging_different_names_is_one_line_at_world_3(tmp_path):
+    """The check (a hash and its square, summed) is exact at any world size; two ranks that agree and one
+    that does not are found, on every rank at the same step (the engine's safe point runs the same check)."""
+    with pytest.raises(ConfigError, match=r"the ranks logged different metric names .*on every rank \(loop.log\(\)\)"):
+        ddpkit.launch(lw.names_differ, str(tmp_path / "r"), nproc=3, device="cpu")
+
+
 # ---------------------------------------------------------------- found in review: each failed before its fix
 def _peeking(run_dir: str, stop_at: int | None) -> list:
     """The tutorial's epoch loop (a peek with next(iter(loader)) before each pass), stopped and rerun."""

@@ -413,17 +413,17 @@ def test_edits_that_keep_every_shape_are_new_runs_too():
 def test_a_restarted_torchrun_job_returns_only_the_run_it_finished_itself(tmp_path, monkeypatch, capsys):
     """Review finding: a torchrun restart returned any finished run in the run dir, also an older job's that
     this job (training in runs/NAME-2) never wrote. It returns one written after its agent started only."""
-    from ddpkit import trainer as trainer_module
+    from ddpkit import preflight as preflight_module
 
     args = dict(model=RegressionMLP(), train_data=regression_data(64, 0), test_data=regression_data(32, 1), loss_fn=mse)
     cfg = TrainConfig(nproc=1, run_dir=str(tmp_path / "r"), **SMALL)
     first = Trainer(cfg, **args).fit()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    monkeypatch.setattr(trainer_module, "agent_started_at", lambda: first.summary["finished_at"] - 5)
+    monkeypatch.setattr(preflight_module, "agent_started_at", lambda: first.summary["finished_at"] - 5)
     capsys.readouterr()
     assert Trainer(cfg, **args).fit().summary == first.summary  # this job's own: returned
     assert "torchrun restarted the job after it" in capsys.readouterr().out
-    monkeypatch.setattr(trainer_module, "agent_started_at", lambda: first.summary["finished_at"] + 5)
+    monkeypatch.setattr(preflight_module, "agent_started_at", lambda: first.summary["finished_at"] + 5)
     with pytest.raises(RunDirError, match="holds a finished run, left as it is"):  # an older job's: not returned
         Trainer(cfg, **args).fit()
 
@@ -657,3 +657,37 @@ def test_data_ddpkit_cannot_shard_by_index_is_one_line(kind):
     data = Stream() if kind == "iterable" else NoLength()
     with pytest.raises(DataError, match="train_data is (an IterableDataset|a NoLength), which ddpkit cannot split"):
         Trainer(TrainConfig(nproc="1"), model=RegressionMLP(), train_data=data, loss_fn=mse)
+
+
+def test_fit_decides_once_and_leaves_the_config_as_asked(tmp_path, monkeypatch):
+    """Issue 34's seam: the config was resolved twice per fit and the launch spec built three times (each may
+    read SLURM's variables into os.environ and print), and preflight wrote its unused-parameter decision
+    into the config. Now one Plan is made once: one recipe fill, one LaunchSpec, and the decision beside the
+    config (the start record says it), config.toml keeping what was asked."""
+    from torch.utils.data import TensorDataset
+    from user_code import UnusedBranch
+
+    from ddpkit import recipes
+    from ddpkit.ranks import launcher
+
+    calls = {"fill": 0, "spec": 0}
+    fill, spec = recipes.apply, launcher.LaunchSpec.from_config.__func__
+
+    def counted_fill(cfg):
+        calls["fill"] += 1
+        return fill(cfg)
+
+    def counted_spec(cls, cfg, resumable=True):
+        calls["spec"] += 1
+        return spec(cls, cfg, resumable)
+
+    monkeypatch.setattr(recipes, "apply", counted_fill)
+    monkeypatch.setattr(launcher.LaunchSpec, "from_config", classmethod(counted_spec))
+    cfg = TrainConfig(nproc=1, ddp=True, run_dir=str(tmp_path / "r"), **{**SMALL, "batch_size": 16, "epochs": 1})
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(80, 2, generator=gen), torch.randint(0, 3, (80,), generator=gen))
+    result = Trainer(cfg, model=UnusedBranch(), train_data=data, test_data=data).fit()
+    assert calls == {"fill": 1, "spec": 1}
+    start = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["find_unused_parameters"] is True  # found by the trial step, and DDP searched (it trained)
+    assert "find_unused_parameters" not in (result.run_dir / "config.toml").read_text()

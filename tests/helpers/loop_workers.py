@@ -126,3 +126,11 @@ def unused_branch(_ctx, run_dir: str) -> None:
 def deterministic_inside(_ctx, run_dir: str) -> bool:
     with ddpkit.Loop(run_dir, deterministic=True):
         return torch.are_deterministic_algorithms_enabled()
+
+
+def names_differ(_ctx, run_dir: str) -> None:
+    """Rank 2 logs another metric than ranks 0 and 1: their sums would be added slot by slot, wrongly."""
+    with ddpkit.Loop(run_dir, log_every=2) as loop:
+        loop.resume()
+        for _ in loop.steps(4):
+            loop.log(**{("b" if loop.rank == 2 else "a"): torch.tensor(1.0)})

@@ -63,8 +63,10 @@ def test_a_model_with_an_unused_branch_trains_at_world_2_and_says_why_it_is_slow
     said = [line for line in out.splitlines() if "get no gradient" in line]
     assert len(said) == 1 and "aux_head.weight, aux_head.bias" in said[0] and "find_unused_parameters" in said[0]
     assert result["steps"] == 4
-    config = (result.run_dir / "config.toml").read_text()
-    assert "find_unused_parameters = true" in config
+    # The decision is the start record's; config.toml keeps what was asked (nothing: left unset)
+    start = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["find_unused_parameters"] is True
+    assert "find_unused_parameters" not in (result.run_dir / "config.toml").read_text()
     with pytest.raises(ConfigError, match="2 parameter\\(s\\) get no gradient .*--no-find-unused-parameters"):
         Trainer(
             TrainConfig(**TWO, batch_size=16, find_unused_parameters=False, run_dir=str(tmp_path / "s")),
@@ -83,9 +85,9 @@ def test_a_model_that_uses_every_parameter_keeps_ddps_fast_path(tmp_path, capsys
         test_data=blobs(16, seed=1),
     ).fit()
     assert "get no gradient" not in capsys.readouterr().out
-    assert "find_unused_parameters = false" in (result.run_dir / "config.toml").read_text()
+    assert "find_unused_parameters" not in (result.run_dir / "config.toml").read_text()
     starts = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert starts[0]["event"] == "start"
+    assert starts[0]["event"] == "start" and starts[0]["find_unused_parameters"] is False
 
 
 USER_NETS = """

@@ -414,20 +414,37 @@ def _obey_rank(rank_pid: int) -> None:
 def _dataloader(
     data, batches: KeyedBatches, cfg: TrainConfig, ctx: DistContext, collate_fn=None, worker_init_fn=None
 ) -> DataLoader:
+    """The engine's :func:`seeded_loader`: ``--num-workers`` workers, memory pinned for a GPU."""
+    workers = loader_workers(cfg, ctx)
+    return seeded_loader(
+        data, batches, cfg.seed, ctx.rank, workers, ctx.device.type == "cuda", collate_fn, worker_init_fn
+    )
+
+
+def seeded_loader(
+    data,
+    batches: KeyedBatches,
+    seed: int,
+    rank: int,
+    workers: int,
+    pin_memory: bool,
+    collate_fn=None,
+    worker_init_fn=None,
+) -> DataLoader:
     """A DataLoader whose every item is one of ``batches``, fetched and collated under that batch's own
     seeds (``data/draws.py``); its ``generator``, not the rank's, seeds the workers when they start, and
-    the user's ``worker_init_fn`` runs in each worker after ddpkit's own start-up."""
-    workers = loader_workers(cfg, ctx)
+    the user's ``worker_init_fn`` runs in each worker after ddpkit's own start-up. The one such loader,
+    for ``Trainer``'s loader path and ``Loop.data()``'s workers alike."""
     return DataLoader(
         SeededFetch(data, collate_fn),
         batch_size=None,  # each item is a whole batch: SeededFetch batches and collates
         sampler=batches,
         num_workers=workers,
-        pin_memory=ctx.device.type == "cuda",
-        persistent_workers=workers > 0,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,  # started once, not at every epoch
         prefetch_factor=4 if workers else None,  # batches in flight per worker
         collate_fn=as_is,
-        generator=torch.Generator().manual_seed(seed_of((cfg.seed, ctx.rank, LOADER))),
+        generator=torch.Generator().manual_seed(seed_of((seed, rank, LOADER))),
         multiprocessing_context=WORKER_START if workers else None,
         worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if workers else None,
     )

@@ -24,7 +24,6 @@ line says so.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,8 +40,8 @@ from torch.utils.data import (
 from ..errors import ConfigError, article
 from ..ranks.context import DistContext
 from .batch import to_device
-from .draws import TRAIN, KeyedBatches, SeededFetch, as_is
-from .loader import WORKER_START, _worker_start, unwrapped
+from .draws import TRAIN, KeyedBatches
+from .loader import seeded_loader, unwrapped
 
 
 class ShardedLoader:
@@ -83,19 +82,9 @@ class ShardedLoader:
         self.batches = KeyedBatches(self.sampler, batch_size, drop_last)
         self.epoch, self.batch = 0, 0
         self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
-        if num_workers:
-            # Each batch fetched and collated under its own seeds, in whichever worker reads it.
-            self.loader = DataLoader(
-                SeededFetch(dataset, collate_fn),
-                batch_size=None,
-                sampler=self.batches,
-                collate_fn=as_is,
-                num_workers=num_workers,
-                pin_memory=pin_memory,
-                persistent_workers=True,  # started once, not at every epoch
-                generator=torch.Generator().manual_seed(seed),  # never the rank's own stream
-                multiprocessing_context=WORKER_START,
-                worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn),
+        if num_workers:  # each batch fetched and collated under its own seeds, in whichever worker reads it
+            self.loader = seeded_loader(
+                dataset, self.batches, seed, ctx.rank, num_workers, pin_memory, collate_fn, worker_init_fn
             )
         else:
             # As the user's DataLoader would read them: in this process, on the rank's own generators.

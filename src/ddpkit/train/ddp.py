@@ -28,10 +28,11 @@ SYNC_BUFFERS = (
 
 
 def wrap(
-    model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool
+    model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool, find_unused_parameters: bool = False
 ) -> tuple[nn.Module, DDP | None, nn.Module]:
     """``(raw, ddp, wrapped)``: see the module docstring. ``static_graph``: every parameter is used in
-    every step (the registry models), so DDP may record the first iteration's graph."""
+    every step (the registry models), so DDP may record the first iteration's graph.
+    ``find_unused_parameters``: as preflight decided it (the user's ask, or what its trial step found)."""
     raw = model.to(ctx.device)
     if cfg.dtype == "float64":  # float32 (the default) leaves a user's own float64 model as it is
         raw = raw.double()
@@ -48,7 +49,7 @@ def wrap(
             raw,
             ctx,
             static_graph=static_graph,
-            find_unused_parameters=bool(cfg.find_unused_parameters),  # set by preflight, which says why
+            find_unused_parameters=find_unused_parameters,
             sync_buffers=not only_batchnorm_buffers(raw),
             comm_hook=cfg.comm_hook,
         )

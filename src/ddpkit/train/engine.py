@@ -39,7 +39,7 @@ from ..run.rundir import unproven, write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
 from .graph import GraphedSteps, decide
-from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
+from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb, sync_interval
 from .optim import (
     EMA,
     autocast,
@@ -117,6 +117,7 @@ class Engine:
         static_graph: bool = False,
         t0: float | None = None,
         identity: dict | None = None,
+        find_unused_parameters: bool | None = None,
     ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
         self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
@@ -135,7 +136,9 @@ class Engine:
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
-        self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static_graph and self.accum == 1 and cfg.grad_sync)
+        self.find_unused = cfg.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
+        static = static_graph and self.accum == 1 and cfg.grad_sync
+        self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static, bool(self.find_unused))
         torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
         seed_rank(cfg.seed, ctx.rank)  # numpy's and Python's too: per rank, the same at every rerun
         self.opt = (
@@ -314,6 +317,8 @@ class Engine:
                 not_read="; ".join(unproven(self.identity or {})) or None,
                 restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
                 cuda_graph=str(self.graph_decision),
+                # DDP's search for unused parameters: asked, or found by preflight's trial step (said there)
+                find_unused_parameters=bool(self.find_unused) if self.ddp is not None else None,
             )
             with self._stop:
                 while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
@@ -487,20 +492,17 @@ class Engine:
             self._interval_start(time.perf_counter(), self._sync()[0])
 
     def _sync(self, check_weights: bool = False) -> tuple[list[float], bool, bool]:
-        """One all-reduce and host copy, at log intervals and snapshots only: this epoch's metric
+        """At log intervals and snapshots only (``sync_interval``, one all-reduce): this epoch's metric
         totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
-        flags = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        flags[0] = float(self._stop.received is not None)
-        flags[2] = float(self.log.error is not None)  # rank 0 could not append to metrics.jsonl
-        if check_weights:
-            flags[1] = torch.stack([~p.detach().isfinite().all() for p in self.raw.parameters()]).any()
-        values = self.ctx.all_reduce(torch.cat([self.acc.local(), flags])).tolist()
-        if values[-1] > 0:  # every rank stops together; rank 0's error carries the reason
-            raise self.log.error or RunDirError(
-                "global rank 0 could not write metrics.jsonl (its message is the one printed)"
-            )
-        return values[:-3], values[-3] > 0, values[-2] > 0
+        synced = sync_interval(
+            self.ctx,
+            self.acc,
+            stop=self._stop.received is not None,
+            log_error=self.log.error,  # rank 0 could not append to metrics.jsonl
+            weights=list(self.raw.parameters()) if check_weights else None,
+        )
+        return synced.totals, synced.stop, synced.bad_weights
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
         """``--on-nan``: stop (same decision on every rank: the inputs are all-reduced), or warn once."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import resource
+import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
+from ..errors import ConfigError, DdpkitError, RunDirError
 from ..ranks.context import DistContext
 
 
@@ -93,6 +95,51 @@ class Accumulator:
 
     def means(self, totals: list[float], prefix: str = "") -> dict[str, float | None]:
         return means(self.names, totals, prefix)
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What :func:`sync_interval` learned from every rank."""
+
+    totals: list[float]  # [sums..., counts...] of the accumulator, summed over ranks (exact in float64)
+    stop: bool  # some rank was sent a stop signal (SIGTERM, SIGUSR1, Ctrl-C)
+    bad_weights: bool  # some rank holds a non-finite weight (only when asked: ``weights``)
+
+
+def sync_interval(
+    ctx: DistContext,
+    acc: Accumulator | None,
+    *,
+    stop: bool,
+    log_error: DdpkitError | None,
+    weights: Iterable[torch.Tensor] | None = None,
+) -> Synced:
+    """The one collective of a safe point (a log interval, a snapshot), for the engine and ``Loop`` alike: one
+    all-reduce and one host copy of every rank's metric totals with its flags, so a stop, a failed write and
+    a bad weight are known to every rank at the same step, and every rank then decides the same.
+
+    Raised on every rank together: rank 0's error writing ``metrics.jsonl`` (``log_error``, the message
+    printed there), and ranks that accumulated different metric names (a 16-bit hash of the names: the
+    ranks agree iff the sums of the hash and of its square are world times this rank's, equality in
+    Cauchy-Schwarz, exact in float64)."""
+    names = acc.names if acc is not None else ()
+    local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
+    crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
+    flags = torch.tensor([float(stop), 0.0, float(log_error is not None), crc, crc * crc], dtype=torch.float64).to(
+        ctx.device
+    )
+    if weights is not None:
+        flags[1] = torch.stack([~w.detach().isfinite().all() for w in weights]).any()
+    values = ctx.all_reduce(torch.cat([local, flags])).tolist()
+    *totals, stopping, bad, failed, crc_sum, crc_square_sum = values
+    if failed > 0:
+        raise log_error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the one printed)")
+    if crc_sum * crc_sum != ctx.world_size * crc_square_sum:
+        raise ConfigError(
+            f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): log the same "
+            f"names on every rank (loop.log())"
+        )
+    return Synced(totals, stopping > 0, bad > 0)
 
 
 def means(names: tuple[str, ...], totals: list[float], prefix: str = "") -> dict[str, float | None]:

@@ -40,6 +40,8 @@ class Job:
     scheduler: Any = None
     t0: float | None = None  # when the user launched the run (wall clock), for summary.json's startup_s
     identity: Optional[dict] = None  # what was read of what was passed in, for RUN_DIR/identity.json
+    # DDP's search for unused parameters, as preflight decided it (None: the config's, off by default)
+    find_unused_parameters: Optional[bool] = None
 
 
 def train_worker(job: Job) -> dict:
@@ -101,6 +103,7 @@ def _train(job: Job, ctx: DistContext) -> dict:
         optimizer,
         scheduler,
         static_graph=job.model is None,
+        find_unused_parameters=job.find_unused_parameters,
         t0=job.t0,
         identity=job.identity,
     ).fit()
