@@ -134,3 +134,28 @@ def names_differ(_ctx, run_dir: str) -> None:
         loop.resume()
         for _ in loop.steps(4):
             loop.log(**{("b" if loop.rank == 2 else "a"): torch.tensor(1.0)})
+
+
+def global_batch_regression(_ctx, run_dir: str, stop_at: int | None) -> dict:
+    """A float64 linear regression whose global batch is 8 at any world size (each rank's batch 8 / world),
+    read through loop.data(): a world-1 resume of a world-2 run reads the same samples in each step."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(52, 3, generator=gen, dtype=torch.float64)
+    data = TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.1)
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = loop.data(data, batch_size=8 // loop.world_size, drop_last=True)
+        model = loop.wrap(model)
+        loop.resume(model=model, optimizer=opt)
+        for _ in loop.epochs(2):
+            for xb, yb in loader:
+                loss = F.mse_loss(model(xb).squeeze(1), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if stop_at is not None and loop.state.step + 1 == stop_at:
+                    loop._stop.received = "SIGTERM"
+                loop.step()
+        return {k: v.clone() for k, v in getattr(model, "module", model).state_dict().items()}  # DDP or not

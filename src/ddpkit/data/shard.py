@@ -154,13 +154,21 @@ class ShardedLoader:
         self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "world_size": self.ctx.world_size}
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "world_size": self.ctx.world_size,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
-        old = int(state.get("world_size", self.ctx.world_size))
-        if old != self.ctx.world_size and self.batch:
-            # Another world size: another split. Carry on after as many samples of the epoch's order as the
-            # old world read (each rank's share now starts elsewhere in it; said by Loop in its one line).
-            self.batch = min(len(self), self.batch * old // self.ctx.world_size)
+        old_world = int(state.get("world_size", self.ctx.world_size))
+        old_batch = int(state.get("batch_size", self.batch_size))
+        if (old_world, old_batch) != (self.ctx.world_size, self.batch_size) and self.batch:
+            # Another world size: another split. Carry on after as many samples of the epoch's order as the old
+            # world read (said by Loop in its one line). Counted in samples, not batches: a loop that keeps its
+            # global batch (each rank's = global / world) reads the very samples of each step it would have.
+            read = self.batch * old_batch * old_world
+            self.batch = min(len(self), read // (self.batch_size * self.ctx.world_size))
         self._resume_at = self.batch
