@@ -76,6 +76,13 @@ class TrainConfig:
         "evenly over the sorted files, so every class stays",
     )
     limit_test: int = _f(0, "data", "use N test samples (0 = all), chosen as for --limit-train")
+    val_fraction: float = _f(
+        0.0,
+        "data",
+        "hold out this fraction of the training set as the validation split (drawn with --seed, the same at "
+        "every world size; 0 = none): evaluated at epoch ends, or every --eval-every-steps instead, and what "
+        "--keep-best and --early-stop watch; the test set is then evaluated once, at the end",
+    )
     synthetic_shape: str = _f("3,32,32", "data", "C,H,W of the synthetic dataset's images")
     synthetic_size: int = _f(50000, "data", "synthetic training samples (test set is a fifth of it)")
     synthetic_classes: int = _f(10, "data", "synthetic class count")
@@ -293,6 +300,24 @@ class TrainConfig:
     )
     # [checkpoint]
     save_every_steps: int = _f(0, "checkpoint", "also snapshot every N optimizer steps (0 = at epoch ends only)")
+    eval_every_steps: int = _f(
+        0,
+        "checkpoint",
+        "evaluate on the validation split every N optimizer steps, not at epoch ends (0 = at epoch ends); "
+        "needs one (--val-fraction, or val_data from Python)",
+    )
+    keep_best: str = _f(
+        "",
+        "checkpoint",
+        "keep the weights with the best METRIC of the validation split in RUN_DIR/best.pt, with its step: "
+        "val_loss, val_accuracy, ...; lowest for a loss or error, highest otherwise, or say METRIC:min|max",
+    )
+    early_stop: str = _f(
+        "",
+        "checkpoint",
+        "METRIC:PATIENCE: stop when the validation METRIC has not improved for PATIENCE evaluations in a "
+        "row (lowest or highest best as for --keep-best; METRIC:PATIENCE:min|max to say)",
+    )
     keep_snapshots: int = _f(2, "checkpoint", "how many of the newest snapshots to keep")
     # [launch]
     nproc: str = _f("auto", "launch", "processes on this node: N, or auto (one per visible GPU, 1 on CPU)")
@@ -408,7 +433,14 @@ class TrainConfig:
                     f"--join cannot be combined with {', '.join(clash)}: Join stands in only for DDP's "
                     f"and ZeRO's own all-reduces, and ranks run different step counts"
                 )
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must be in [0, 1) (0 = no validation split), got {self.val_fraction}")
+        if self.keep_best:
+            watched_metric(self.keep_best, "--keep-best")
+        if self.early_stop:
+            early_stop_rule(self.early_stop)
         nonneg = {
+            "eval_every_steps": self.eval_every_steps,
             "max_steps": self.max_steps,
             "limit_train": self.limit_train,
             "limit_test": self.limit_test,
@@ -502,7 +534,15 @@ class TrainConfig:
     # Identity keys added after run directories were named by this hash, left out of it at their
     # default: an unfinished run named by an older ddpkit keeps its name, so rerunning its command
     # after an upgrade resumes it.
-    HASHED_UNLESS_DEFAULT = {"beta2": None, "cuda_graph": "auto", "shuffle_in_batch": False}
+    HASHED_UNLESS_DEFAULT = {
+        "beta2": None,
+        "cuda_graph": "auto",
+        "shuffle_in_batch": False,
+        "val_fraction": 0.0,
+        "eval_every_steps": 0,
+        "keep_best": "",
+        "early_stop": "",
+    }
 
     def hash(self) -> str:
         kept = {
@@ -708,3 +748,30 @@ def _slug(name: str) -> str:
 
 
 FIELD_TYPES = _field_types()
+
+
+def watched_metric(spec: str, flag: str) -> tuple[str, str]:
+    """``--keep-best`` / ``--early-stop``'s metric: (name, "min" or "max"). ``val_loss`` is lowest-best (a
+    name holding loss, error, perplexity or mse/mae), any other highest-best; ``NAME:min|max`` says."""
+    name, _, mode = spec.partition(":")
+    if not re.fullmatch(r"val_[A-Za-z0-9_]+", name):
+        raise ConfigError(
+            f"{flag} {spec!r}: name a metric of the validation split, e.g. val_loss or val_accuracy "
+            f"(the test set only reports, once, at the end; it never chooses)"
+        )
+    if mode and mode not in ("min", "max"):
+        raise ConfigError(f"{flag} {spec!r}: the direction after ':' is min or max, got {mode!r}")
+    lowest = re.search(r"loss|err|perplexity|ppl|mse|mae|rmse", name[4:])
+    return name, mode or ("min" if lowest else "max")
+
+
+def early_stop_rule(spec: str) -> tuple[str, str, int]:
+    """``--early-stop METRIC:PATIENCE[:min|max]``: (name, mode, patience)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not re.fullmatch(r"[1-9][0-9]*", parts[1]):
+        raise ConfigError(
+            f"--early-stop {spec!r}: give METRIC:PATIENCE, e.g. val_loss:5 (stop after 5 evaluations in a row "
+            f"without a new best), optionally :min or :max after it"
+        )
+    name, mode = watched_metric(":".join([parts[0], *parts[2:]]), "--early-stop")
+    return name, mode, int(parts[1])

@@ -539,13 +539,16 @@ def model_fingerprint(model: nn.Module) -> Fingerprint:
 
 
 def data_fingerprint(
-    train: Any, test: Any, collate_fn: Any = None, meta: Any = None, worker_init_fn: Any = None
+    train: Any, test: Any, collate_fn: Any = None, meta: Any = None, worker_init_fn: Any = None, val: Any = None
 ) -> Fingerprint:
-    """The data's content; with ``collate_fn`` and ``worker_init_fn`` (their code) and ``meta`` (its fields)
-    when they are given: parts only then, so data passed without them keeps the tag older ddpkit gave it."""
+    """The data's content; with ``collate_fn`` and ``worker_init_fn`` (their code), ``meta`` (its fields) and a
+    validation split when they are given: parts only then, so data passed without them keeps the tag older
+    ddpkit gave it."""
     reader = _Reader()
     reader.dataset(train, "train")
     reader.dataset(test, "test")
+    if val is not None:
+        reader.dataset(val, "val")
     reader.folders_unread()
     reader.data = False  # what follows is code and settings, not files
     if collate_fn is not None:

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .config import TrainConfig, parse_loggers
+from .config import TrainConfig, parse_loggers, watched_metric
 from .data import DataSplits, ImageData, TensorData, load_dataset
 from .data.batch import first_tensor
+from .data.datasets import hold_out
 from .data.loader import Preprocess
 from .data.materialize import materialize
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, raised_at
@@ -100,7 +101,10 @@ def preflight(
             "optimizer=lambda model: ..."
         )
     if splits is None:
-        splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")
+        splits = load_dataset(cfg, download=os.environ.get(env.LOCAL_RANK, "0") == "0")  # --val-fraction held out
+    else:
+        splits = hold_out(splits, cfg)
+    check_validation(cfg, splits)
     found = content_fingerprints(cfg, splits)
     # Recorded in the config, and the default run dir's name covers them: the data's content and the starting weights
     cfg = dataclasses.replace(cfg, **{k: fp.tag for k, fp in found.items()}).named()
@@ -125,6 +129,7 @@ def preflight(
             f"({splits.note}); use --data-path loader or auto"
         )
     task = task_for(cfg)
+    check_watched(cfg, task)
     own_model = model is not None  # the registry models use every parameter in every step (DDP's static graph)
     if model is None:
         model = model_for(cfg, splits.meta)
@@ -233,13 +238,47 @@ def agent_started_at() -> float:
         return float("inf")
 
 
+def check_validation(cfg: TrainConfig, splits: DataSplits) -> None:
+    """What evaluates on the validation split needs one: said before anything loads further."""
+    if splits.val is not None and len(splits.val) == 0:
+        raise DataError("val_data is empty: give at least one validation sample, or leave it out")
+    if splits.val is not None:
+        return
+    asking = [
+        flag
+        for flag, value in (
+            ("--eval-every-steps", cfg.eval_every_steps),
+            ("--keep-best", cfg.keep_best),
+            ("--early-stop", cfg.early_stop),
+        )
+        if value
+    ]
+    if asking:
+        raise ConfigError(
+            f"{', '.join(asking)} need{'s' if len(asking) == 1 else ''} a validation split, and this run has none: "
+            f"hold one out of the training set with --val-fraction F (e.g. 0.1), or pass val_data= from Python "
+            f"(the test set is never used to choose)"
+        )
+
+
+def check_watched(cfg: TrainConfig, task: Task) -> None:
+    """``--keep-best`` and ``--early-stop`` name a metric the task reports."""
+    for flag, spec in (("--keep-best", cfg.keep_best), ("--early-stop", cfg.early_stop)):
+        if not spec:
+            continue
+        name = watched_metric(spec.split(":")[0], flag)[0]
+        if name.removeprefix("val_") not in task.names:
+            offered = ", ".join(f"val_{n}" for n in task.names)
+            raise ConfigError(f"{flag} {spec}: this run's validation metrics are {offered}; name one of them")
+
+
 def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fingerprint]:
     """What the run identity reads of content the config names by path: the built-in or imagefolder
     data (tensors by content, image files by path, size and mtime), and the --init-from file (SHA-256).
     Data passed from Python is read by the Trainer (config field ``dataset``)."""
     found = {}
     if not cfg.dataset.startswith("custom:"):
-        found["data_digest"] = data_fingerprint(splits.train, splits.test)
+        found["data_digest"] = data_fingerprint(splits.train, splits.test, val=splits.val)
         if is_import_path(cfg.dataset):  # and the function that made it
             found["data_digest"] = with_code(found["data_digest"], "factory", resolve(cfg.dataset, "--dataset"))
     if cfg.init_from:

@@ -107,6 +107,7 @@ class Trainer:
         optimizer: Any = None,
         scheduler: Any = None,
         collate_fn: Callable | None = None,
+        val_data: Dataset | None = None,
     ):
         cfg = config or TrainConfig()
         model, train_data, test_data, meta, collate_fn = by_import_path(
@@ -119,12 +120,20 @@ class Trainer:
         # What the run identity reads of each thing passed in, by config field (ddpkit.identity);
         # kept in RUN_DIR/identity.json so a refusal can say which part differs.
         prints: dict[str, Fingerprint] = {}
+        if val_data is not None:
+            _map_style(val_data, "val_data")
+            if train_data is None:
+                raise ConfigError("val_data is a validation split of train_data: pass train_data too")
         if train_data is not None or test_data is not None:
             given = meta  # read when given; one inferred from the data is a function of what is read
             meta = meta or infer_meta(train_data if train_data is not None else test_data)
-            self.splits = DataSplits(train_data, test_data, meta, collate_fn, worker_init_fn=worker_init_fn)
+            self.splits = DataSplits(
+                train_data, test_data, meta, collate_fn, worker_init_fn=worker_init_fn, val=val_data
+            )
             if not is_import_path(cfg.dataset):  # by import path: read as data_digest, as the built-in data
-                prints["dataset"] = data_fingerprint(train_data, test_data, collate_fn, given, worker_init_fn)
+                prints["dataset"] = data_fingerprint(
+                    train_data, test_data, collate_fn, given, worker_init_fn, val=val_data
+                )
         if model is not None:
             # By import path the config keeps the path (so every command can build it again) and the
             # fingerprint goes to model_digest; a model passed in is named by its fingerprint.

@@ -25,7 +25,7 @@ from .cifar import LAYOUTS as CIFAR_LAYOUTS
 from .cifar import read_cifar_split
 from .folder import load_imagefolder
 from .idx import read_idx_pair
-from .types import DataSplits, ImageData, Meta, infer_meta
+from .types import DataSplits, ImageData, Meta, TensorData, infer_meta
 
 MNIST_DIR = Path(__file__).parent / "mnist"
 IDX_FILES = {
@@ -137,11 +137,41 @@ def load_dataset(cfg: TrainConfig, download: bool = True) -> DataSplits:
     folder, or yours by ``--dataset pkg.module:function``."""
     check_dataset_name(cfg.dataset)
     if is_import_path(cfg.dataset):
-        return own_dataset(cfg)
-    if cfg.dataset.startswith("imagefolder:"):
-        return load_imagefolder(cfg.dataset.split(":", 1)[1], cfg.image_size, cfg.limit_train, cfg.limit_test)
-    splits = DATASETS[cfg.dataset](cfg, download)
-    return replace(splits, train=splits.train.head(cfg.limit_train), test=splits.test.head(cfg.limit_test))
+        splits = own_dataset(cfg)
+    elif cfg.dataset.startswith("imagefolder:"):
+        splits = load_imagefolder(cfg.dataset.split(":", 1)[1], cfg.image_size, cfg.limit_train, cfg.limit_test)
+    else:
+        splits = DATASETS[cfg.dataset](cfg, download)
+        splits = replace(splits, train=splits.train.head(cfg.limit_train), test=splits.test.head(cfg.limit_test))
+    return hold_out(splits, cfg)
+
+
+def hold_out(splits: DataSplits, cfg: TrainConfig) -> DataSplits:
+    """``--val-fraction F``: the validation split, round(F x N) samples of the training set drawn with
+    ``--seed`` (so the same samples at every world size and rerun), the rest staying the training set,
+    both in their original order. Nothing held out at F = 0, or where a validation split was passed."""
+    if not cfg.val_fraction:
+        return splits
+    if splits.val is not None:
+        raise DataError("val_data is passed and --val-fraction asks for a held-out split too; give one of them")
+    n = len(splits.train)
+    k = round(cfg.val_fraction * n)
+    if not 0 < k < n:
+        raise DataError(
+            f"--val-fraction {cfg.val_fraction} of {n} training samples holds out {k}: it must leave at least "
+            f"one sample on each side"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
+    val, train = order[:k].sort().values, order[k:].sort().values
+    return replace(splits, train=_subset(splits.train, train), val=_subset(splits.train, val))
+
+
+def _subset(data, index: torch.Tensor):
+    if isinstance(data, ImageData):
+        return data.subset(index)
+    if isinstance(data, TensorData):
+        return TensorData(data.take(index))
+    return Subset(data, index.tolist())
 
 
 def own_dataset(cfg: TrainConfig) -> DataSplits:

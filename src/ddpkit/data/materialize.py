@@ -44,13 +44,15 @@ def materialize(splits: DataSplits, cfg: TrainConfig, available: int | None = No
         return _with_note(splits, "DataLoader path, as --data-path loader asks")
     budget = HOST_FRACTION * available if available else float("inf")
     out, notes = {}, []
-    for name in ("train", "test"):
+    for name in ("train", "test", "val"):
         data = getattr(splits, name)
+        if data is None:  # no validation split
+            continue
         held, note = _held(data, name, splits, cfg, budget)
         out[name] = held
         budget -= _nbytes(held)
         notes.append(note)
-    return dataclasses.replace(splits, train=out["train"], test=out["test"], note="; ".join(notes))
+    return dataclasses.replace(splits, **out, note="; ".join(notes))
 
 
 def _with_note(splits: DataSplits, note: str) -> DataSplits:

@@ -1,6 +1,6 @@
 """The data types every layer above shares: what a dataset is once loaded.
 
-DataSplits(train, test, meta)      # train/test: ImageData, TensorData, or any map-style Dataset
+DataSplits(train, test, meta)      # train/test (and val): ImageData, TensorData, or any map-style Dataset
 ImageData(images, labels)          # uint8 [N, C, H, W] and int64 [N], a whole split in memory
 TensorData(tree)                   # any nest of tensors [N, ...], batched by indexing
 Meta(channels, height, width, classes, mean, std, augment)
@@ -51,6 +51,9 @@ class ImageData(Dataset):
     def head(self, n: int) -> "ImageData":
         return self if not n or n >= len(self) else ImageData(self.images[:n], self.labels[:n])
 
+    def subset(self, index: torch.Tensor) -> "ImageData":
+        return ImageData(self.images[index], self.labels[index])
+
     @classmethod
     def from_numpy(cls, images: np.ndarray, labels: np.ndarray) -> "ImageData":
         if images.ndim == 3:  # [N, H, W] greyscale
@@ -98,6 +101,7 @@ class DataSplits:
     collate_fn: Callable | None = None  # the user's, for DataLoader-path datasets
     note: str = ""  # how the data is held, and why (materialised, cached, streamed): logged at start
     worker_init_fn: Callable | None = None  # the user's DataLoader's, called in each loader worker as it starts
+    val: Dataset | None = None  # the validation split: passed (val_data), or held out of train (--val-fraction)
 
 
 def infer_meta(data: Dataset | None) -> Meta | None:

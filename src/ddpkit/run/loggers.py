@@ -36,7 +36,8 @@ from .paths import RunFiles
 from .records import read_records
 
 BOOKKEEPING = ("event", "time", "epoch", "step")  # in every record; not plotted as a scalar
-GROUPS = {"step": "train", "epoch": "epoch", "summary": "summary"}  # record event -> scalar tag prefix
+# record event -> scalar tag prefix ("eval": the validation split's, by step)
+GROUPS = {"step": "train", "eval": "eval", "epoch": "epoch", "summary": "summary"}
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -8,6 +8,7 @@ RUN_DIR/identity.json    what ddpkit read of the model, data, optimizer... passe
 RUN_DIR/metrics.jsonl    one JSON record per event (start, step, epoch, stopped, summary)
 RUN_DIR/summary.json     final figures
 RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
+RUN_DIR/best.pt          --keep-best: {"metric", "value", "step", "weights": {"model": state_dict}} (a Loop's too)
 RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable or damaged ones go to checkpoints/corrupt/
 RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
 RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
@@ -19,17 +20,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIG, IDENTITY, METRICS, SUMMARY, MODEL, CHECKPOINTS, PLOTS = (
+CONFIG, IDENTITY, METRICS, SUMMARY, MODEL, BEST, CHECKPOINTS, PLOTS = (
     "config.toml",
     "identity.json",
     "metrics.jsonl",
     "summary.json",
     "model.pt",
+    "best.pt",
     "checkpoints",
     "plots",
 )
 # What ddpkit keeps in a run dir, each as a file or a directory; another kind of entry there is refused.
-EXPECTED = {CONFIG: "file", IDENTITY: "file", METRICS: "file", SUMMARY: "file", MODEL: "file", CHECKPOINTS: "directory"}
+EXPECTED = {
+    CONFIG: "file",
+    IDENTITY: "file",
+    METRICS: "file",
+    SUMMARY: "file",
+    MODEL: "file",
+    BEST: "file",
+    CHECKPOINTS: "directory",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,10 @@ class RunFiles:
     @property
     def model(self) -> Path:
         return self.root / MODEL
+
+    @property
+    def best(self) -> Path:
+        return self.root / BEST
 
     @property
     def checkpoints(self) -> Path:

@@ -57,7 +57,12 @@ def read_run(run_dir: str | Path, warn=_stderr) -> dict:
         raise RunDirError(f"{path} holds no training steps yet; nothing to plot")
     world = next((r.get("world_size") for r in reversed(records) if r["event"] == "start"), None)
     label = Path(run_dir).resolve().name + (f" (world {world})" if world else "")
-    return {"label": label, "steps": steps, "epochs": [r for r in records if r["event"] == "epoch"]}
+    return {
+        "label": label,
+        "steps": steps,
+        "epochs": [r for r in records if r["event"] == "epoch"],
+        "evals": [r for r in records if r["event"] == "eval"],  # the validation split's, by step
+    }
 
 
 def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str = "--out") -> list[Path]:
@@ -160,6 +165,22 @@ def _curve_figure(
                 markerfacecolor="white",
                 markeredgewidth=1.8,
                 label=f"{who}test (epoch end)",
+            )
+        vals = [
+            (r["step"], r[f"val_{metric}"]) for r in run.get("evals", []) if test and r.get(f"val_{metric}") is not None
+        ]
+        if vals:
+            x, y = zip(*vals)
+            ax.plot(
+                x,
+                [v * scale for v in y],
+                linestyle=line,
+                color=colour,
+                lw=1.0,
+                marker="s" if len(vals) <= 30 else None,
+                ms=5,
+                markerfacecolor="white",
+                label=f"{who}validation",
             )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)

@@ -89,7 +89,7 @@ class MetricLogger:
         kept = [
             r
             for r in scan.records
-            if not (r["event"] == "step" and r["step"] > global_step)
+            if not (r["event"] in ("step", "eval") and r["step"] > global_step)
             and not (r["event"] == "epoch" and r["epoch"] >= epoch)
         ]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())

@@ -35,7 +35,7 @@ from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import training_plots
 from ..run.recorder import MetricLogger
-from ..run.rundir import unproven, write_config, write_model, write_summary
+from ..run.rundir import unproven, write_best, write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
 from .graph import GraphedSteps, decide
@@ -52,6 +52,7 @@ from .optim import (
     user_optimizer,
     user_schedule,
 )
+from .selection import from_state, to_state, watches
 from .signals import StopSignal
 from .task import Classification, Task
 
@@ -60,19 +61,22 @@ def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
     """This rank's train and eval batch sources (the engine's, and what ``ddpkit check`` counts)."""
     per_rank_batch = cfg.batch_size // ctx.world_size
     train_src = make_train_source(splits, cfg, ctx, per_rank_batch // cfg.grad_accum, group=cfg.grad_accum)
-    test = splits.test
-    if getattr(train_src, "on_device", False) and isinstance(test, ImageData):
-        test = ImageData(test.images.to(ctx.device), test.labels.to(ctx.device))
-    eval_src = EvalSource(
-        test,
+    return train_src, eval_source(splits.test, splits, cfg, ctx, getattr(train_src, "on_device", False))
+
+
+def eval_source(data, splits: DataSplits, cfg: TrainConfig, ctx: DistContext, on_device: bool) -> EvalSource:
+    """The test split's batches, or the validation split's: each sample once over the ranks."""
+    if on_device and isinstance(data, ImageData):
+        data = ImageData(data.images.to(ctx.device), data.labels.to(ctx.device))
+    return EvalSource(
+        data,
         Preprocess.for_config(splits.meta, ctx.device, cfg),
         cfg,
         ctx,
-        max(256, per_rank_batch),
+        max(256, cfg.batch_size // ctx.world_size),
         splits.collate_fn,
         splits.worker_init_fn,
     )
-    return train_src, eval_src
 
 
 @dataclass
@@ -125,6 +129,12 @@ class Engine:
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
         self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
+        # The validation split (--val-fraction, val_data): evaluated at epoch ends and every --eval-every-steps,
+        # and what --keep-best and --early-stop watch; the test set is then evaluated once, at the end.
+        on_device = getattr(self.train_src, "on_device", False)
+        self.val_src = eval_source(splits.val, splits, cfg, ctx, on_device) if splits.val is not None else None
+        self.best, self.stopper = watches(cfg)
+        self._last_val: tuple | None = None  # (global step, result) of the newest validation
         # Optimizer steps per epoch; with --join this rank may run fewer, and catches up after the Join.
         self.steps_per_epoch = (
             getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
@@ -233,6 +243,7 @@ class Engine:
             # list of floats, valid at any world size
             "interval": dataclasses.asdict(self.interval),
             "divergence": dataclasses.asdict(self.watch),
+            "selection": {"best": to_state(self.best), "early_stop": to_state(self.stopper)},
             "final_train": self.final_train,
             # Plain floats: this travels through all_gather_object, which would rebuild a
             # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
@@ -247,6 +258,9 @@ class Engine:
                 part.load_state_dict(state[key])
         self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
         self.watch = DivergenceWatch(**state.get("divergence", {}))  # snapshots before 0.3 have none
+        selection = state.get("selection") or {}  # snapshots before --keep-best have none
+        from_state(self.best, selection.get("best"))
+        from_state(self.stopper, selection.get("early_stop"))
         self.final_train = state["final_train"]
         # Older snapshots have none: the first step record after the resume then covers the steps since it
         self._resumed_interval = Interval(**state["interval"]) if state.get("interval") else None
@@ -321,7 +335,11 @@ class Engine:
                 find_unused_parameters=bool(self.find_unused) if self.ddp is not None else None,
             )
             with self._stop:
-                while self.pos.epoch < self.cfg.epochs and self.pos.global_step < self.total_steps:
+                while (
+                    self.pos.epoch < self.cfg.epochs
+                    and self.pos.global_step < self.total_steps
+                    and not self._stopped_early
+                ):
                     self._run_epoch()
             summary = self._finish()
             ok = True
@@ -389,6 +407,9 @@ class Engine:
                 last = (
                     self.pos.step_in_epoch == self.steps_per_epoch or self.pos.global_step == self.total_steps
                 )  # --max-steps
+                if cfg.eval_every_steps and self.pos.global_step % cfg.eval_every_steps == 0:
+                    self._validate()
+                    last = last or self._stopped_early  # --early-stop: this step ends the epoch and the run
                 if self.pos.step_in_epoch % cfg.log_every == 0 or last:
                     self._log_interval()
                 if last:
@@ -573,8 +594,15 @@ class Engine:
             )
 
     def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
-        result, local = self._evaluate()
-        self._last_eval = (self.pos.global_step, result, local)
+        if self.val_src is not None:  # the validation split; the test set waits for the end
+            val = self._last_val
+            if val is not None and val[0] == self.pos.global_step:
+                result = val[1]  # this step's, from the cadence
+            else:  # at epoch ends only when there is no step cadence
+                result = self._validate() if not self.cfg.eval_every_steps else {}
+        else:
+            result, local = self._evaluate()
+            self._last_eval = (self.pos.global_step, result, local)
         self.log.log(
             "epoch",
             epoch=self.pos.epoch,
@@ -592,14 +620,44 @@ class Engine:
         self.acc.reset()
         self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
 
-    def _evaluate(self) -> tuple[dict, torch.Tensor]:
+    def _evaluate(self, source: EvalSource | None = None, prefix: str = "test_") -> tuple[dict, torch.Tensor]:
         hangwatch.idle()  # no steps until the next epoch's first: its collectives are still watched
         model = self.ema.module if self.ema is not None else self.raw
         # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
         # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
         # what model.pt (rank 0's) will hold.
         self.ctx.broadcast_many(list(model.buffers()))
-        return evaluate(model, self.eval_src, self.task, self.cfg, self.ctx)
+        return evaluate(model, source or self.eval_src, self.task, self.cfg, self.ctx, prefix)
+
+    @property
+    def _stopped_early(self) -> bool:
+        return self.stopper is not None and self.stopper.exhausted
+
+    def _validate(self) -> dict:
+        """Evaluate the validation split now: an ``eval`` record by step, a new best written to best.pt
+        (--keep-best), the patience counted (--early-stop). Every rank decides alike on the all-reduced
+        result. Its time is left out of the epoch's and the interval's training time."""
+        t = time.perf_counter()
+        step = self.pos.global_step
+        result, _ = self._evaluate(self.val_src, "val_")
+        self._last_val = (step, result)
+        if self.best is not None and self.best.update(result, step):
+            write_best(self.cfg.run_dir, self.ema.module if self.ema is not None else self.raw, self.ctx, self.best)
+        if self.stopper is not None:
+            self.stopper.update(result, step)
+        self.log.log("eval", epoch=self.pos.epoch, step=step, **result)
+        if self._stopped_early:
+            s = self.stopper
+            self.log.print(
+                f"ddpkit: early stop at step {step}: {s.metric} has not improved for {s.patience} evaluations "
+                f"(best {s.value:.6g} at step {s.step})"
+                if s.value is not None
+                else f"ddpkit: early stop at step {step}: {s.metric} was never finite in {s.patience} evaluations"
+            )
+        spent = time.perf_counter() - t
+        self._epoch_t0 += spent
+        self._t_last += spent
+        return result
 
     def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
         """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
@@ -629,7 +687,7 @@ class Engine:
         if self._last_eval is not None and self._last_eval[0] == self.pos.global_step:
             _, result, test_local = self._last_eval  # the weights have not changed since the last epoch's
         else:
-            result, test_local = self._evaluate()
+            result, test_local = self._evaluate()  # with a validation split: the test set's one evaluation
         per_rank = self._per_rank(test_local)
         model = self.ema.module if self.ema is not None else self.raw
         write_model(cfg.run_dir, model, ctx)
@@ -663,6 +721,11 @@ class Engine:
             "ddp_timers": ddp_timers(self.ddp),
             "diverged_at_step": self.watch.diverged_at_step,
             "cuda_graph": self.graph.status if self.graph is not None else str(self.graph_decision),
+            **({f"final_{k}": v for k, v in self._last_val[1].items()} if self._last_val is not None else {}),
+            "best": {"metric": self.best.metric, "value": self.best.value, "step": self.best.step}
+            if self.best is not None
+            else None,
+            "early_stopped_at_step": self.pos.global_step if self._stopped_early else None,
         }
         write_summary(cfg.run_dir, summary, ctx)
         # The run's last collective: rank 0's last record, plots and loggers' close below keep no rank

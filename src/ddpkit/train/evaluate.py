@@ -22,10 +22,10 @@ from .task import Task
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, source: EvalSource, task: Task, cfg: TrainConfig, ctx: DistContext
+    model: nn.Module, source: EvalSource, task: Task, cfg: TrainConfig, ctx: DistContext, prefix: str = "test_"
 ) -> tuple[dict, torch.Tensor]:
-    """({test_<metric>: mean, test_samples: n} over the whole test set, this rank's own
-    [sums..., counts..., samples] on the device). Every rank must call it.
+    """({test_<metric>: mean, test_samples: n} over the whole test set (``prefix`` "val_": the validation
+    split), this rank's own [sums..., counts..., samples] on the device). Every rank must call it.
 
     ``model`` must be the unwrapped module: DDP's forward hooks are for training only.
     """
@@ -41,4 +41,4 @@ def evaluate(
     local = torch.cat([acc.local(), torch.tensor([float(samples)], dtype=torch.float64, device=ctx.device)])
     totals = ctx.all_reduce(local.clone()).tolist()
     # An empty test set is refused before launch (trainer.preflight); here its means are None.
-    return {**acc.means(totals[:-1], "test_"), "test_samples": int(totals[-1])}, local
+    return {**acc.means(totals[:-1], prefix), f"{prefix}samples": int(totals[-1])}, local
