@@ -557,7 +557,19 @@ class TrainConfig:
     RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
     # Keys a run dir written before they existed lacks altogether: such a run is matched on the rest. Their
     # empty value is a real one ("" = no arguments), so only a missing key means "not recorded".
-    ADDED_SINCE_0_3 = frozenset({"model_digest", "model_args", "dataset_args", "cuda_graph", "shuffle_in_batch"})
+    ADDED_SINCE_0_3 = frozenset(
+        {
+            "model_digest",
+            "model_args",
+            "dataset_args",
+            "cuda_graph",
+            "shuffle_in_batch",
+            "val_fraction",
+            "eval_every_steps",
+            "keep_best",
+            "early_stop",
+        }
+    )
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""

@@ -301,8 +301,16 @@ def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
     import json
 
     cfg = TrainConfig(dataset="mnist", recipe="mnist", epochs=1).resolved()
-    older = {k: v for k, v in cfg.identity().items() if k not in ("beta2", "cuda_graph", "shuffle_in_batch")}
+    added = ("beta2", "cuda_graph", "shuffle_in_batch", "val_fraction", "eval_every_steps", "keep_best", "early_stop")
+    older = {k: v for k, v in cfg.identity().items() if k not in added}
     assert cfg.hash() == hashlib.sha256(json.dumps(older, sort_keys=True, default=str).encode()).hexdigest()
+    for key, value in (
+        ("val_fraction", 0.1),
+        ("eval_every_steps", 5),
+        ("keep_best", "val_loss"),
+        ("early_stop", "val_loss:3"),
+    ):
+        assert dataclasses.replace(cfg, **{key: value}).hash() != cfg.hash()
     assert dataclasses.replace(cfg, cuda_graph="on").hash() != cfg.hash()
     assert dataclasses.replace(cfg, shuffle_in_batch=True).hash() != cfg.hash()
     assert dataclasses.replace(cfg, beta2=0.95).hash() != cfg.hash()

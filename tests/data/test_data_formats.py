@@ -17,7 +17,7 @@ from ddpkit.errors import DataError
 
 
 def cfg(**kw):
-    base = dict(data_dir="data", limit_train=0, limit_test=0, dataset="mnist")
+    base = dict(data_dir="data", limit_train=0, limit_test=0, val_fraction=0.0, dataset="mnist")
     return SimpleNamespace(**{**base, **kw})
 
 
