@@ -354,12 +354,13 @@ class TrainConfig:
         cfg.validate()
         return cfg
 
-    def named(self) -> "TrainConfig":
+    def named(self, horizon: bool = False) -> "TrainConfig":
         """The run dir fixed: as given, or ``runs/DATASET-MODEL-HASH``, the hash over the identity fields
-        (so over the content fingerprints too, once preflight has recorded them)."""
+        (so over the content fingerprints too, once preflight has recorded them) but the horizon's
+        (``horizon=True``: with them, the name ddpkit before 0.4 gave)."""
         if self.run_dir:
             return self
-        name = f"{_slug(self.dataset)}-{_slug(self.model)}-{self.hash()[:8]}"
+        name = f"{_slug(self.dataset)}-{_slug(self.model)}-{self.hash(horizon)[:8]}"
         return dataclasses.replace(self, run_dir=str(Path("runs") / name))
 
     def validate(self) -> None:
@@ -544,14 +545,28 @@ class TrainConfig:
         "early_stop": "",
     }
 
-    def hash(self) -> str:
+    # "Horizon" fields: how long the run trains, not what any of its steps computes. A run dir is named
+    # without them, and a run whose horizon grows goes on from its last snapshot where its lr policy does
+    # not depend on the total (preflight.settle_run_dir); a snapshot of another horizon loads.
+    HORIZON = frozenset({"epochs", "max_steps"})
+
+    def hash(self, horizon: bool = False) -> str:
+        """The identity's hash, without the horizon fields (``horizon=True``: with them, as run dirs were
+        named before ddpkit 0.4)."""
         kept = {
             k: v
             for k, v in self.identity().items()
             if not (k in self.HASHED_UNLESS_DEFAULT and v == self.HASHED_UNLESS_DEFAULT[k])
+            and (horizon or k not in self.HORIZON)
         }
         blob = json.dumps(kept, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def horizon_changes(self, other: dict) -> dict[str, tuple]:
+        """{field: (saved, now)} for each horizon field that differs from ``other`` (a saved config dict)."""
+        return {
+            k: (other[k], getattr(self, k)) for k in sorted(self.HORIZON) if k in other and other[k] != getattr(self, k)
+        }
 
     # Identity keys a run dir written before ddpkit 0.3 leaves empty: such a run is matched on the rest.
     RECORDED_SINCE_0_3 = frozenset({"data_digest", "init_digest"})
@@ -578,7 +593,7 @@ class TrainConfig:
         mine = {k: v for k, v in self.identity().items() if k not in unrecorded}
         other = {k: v for k, v in other.items() if k not in unrecorded}
         theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}
-        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k) and k not in self.HORIZON)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:

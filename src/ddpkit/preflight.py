@@ -38,6 +38,7 @@ from .run.loggers import check_installed
 from .run.paths import RunFiles
 from .run.rundir import check_run_dir, unproven
 from .train.graph import blockers
+from .train.optim import lr_depends_on_total
 from .train.task import Classification, Task
 
 
@@ -68,6 +69,7 @@ def preflight(
     task_for: Callable,
     optimizer: Any = None,
     fingerprints: dict | None = None,
+    scheduler: Any = None,
 ) -> Plan:
     """Every check that can fail before launch, said once; the :class:`Plan` of the run.
     ``fingerprints``: what the Trainer read of the objects passed in (by config field, as JSON)."""
@@ -151,7 +153,9 @@ def preflight(
         )
     check_processes(spec, splits, model)
     identity = {**(fingerprints or {}), **{k: fp.to_json() for k, fp in found.items()}}
-    cfg, finished = settle_run_dir(cfg, identity, named=bool(config.run_dir))
+    cfg, finished = settle_run_dir(
+        cfg, identity, named=bool(config.run_dir), lr_total=lr_depends_on_total(cfg, scheduler)
+    )
     return Plan(cfg, spec, splits, task, identity, find_unused, finished)
 
 
@@ -186,8 +190,11 @@ def unused_parameters(
     return bool(unused)
 
 
-def settle_run_dir(cfg: TrainConfig, identity: dict, named: bool) -> tuple[TrainConfig, dict | None]:
-    """(the config to run, the finished run's summary to return or None). ``named``: the user gave the run dir.
+def settle_run_dir(
+    cfg: TrainConfig, identity: dict, named: bool, lr_total: str | None = None
+) -> tuple[TrainConfig, dict | None]:
+    """(the config to run, the finished run's summary to return or None). ``named``: the user gave the run dir;
+    ``lr_total``: why the lr policy depends on the total steps (a longer horizon is then refused).
 
     The identity guards a resume; it never proves a finished run unchanged (no reading of a
     program can: an edit it does not read looks the same). So a finished run is returned only when
@@ -198,7 +205,12 @@ def settle_run_dir(cfg: TrainConfig, identity: dict, named: bool) -> tuple[Train
     everything readable match, and a kill is why runs are rerun.
     """
     doubts = unproven(identity)
-    finished = check_run_dir(cfg, identity)
+    if not named and not Path(cfg.run_dir).exists():
+        # A run ddpkit before 0.4 named with its horizon in the hash: a rerun after the upgrade resumes it there
+        older = dataclasses.replace(cfg, run_dir="").named(horizon=True)
+        if Path(older.run_dir).exists():
+            cfg = older
+    finished = check_run_dir(cfg, identity, lr_total)
     if finished is None:
         return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
     if cfg.reuse_finished and not doubts:
@@ -218,7 +230,7 @@ def settle_run_dir(cfg: TrainConfig, identity: dict, named: bool) -> tuple[Train
     base = cfg.run_dir
     for n in range(2, 1000):
         cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
-        if check_run_dir(cfg, identity) is None:
+        if check_run_dir(cfg, identity, lr_total) is None:
             doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
             print(f"ddpkit: {base} holds a finished run of this config ({why}); {doing} {cfg.run_dir}")
             return cfg, None

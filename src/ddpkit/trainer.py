@@ -192,7 +192,9 @@ class Trainer:
         t0 = float(os.environ.pop(env.T0, time.time()))
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
-        plan = preflight(self.config, self.splits, self.model, self._task, self.optimizer, self.fingerprints)
+        plan = preflight(
+            self.config, self.splits, self.model, self._task, self.optimizer, self.fingerprints, self.scheduler
+        )
         cfg = plan.config
         if not plan.spec.in_process:
             refuse_unguarded_main()  # before the run dir is touched

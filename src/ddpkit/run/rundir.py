@@ -95,7 +95,7 @@ def check_rebuilt(cfg: TrainConfig, run_dir: str | Path, splits) -> None:
         )
 
 
-def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None:
+def check_run_dir(cfg: TrainConfig, identity: dict | None = None, lr_total: str | None = None) -> dict | None:
     """Refuse a run dir that cannot be used as asked; return its summary if that run already finished.
 
     Checked before any worker starts: the layout (each entry a file or a directory as ddpkit
@@ -103,7 +103,8 @@ def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None
     summary.json is unreadable is not "finished": it resumes from its last snapshot, which
     writes model.pt and summary.json again. ``identity``: the fingerprints of what was passed in
     (``Fingerprint.to_json()`` by config field), compared with the run dir's identity.json to say in
-    words what differs.
+    words what differs. A run whose horizon (``epochs``, ``max_steps``) grew is trained longer from its last
+    snapshot, finished or not, unless ``lr_total`` says why its lr policy depends on the total.
     """
     run_dir, files = Path(cfg.run_dir), RunFiles(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -140,6 +141,10 @@ def check_run_dir(cfg: TrainConfig, identity: dict | None = None) -> dict | None
                 f"{', '.join(differing)}); starting over in it"
             )
         return None
+    grown = cfg.horizon_changes(saved)
+    if grown and trained:
+        _check_longer(run_dir, grown, lr_total)
+        return None  # trained on from its last snapshot: not finished at this horizon
     summary = files.summary
     if not (summary.exists() and files.model.exists()):
         if cfg.comm_hook == "powersgd" and list(files.checkpoints.glob("snapshot-*.pt")):
@@ -368,6 +373,30 @@ def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
         atomic_write(RunFiles(run_dir).model, torch_bytes(state))
 
     on_rank0(ctx, write)
+
+
+def _check_longer(run_dir: Path, grown: dict, lr_total: str | None) -> None:
+    """Train a run longer, or say in one line why not: a horizon that shrinks, or an lr policy that spans it."""
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in grown.items())
+
+    def steps(v):  # --max-steps 0: every epoch, no cap
+        return v or float("inf")
+
+    shorter = [k for k, (a, b) in grown.items() if (steps(b) < steps(a) if k == "max_steps" else b < a)]
+    if shorter:
+        raise RunDirError(
+            f"run dir {run_dir} holds a run with a longer horizon ({what}): it may have trained past the new "
+            f"one already; keep {', '.join(shorter)} as it was, or pass a new --run-dir"
+        )
+    if lr_total:
+        raise RunDirError(
+            f"run dir {run_dir} holds this run with a shorter horizon ({what}), and it cannot be trained longer: "
+            f"{lr_total}, so its steps so far are not those of a run started with the longer horizon. Pass a "
+            f"new --run-dir to train that from the start (or use a constant lr: --schedule constant)"
+        )
+    print(
+        f"ddpkit: training {run_dir} longer ({what}) from its last snapshot; its lr policy does not depend on the total"
+    )
 
 
 def write_best(run_dir: Path, model: nn.Module, ctx: DistContext, best) -> None:

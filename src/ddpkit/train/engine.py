@@ -306,6 +306,8 @@ class Engine:
                 self.ckpt.restore_rng(snap, self.cfg.seed)  # last: nothing loaded before moves the streams
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
+                # A finished run trained longer: its summary.json is of the shorter horizon until this one ends
+                on_rank0(self.ctx, lambda: RunFiles(self.cfg.run_dir).summary.unlink(missing_ok=True))
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
             if self.graph_decision.use:
                 self.graph = GraphedSteps(self)
@@ -417,6 +419,11 @@ class Engine:
                 self.ckpt.maybe_save(self.pos.global_step, self._checked_state)  # the epoch's last: after eval
         if cfg.join:
             self._rejoin()
+        # An epoch cut short by --max-steps or --early-stop: the run's last snapshot is taken where it stopped,
+        # mid-epoch, so that a longer horizon goes on with this epoch's next step, as a run started with it does.
+        partial = self.pos.step_in_epoch < self.steps_per_epoch and not cfg.join
+        if partial:
+            self.ckpt.save(self._checked_state(), self.pos.global_step)
         # The epoch's last step always logs, and that all-reduce synced the device: reuse its totals.
         epoch_time = time.perf_counter() - self._epoch_t0
         self.timing.epoch_elapsed_s = 0.0
@@ -425,6 +432,7 @@ class Engine:
             self.acc.means(self.interval.totals, "train_"),
             epoch_time,
             self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size,
+            partial,
         )
 
     def _join(self):
@@ -593,7 +601,7 @@ class Engine:
                 name,
             )
 
-    def _end_epoch(self, train: dict, epoch_time: float, seen: int) -> None:
+    def _end_epoch(self, train: dict, epoch_time: float, seen: int, partial: bool = False) -> None:
         if self.val_src is not None:  # the validation split; the test set waits for the end
             val = self._last_val
             if val is not None and val[0] == self.pos.global_step:
@@ -618,7 +626,8 @@ class Engine:
         self.pos.epoch += 1
         self.pos.step_in_epoch = 0
         self.acc.reset()
-        self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
+        if not partial:  # (a partial epoch's snapshot was taken mid-epoch, before this)
+            self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
 
     def _evaluate(self, source: EvalSource | None = None, prefix: str = "test_") -> tuple[dict, torch.Tensor]:
         hangwatch.idle()  # no steps until the next epoch's first: its collectives are still watched

@@ -95,6 +95,24 @@ def user_schedule(spec, opt: torch.optim.Optimizer, total_steps: int):
     return spec(opt, total_steps) if len(params) >= 2 else spec(opt)
 
 
+def lr_depends_on_total(cfg: TrainConfig, scheduler=None) -> str | None:
+    """Why the lr at a step depends on the run's total steps, in words (None: it does not), so that a run
+    trained longer would not be the run started with the longer horizon. A scheduler object of the user's
+    is the same object at any horizon; a factory that takes ``total_steps`` is given the new total."""
+    if scheduler is not None:
+        if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+            return None
+        params = [
+            p
+            for p in inspect.signature(scheduler).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        return "your scheduler factory takes the total steps" if len(params) >= 2 else None
+    if cfg.schedule == "constant":
+        return None
+    return f"the {cfg.schedule} lr schedule spans the total steps"
+
+
 class ScheduleFactor:
     """lr multiplier at a step. A callable object (not a lambda) so LambdaLR can save it."""
 
