@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, default_collate
 
 from .config import TrainConfig, parse_loggers, watched_metric
 from .data import DataSplits, ImageData, TensorData, load_dataset
-from .data.batch import first_tensor
+from .data.batch import first_tensor, leading_size
 from .data.datasets import hold_out
 from .data.loader import Preprocess
 from .data.materialize import materialize
@@ -37,6 +37,7 @@ from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
 from .run.paths import RunFiles
 from .run.rundir import check_run_dir, unproven
+from .train.flops import step_flops
 from .train.graph import blockers
 from .train.optim import lr_depends_on_total
 from .train.task import Classification, Task
@@ -60,6 +61,9 @@ class Plan:
     # DDP's find_unused_parameters: the user's ask, or what the trial step found (None: the config's, off)
     find_unused_parameters: Optional[bool] = None
     finished: Optional[dict] = None  # a finished run's summary, returned without training
+    # FLOPs of a training step per sample (forward and backward, counted once on a meta copy), or None and why
+    flops_per_sample: Optional[float] = None
+    flops_note: str = ""
 
 
 def preflight(
@@ -146,6 +150,9 @@ def preflight(
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
+    batch = sample_batch(splits)
+    flops, flops_note = step_flops(model, task, batch)
+    flops_per_sample = flops / leading_size(batch) if flops else None
     find_unused = unused_parameters(model, splits, task, cfg, spec, own_model)
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
         raise RunDirError(
@@ -156,7 +163,7 @@ def preflight(
     cfg, finished = settle_run_dir(
         cfg, identity, named=bool(config.run_dir), lr_total=lr_depends_on_total(cfg, scheduler)
     )
-    return Plan(cfg, spec, splits, task, identity, find_unused, finished)
+    return Plan(cfg, spec, splits, task, identity, find_unused, finished, flops_per_sample, flops_note)
 
 
 def unused_parameters(

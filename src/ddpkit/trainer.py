@@ -220,6 +220,8 @@ class Trainer:
                 t0,
                 plan.identity,
                 plan.find_unused_parameters,
+                plan.flops_per_sample,
+                plan.flops_note,
             )
             home = None if plan.spec.in_process else move_to_cpu(self.model)
             try:

@@ -207,6 +207,10 @@ def bench(
                     row.update(
                         step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers")
                     )
+                    flops, peak = result.summary.get("flops_per_step"), result.summary.get("peak_tflops")
+                    if flops:  # one rank's step (train/flops.py), at the median step time
+                        row["tflops_per_device"] = flops / s["median"] / 1e12
+                        row["mfu"] = row["tflops_per_device"] / peak if peak else None
                 else:
                     row["compute_step_s"] = s
             if "compute_step_s" in row:
@@ -441,8 +445,9 @@ def markdown(rep: dict) -> str:
         f"model's comm. {buckets}",
         "",
         "| world | global batch | samples/s | step ms (min-max) | compute ms (no_sync) | comm ms | speedup | "
-        "efficiency | predicted step ms | prediction error | threads x ranks | others' CPU (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "efficiency | predicted step ms | prediction error | threads x ranks | others' CPU (cores) | "
+        "TFLOP/s per device (MFU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         s, comp, pred = r["step_s"], r.get("compute_step_s"), r.get("predicted")
@@ -459,9 +464,17 @@ def markdown(rep: dict) -> str:
             f"{r['prediction_error']:+.0%}" if pred else "-",
             _threads(r),
             _busy(r),
+            _utilisation(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return _predictions_md(rep, lines)
+
+
+def _utilisation(row: dict) -> str:
+    if row.get("tflops_per_device") is None:
+        return "-"
+    mfu = row.get("mfu")
+    return f"{row['tflops_per_device']:.3g}" + (f" ({mfu:.1%})" if mfu is not None else "")
 
 
 def _threads(row: dict) -> str:

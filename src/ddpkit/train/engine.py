@@ -38,6 +38,7 @@ from ..run.recorder import MetricLogger
 from ..run.rundir import unproven, write_best, write_config, write_model, write_summary
 from .ddp import ddp_timers, wrap
 from .evaluate import evaluate
+from .flops import peak_flops
 from .graph import GraphedSteps, decide
 from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb, sync_interval
 from .optim import (
@@ -122,6 +123,8 @@ class Engine:
         t0: float | None = None,
         identity: dict | None = None,
         find_unused_parameters: bool | None = None,
+        flops_per_sample: float | None = None,
+        flops_note: str = "",
     ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
         self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
@@ -178,6 +181,11 @@ class Engine:
             if mine
         )
         self.changes = changes(cfg, uses_conv(self.raw))
+        # MFU: a step's FLOPs on this rank (preflight's count per sample, times this rank's samples per optimizer
+        # step) against the device's dense peak for the run's dtype (train/flops.py)
+        self.flops_per_step = flops_per_sample * self.per_rank_batch if flops_per_sample else None
+        self.peak, self.peak_name = peak_flops(ctx.device, cfg)
+        self.flops_note = flops_note
         self.scaler = build_scaler(cfg, ctx.device)
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
         self.autocast = autocast(cfg, ctx.device)
@@ -335,6 +343,8 @@ class Engine:
                 cuda_graph=str(self.graph_decision),
                 # DDP's search for unused parameters: asked, or found by preflight's trial step (said there)
                 find_unused_parameters=bool(self.find_unused) if self.ddp is not None else None,
+                flops_per_step=self.flops_per_step,  # one rank's, forward and backward (train/flops.py)
+                mfu_peak=self.peak_name if self.flops_per_step else self.flops_note,
             )
             with self._stop:
                 while (
@@ -581,6 +591,7 @@ class Engine:
             **means,
             lr=self.sched.get_last_lr()[0],
             samples_per_s=rate,
+            **self._utilisation(rate),
         )
         self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)
@@ -600,6 +611,17 @@ class Engine:
                 f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; {again}",
                 name,
             )
+
+    def _utilisation(self, samples_per_s: float) -> dict:
+        """{tflops: achieved TFLOP/s per device, mfu: its share of the dense peak} at ``samples_per_s`` (all
+        ranks'); {} where the step's FLOPs were not counted, and no mfu where the peak is not known."""
+        if not self.flops_per_step:
+            return {}
+        per_device = self.flops_per_step / self.per_rank_batch * samples_per_s / self.ctx.world_size
+        out = {"tflops": per_device / 1e12}
+        if self.peak:
+            out["mfu"] = per_device / self.peak
+        return out
 
     def _end_epoch(self, train: dict, epoch_time: float, seen: int, partial: bool = False) -> None:
         if self.val_src is not None:  # the validation split; the test set waits for the end
@@ -722,6 +744,14 @@ class Engine:
             **{f"final_{k}": v for k, v in self.final_train.items()},
             **result,
             "peak_memory_mb": peak_memory_mb(ctx),
+            "flops_per_step": self.flops_per_step,
+            "peak_tflops": self.peak / 1e12 if self.peak else None,
+            **{
+                f"{k}_per_device" if k == "tflops" else k: v
+                for k, v in self._utilisation(
+                    self.pos.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.timing.train_time_s)
+                ).items()
+            },
             "run_dir": cfg.run_dir,
             "config_hash": cfg.hash(),
             "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
