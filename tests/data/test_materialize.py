@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -155,3 +156,50 @@ def test_the_file_order_is_torchvisions(tree):
     classes, samples = list_images(tree / "train")
     reference = ImageFolder(str(tree / "train"))
     assert classes == reference.classes and samples == reference.samples
+
+
+class SlowReads(torch.utils.data.Dataset):
+    """``n`` fixed samples, each read taking ``cost_s`` (a lazily read file, say): how long reading all of
+    them would take is known, and counted."""
+
+    def __init__(self, n: int, cost_s: float):
+        self.n, self.cost_s, self.reads = n, cost_s, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        time.sleep(self.cost_s)
+        return torch.tensor([float(i), 1.0]), i % 3
+
+
+def test_a_split_too_slow_to_read_stays_on_the_loader_path_and_says_why(monkeypatch):
+    """Issue 35, item 4: a lazily read dataset was read whole before launch (84 s in silence for 10 s of
+    training). The cost is estimated from a few samples first: past READ_LIMIT_S it is read as the steps need
+    it, said with the estimate, having read only the probe; a quick one is still held in memory."""
+    import ddpkit.data.materialize as mat
+
+    monkeypatch.setattr(mat, "READ_LIMIT_S", 0.5)
+    slow = SlowReads(1000, 0.002)  # about 2 s to read whole
+    out = materialize(DataSplits(slow, PlainData(4, 0), None), cfg())
+    assert out.train is slow and slow.reads <= 2 + mat.PROBE  # sample 0 twice, then the probe
+    assert out.note.startswith("train streamed (1,000 samples: reading them into memory would take about 2 s and ")
+    assert "read as the steps need them instead, --data-path host to hold them" in out.note
+    quick = SlowReads(100, 0.0)
+    held = materialize(DataSplits(quick, PlainData(4, 0), None), cfg())
+    assert isinstance(held.train, TensorData) and held.note.startswith("train in memory (read once in")
+
+
+def test_a_slow_split_asked_for_in_memory_is_read_with_progress(monkeypatch, capsys):
+    import ddpkit.data.materialize as mat
+
+    monkeypatch.setattr(mat, "READ_LIMIT_S", 0.1)
+    monkeypatch.setattr(mat, "PROGRESS_S", 0.2)
+    slow = SlowReads(600, 0.002)  # about 1.2 s: over the limit, but --data-path host asks for memory
+    out = materialize(DataSplits(slow, PlainData(4, 0), None), cfg(data_path="host"))
+    assert isinstance(out.train, TensorData) and len(out.train) == 600
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddpkit: reading train")]
+    assert said and all(
+        re.fullmatch(r"ddpkit: reading train into memory: [\d,]+/600 samples, about \d+ s left", s) for s in said
+    )

@@ -1,6 +1,7 @@
 """The pipelines harness runs end to end in a tiny configuration (its figures are not asserted)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -84,6 +85,27 @@ def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
         assert side[key] is not None and side[key] > 0, key
     assert side["runs"]["one_step"]["startup_s"] > 0 and side["runs"]["one_step"]["teardown_s"] >= 0
     assert "| 1-step run: wall |" in proc.stdout
+
+
+def test_lazy_windows_benchmark_runs_in_both_modes_at_a_small_size(tmp_path):
+    """benchmarks/lazy_windows.py with 3,000 windows: quick to read, so held in memory either way (the
+    decision for a large one is tests/data/test_materialize.py's); both modes train and report."""
+    for mode in ([], ["old"]):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "lazy_windows.py"),
+                str(tmp_path / f"r{len(mode)}"),
+                "3000",
+                *mode,
+            ],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(r"wall [\d.]+ startup_s [\d.]+ path in-memory", proc.stdout), proc.stdout[-2000:]
 
 
 def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):

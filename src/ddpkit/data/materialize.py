@@ -36,6 +36,12 @@ from .folder import cached_decode
 from .types import DataSplits, ImageData, TensorData
 
 HOST_FRACTION = 0.25  # of the memory available, for all the data held in memory on a node
+# A split whose reading into memory is estimated to take longer than this (seconds) stays on the DataLoader path
+# under --data-path auto, which reads samples as the steps need them (reading 1M windows of a memmap, one
+# sample at a time, took 84 s before a 10 s run); --data-path host or device holds it anyway, with progress.
+READ_LIMIT_S = 5.0
+PROBE = 32  # samples read, spread over the split, to estimate what reading all of it costs
+PROGRESS_S = 5.0  # a read expected to take longer than this says how far it is, every this many seconds
 
 
 def materialize(splits: DataSplits, cfg: TrainConfig, available: int | None = None) -> DataSplits:
@@ -83,11 +89,13 @@ def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig
             return data, f"{split} streamed ({need / 2**30:.1f} GiB decoded is over the memory budget)"
         root = Path(cfg.dataset.split(":", 1)[1])
         return cached_decode(data, root, split, cfg.image_size, cpu_cores())
-    return _read_all(data, split, budget)
+    return _read_all(data, split, budget, limit_s=None if cfg.data_path in ("host", "device") else READ_LIMIT_S)
 
 
-def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
-    """A generic map-style dataset as TensorData, when that is safe; else why not."""
+def _read_all(data: Dataset, split: str, budget: float, limit_s: float | None = READ_LIMIT_S) -> tuple[Dataset, str]:
+    """A generic map-style dataset as TensorData, when that is safe and quick; else why not. What reading it
+    all costs is estimated from a few samples first (bytes times length, seconds per sample); past the
+    memory budget, or ``limit_s`` (None: the user asked for it in memory), it stays on the DataLoader path."""
     if len(data) == 0:
         return data, f"{split} empty"
     first, again = _read(data, 0, split), _read(data, 0, split)
@@ -100,12 +108,26 @@ def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
     if one is None or not _only_tensors(one):
         return data, f"{split} streamed (its samples are not tensors or numbers)"
     per_sample = sum(t.numel() * t.element_size() for t in tensor_leaves(one))
-    if per_sample * len(data) > budget:
-        return data, f"{split} streamed ({per_sample * len(data) / 2**30:.1f} GiB is over the memory budget)"
+    n = len(data)
+    if per_sample * n > budget:
+        return data, f"{split} streamed ({per_sample * n / 2**30:.1f} GiB is over the memory budget)"
+    probe = sorted({int(i) for i in torch.linspace(0, n - 1, min(PROBE, n)).round().tolist()})
+    t = time.perf_counter()
+    for i in probe:
+        _read(data, i, split)
+    expected = (time.perf_counter() - t) / len(probe) * n  # seconds to read every sample, one at a time
+    if limit_s is not None and expected > limit_s:
+        return data, (
+            f"{split} streamed ({n:,} samples: reading them into memory would take about {expected:.0f} s and "
+            f"{per_sample * n / 2**30:.2f} GiB; read as the steps need them instead, --data-path host to hold them)"
+        )
+    say = _progress(split, n) if expected > PROGRESS_S else None
     t = time.perf_counter()
     batches = []
-    for start in range(0, len(data), 256):
-        samples = [_read(data, i, split) for i in range(start, min(start + 256, len(data)))]
+    for start in range(0, n, 256):
+        if say is not None:
+            say(start)
+        samples = [_read(data, i, split) for i in range(start, min(start + 256, n))]
         try:
             batches.append(default_collate(samples))
         except (TypeError, RuntimeError, ValueError):
@@ -115,6 +137,27 @@ def _read_all(data: Dataset, split: str, budget: float) -> tuple[Dataset, str]:
     except (TypeError, RuntimeError, ValueError):
         return data, f"{split} streamed (its samples are not all of one shape)"
     return TensorData(tree), f"{split} in memory (read once in {time.perf_counter() - t:.1f} s)"
+
+
+def _progress(split: str, n: int):
+    """A function of the samples read so far that prints, every PROGRESS_S seconds, how far the read is (the
+    launcher's, or global rank 0's under torchrun)."""
+    import os
+    import sys
+
+    t0 = last = time.perf_counter()
+    quiet = os.environ.get("RANK", "0") != "0"
+
+    def say(done: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if quiet or now - last < PROGRESS_S or not done:
+            return
+        last = now
+        left = (now - t0) / done * (n - done)
+        print(f"ddpkit: reading {split} into memory: {done:,}/{n:,} samples, about {left:.0f} s left", file=sys.stderr)
+
+    return say
 
 
 def _read(data: Dataset, i: int, split: str):
