@@ -35,6 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
+from .data.stream import check_stream, first_item
 from .data.types import infer_meta
 from .errors import ConfigError, DataError, article
 from .identity import (
@@ -173,7 +174,7 @@ class Trainer:
         sample = None
         if self.splits is not None:
             data = self.splits.train if self.splits.train is not None else self.splits.test
-            sample = data[0] if data is not None and len(data) else None
+            sample = first_item(data) if data is not None and len(data) else None
         classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
         least = None
         if self.splits is not None and classes is None:  # test labels too: a class seen only there fails at evaluation
@@ -323,7 +324,10 @@ def from_loaders(train, test, cfg: TrainConfig, collate_fn):
         if data is None:
             out.append(None)
             continue
-        _map_style(data, which)
+        if which == "train_data" and isinstance(data, IterableDataset):  # a stream: each rank reads its shard
+            check_stream(data, which)
+        else:
+            _map_style(data, which)
         out.append(data)
     return out[0], out[1], cfg, collate_fn, worker_init_fn
 
@@ -332,9 +336,11 @@ def _map_style(data, which: str) -> None:
     """A one-line DataError unless ``data`` can be split among ranks by index."""
     if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         kind = "an IterableDataset" if isinstance(data, IterableDataset) else article(type(data).__name__)
+        stream = " (an IterableDataset trains as train_data; evaluation needs each sample once, by index)"
         raise DataError(
             f"{which} is {kind}, which ddpkit cannot split among ranks by index: pass a map-style dataset "
             f"(with __len__ and __getitem__), e.g. your samples in a list or a TensorDataset"
+            + (stream if isinstance(data, IterableDataset) else "")
         )
 
 

@@ -440,3 +440,55 @@ def mark_worker(worker_id: int) -> None:
     from pathlib import Path
 
     Path(os.environ["USER_CODE_MARKS"], f"worker-{worker_id}-pid-{os.getpid()}").touch()
+
+
+# ---------------------------------------------------------------- a stream (test_stream.py)
+class Rows(torch.utils.data.IterableDataset):
+    """``n`` rows (x, y) as a stream, logging each row it reads to ``log_dir/<pid>.txt`` as "epoch row".
+    ``shard``: it reads its own shard (ddpkit.data.stream_shard); ``seek``: and starts after the rows trained
+    on (stream_start), its noise keyed by (epoch, row); otherwise its noise comes from torch's global stream.
+    ``sleep_s`` per row gives a test time to act."""
+
+    def __init__(self, n: int, log_dir: str, shard: bool = True, seek: bool = False, sleep_s: float = 0.0):
+        self.n, self.log_dir, self.shard, self.seek, self.sleep_s, self.epoch = n, log_dir, shard, seek, sleep_s, 0
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=gen)
+        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+    def __len__(self):
+        return self.n
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __iter__(self):
+        import os
+        import time
+        from pathlib import Path
+
+        import ddpkit
+
+        index, count = ddpkit.data.stream_shard() if self.shard else (0, 1)
+        start = ddpkit.data.stream_start() if self.seek else 0
+        with open(Path(self.log_dir) / f"{os.getpid()}.txt", "a") as log:
+            for i in list(range(index, self.n, count))[start:]:
+                log.write(f"{self.epoch} {i}\n")
+                log.flush()
+                time.sleep(self.sleep_s)
+                if self.seek:
+                    noise = torch.randn(1, generator=torch.Generator().manual_seed(self.epoch * self.n + i))
+                else:
+                    noise = torch.randn(1)
+                yield self.x[i], self.y[i] + 0.01 * noise
+
+
+def row_reads(log_dir, skip_pid: int | None = None) -> list[tuple[int, int]]:
+    """(epoch, row) of every read logged by :class:`Rows`, but the process ``skip_pid``'s (the launcher's preflight)."""
+    from pathlib import Path
+
+    out = []
+    for f in Path(log_dir).glob("*.txt"):
+        if skip_pid is not None and f.stem == str(skip_pid):
+            continue
+        out += [tuple(map(int, line.split())) for line in f.read_text().splitlines()]
+    return out

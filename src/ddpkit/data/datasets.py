@@ -154,6 +154,10 @@ def hold_out(splits: DataSplits, cfg: TrainConfig) -> DataSplits:
         return splits
     if splits.val is not None:
         raise DataError("val_data is passed and --val-fraction asks for a held-out split too; give one of them")
+    if isinstance(splits.train, IterableDataset):
+        raise DataError(
+            "--val-fraction holds samples out by index, and train_data is an IterableDataset: pass val_data"
+        )
     n = len(splits.train)
     k = round(cfg.val_fraction * n)
     if not 0 < k < n:

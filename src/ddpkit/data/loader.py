@@ -38,14 +38,15 @@ import threading
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from ..config import TrainConfig
-from ..errors import ConfigError, DdpkitError
+from ..errors import ConfigError, DataError, DdpkitError
 from ..ranks.context import DistContext, cpu_threads
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
 from .draws import EVAL, LOADER, TRAIN, KeyedBatches, SeededFetch, as_is, seed_of
+from .stream import STREAM, PrivateGenerators, Shard
 from .types import DataSplits, ImageData, Meta, TensorData
 
 
@@ -359,6 +360,73 @@ class LoaderSource(_Source):
             yield batch
 
 
+class StreamSource:
+    """An ``IterableDataset``'s batches (:mod:`ddpkit.data.stream`): this rank's shard, a whole number of
+    steps an epoch, resumable at any step by replaying the epoch's stream up to it."""
+
+    path = "stream"
+
+    def __init__(
+        self,
+        data: IterableDataset,
+        meta: Meta | None,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        per_rank_batch: int,
+        group: int = 1,
+        collate_fn=None,
+        worker_init_fn=None,
+    ):
+        self.data, self.cfg, self.ctx, self.batch = data, cfg, ctx, per_rank_batch
+        self.workers = loader_workers(cfg, ctx)
+        shards = ctx.world_size * max(1, self.workers)
+        quota = len(data) // shards  # each shard's items an epoch: the same on every rank
+        # every worker's batches are whole (drop_last): a worker's tail does not make a partial batch
+        per_rank_batches = max(1, self.workers) * (quota // per_rank_batch)
+        self.steps_per_epoch = per_rank_batches // group * group
+        if not self.steps_per_epoch:
+            raise DataError(
+                f"the IterableDataset's {len(data):,} items make no whole step: {shards} shard(s) of {quota} items "
+                f"(world size x loader workers) in batches of {per_rank_batch}; lower --batch-size or --num-workers"
+            )
+        self.n, self.per_rank = len(data), self.steps_per_epoch * per_rank_batch
+        self.pre = Preprocess.for_config(meta, ctx.device, cfg)
+        self.shard = Shard(data, ctx.rank, ctx.world_size, self.workers, quota, cfg.seed, per_rank_batch)
+        kwargs = {"collate_fn": collate_fn} if collate_fn is not None else {}
+        self.loader = DataLoader(
+            self.shard,
+            batch_size=per_rank_batch,
+            drop_last=True,
+            num_workers=self.workers,
+            pin_memory=ctx.device.type == "cuda",
+            # new workers each epoch, seeded for it (a resumed epoch's are the same), never the rank's generator
+            generator=torch.Generator(),
+            multiprocessing_context=WORKER_START if self.workers else None,
+            worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if self.workers else None,
+            **kwargs,
+        )
+
+    @property
+    def used(self) -> int:
+        return self.per_rank
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator:
+        self.shard.epoch, self.shard.start = epoch, start_step  # before iter(): the workers start with them
+        self.loader.generator.manual_seed(seed_of((self.cfg.seed, epoch, self.ctx.rank, LOADER)))
+        own = None if self.workers else PrivateGenerators((self.cfg.seed, epoch, self.ctx.rank, 0, STREAM))
+        it = iter(unwrapped(self.loader))
+        for step in range(start_step, self.steps_per_epoch):
+            try:
+                batch = own.read(it) if own is not None else next(it)
+            except StopIteration:
+                raise DataError(
+                    f"rank {self.ctx.rank}'s share of the IterableDataset ended after {step} of its epoch's "
+                    f"{self.steps_per_epoch} batches: a shard yields fewer items than len(dataset) / shards; "
+                    f"check its __len__ and how it reads its shard (ddpkit.data.stream_shard)"
+                ) from None
+            yield self.pre.cast(to_device(batch, self.ctx.device))
+
+
 def unwrapped(loader: DataLoader) -> Iterator:
     """Iterate ``loader``; a ddpkit error raised in a DataLoader worker comes back as the one line it was,
     not wrapped in the worker's traceback text."""
@@ -515,6 +583,8 @@ def choose_path(data: Dataset, cfg: TrainConfig, ctx: DistContext, collate_fn=No
 def make_train_source(splits: DataSplits, cfg: TrainConfig, ctx: DistContext, per_rank_batch: int, group: int = 1):
     """The batch source for ``splits.train``; ``per_rank_batch`` is the micro-batch with accumulation."""
     data, meta = splits.train, splits.meta
+    if isinstance(data, IterableDataset):
+        return StreamSource(data, meta, cfg, ctx, per_rank_batch, group, splits.collate_fn, splits.worker_init_fn)
     path = choose_path(data, cfg, ctx, splits.collate_fn)
     if path == "loader":
         return LoaderSource(data, meta, cfg, ctx, per_rank_batch, group, splits.collate_fn, splits.worker_init_fn)

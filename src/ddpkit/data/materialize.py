@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset, default_collate
 
 from ..config import TrainConfig
 from ..errors import DataError, raised_at
@@ -74,6 +74,8 @@ def _nbytes(data) -> int:
 def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig, budget: float) -> tuple[Dataset, str]:
     if data is None:  # evaluate() needs no training split
         return None, f"no {split} split"
+    if isinstance(data, IterableDataset):
+        return data, f"{split} a stream (an IterableDataset: each rank reads its shard, ddpkit.data.stream)"
     if splits.collate_fn is not None:
         # before any in-memory path: batches made by indexing tensors would never call it
         return data, f"{split} streamed (a collate_fn is given: it makes each batch, as in torch's DataLoader)"
