@@ -422,6 +422,7 @@ class TrainConfig:
                     ("--sync-bn", self.sync_bn),
                     ("--max-steps", self.max_steps),
                     ("--save-every-steps", self.save_every_steps),
+                    ("--eval-every-steps", self.eval_every_steps),
                     ("--ema", self.ema),
                     ("--grad-accum", self.grad_accum > 1),
                     ("--amp fp16", self.amp == "fp16"),

@@ -37,7 +37,7 @@ from .ranks.launcher import LaunchSpec
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
 from .run.paths import RunFiles
-from .run.rundir import check_run_dir, unproven
+from .run.rundir import HorizonRefused, check_run_dir, unproven
 from .train.flops import step_flops
 from .train.graph import blockers
 from .train.optim import lr_depends_on_total
@@ -218,7 +218,13 @@ def settle_run_dir(
         older = dataclasses.replace(cfg, run_dir="").named(horizon=True)
         if Path(older.run_dir).exists():
             cfg = older
-    finished = check_run_dir(cfg, identity, lr_total)
+    try:
+        finished = check_run_dir(cfg, identity, lr_total)
+    except HorizonRefused as exc:
+        if named:
+            raise
+        # A default run dir holding this run at a horizon it cannot be trained to: a new run beside it
+        return _next_free(cfg, identity, lr_total, f"this run at another horizon, not to be trained on ({exc})")
     if finished is None:
         return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
     if cfg.reuse_finished and not doubts:
@@ -235,13 +241,21 @@ def settle_run_dir(
             f"{cfg.run_dir} holds a finished run, left as it is ({why}); to train again pass a new run_dir "
             f"(--run-dir) or delete it" + ("" if doubts else "; to return its result, pass --reuse-finished")
         )
+    return _next_free(cfg, identity, lr_total, f"a finished run of this config ({why})")
+
+
+def _next_free(cfg: TrainConfig, identity: dict, lr_total: str | None, why: str) -> tuple[TrainConfig, None]:
+    """The next of ``RUN_DIR-2``, ``-3``, ... that is free or holds this run to resume, said in one line."""
     base = cfg.run_dir
     for n in range(2, 1000):
         cfg = dataclasses.replace(cfg, run_dir=f"{base}-{n}")
-        if check_run_dir(cfg, identity, lr_total) is None:
-            doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
-            print(f"ddpkit: {base} holds a finished run of this config ({why}); {doing} {cfg.run_dir}")
-            return cfg, None
+        try:
+            if check_run_dir(cfg, identity, lr_total) is None:
+                doing = "resuming" if RunFiles(cfg.run_dir).checkpoints.exists() else "training in"
+                print(f"ddpkit: {base} holds {why}; {doing} {cfg.run_dir}")
+                return cfg, None
+        except HorizonRefused:
+            continue  # this run at another horizon, not to be trained on: the next one
     raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
 
 

@@ -130,3 +130,27 @@ def test_the_contract_and_its_refusals(tmp_path):
     rows = Rows(96, str(tmp_path))
     with pytest.raises(DataError, match="test_data is an IterableDataset.*evaluation needs each sample once"):
         Trainer(cfg, model=torch.nn.Linear(4, 1), train_data=rows, test_data=rows)
+
+
+def test_a_stream_resumed_with_other_loader_workers_is_refused(tmp_path):
+    """Review finding: the shards follow the loader workers, and num_workers is no part of the run identity:
+    a resume with another count read other shards silently. The snapshot keeps the count; another is one line."""
+    cfg = dict(CONFIG, nproc="1", schedule="constant", run_dir=str(tmp_path / "r"))
+    test = TensorDataset(torch.zeros(4, 4), torch.zeros(4, 1))
+
+    def fit(workers: int, epochs: int):
+        torch.manual_seed(0)
+        rows = Rows(96, str(tmp_path))
+        return Trainer(
+            TrainConfig(**{**cfg, "epochs": epochs, "num_workers": workers}),
+            model=torch.nn.Linear(4, 1),
+            train_data=rows,
+            test_data=test,
+            loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        ).fit()
+
+    fit(0, 1)
+    with pytest.raises(
+        DataError, match="read its IterableDataset with --num-workers 0, .* resume it with --num-workers 0"
+    ):
+        fit(2, 2)  # trained on to 2 epochs (a constant lr), from the snapshot made with no workers

@@ -103,8 +103,12 @@ def test_rerunning_a_finished_run_overwrites_nothing(trained):
 def test_a_different_config_is_refused_and_nothing_changes(trained):
     run_dir, _ = trained
     before = (run_dir / "config.toml").read_text()
+    proc = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "2", "--seed", "7", "--run-dir", str(run_dir))
+    assert proc.returncode == 2 and "different config (seed: 0 -> 7)" in proc.stderr, proc.stderr
+    assert (run_dir / "config.toml").read_text() == before
+    # a longer horizon under the recipe's onecycle schedule: refused too, saying why (tests/system/test_horizon.py)
     proc = run_cli("train", *SMALL, "--nproc", "2", "--epochs", "3", "--run-dir", str(run_dir))
-    assert proc.returncode == 2 and "different config (epochs: 2 -> 3)" in proc.stderr
+    assert proc.returncode == 2 and "it cannot be trained to it: the onecycle lr schedule spans" in proc.stderr
     assert (run_dir / "config.toml").read_text() == before
 
 

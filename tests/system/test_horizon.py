@@ -60,7 +60,7 @@ def test_raising_max_steps_on_a_finished_run_equals_a_run_started_with_it(tmp_pa
     capsys.readouterr()
     grown = fit(TrainConfig(**BASE, nproc="2", max_steps=14, run_dir=run))
     out = capsys.readouterr().out
-    assert f"ddpkit: training {run} longer (max_steps 6 -> 14) from its last snapshot" in out
+    assert f"ddpkit: training {run} to another horizon (max_steps 6 -> 14) from its last snapshot (step 6)" in out
     starts = [json.loads(line) for line in (grown.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["resumed_at_step"] for r in starts if r["event"] == "start"] == [None, 6]
     assert grown["steps"] == 14 and grown["test_loss"] == longer["test_loss"]
@@ -88,7 +88,7 @@ def test_a_longer_horizon_is_refused_where_the_lr_spans_the_total(tmp_path):
     cfg = dict(BASE, nproc="1", run_dir=run)
     fit(TrainConfig(**{**cfg, "schedule": "onecycle", "max_steps": 6}))
     before = (tmp_path / "r" / "model.pt").read_bytes()
-    with pytest.raises(RunDirError, match=r"max_steps 6 -> 14\), and it cannot be trained longer: the onecycle lr "):
+    with pytest.raises(RunDirError, match=r"max_steps 6 -> 14\), and it cannot be trained to it: the onecycle lr "):
         fit(TrainConfig(**{**cfg, "schedule": "onecycle", "max_steps": 14}))
     assert (tmp_path / "r" / "model.pt").read_bytes() == before
 
@@ -100,8 +100,24 @@ def test_a_longer_horizon_is_refused_where_the_lr_spans_the_total(tmp_path):
     fit(TrainConfig(**{**own, "max_steps": 6}), scheduler=factory)
     with pytest.raises(RunDirError, match="your scheduler factory takes the total steps"):
         fit(TrainConfig(**{**own, "max_steps": 14}), scheduler=factory)
-    with pytest.raises(RunDirError, match=r"longer horizon \(max_steps 6 -> 3\).*keep max_steps as it was"):
-        fit(TrainConfig(**{**cfg, "schedule": "onecycle", "max_steps": 3}))
+    const = dict(cfg, run_dir=str(tmp_path / "const"))
+    fit(TrainConfig(**{**const, "max_steps": 6}))
+    with pytest.raises(
+        RunDirError, match=r"trained 6 steps, past the new horizon \(max_steps 6 -> 3\); keep --max-steps"
+    ):
+        fit(TrainConfig(**{**const, "max_steps": 3}))
+
+
+def test_a_default_run_dir_that_cannot_go_on_leaves_a_new_run_beside_it(tmp_path, monkeypatch, capsys):
+    """Review finding: with the recipes' onecycle, --epochs 1 then 2 in a default run dir was refused, where
+    a run dir named by its horizon had trained a new run beside it; now the next free one trains it."""
+    monkeypatch.chdir(tmp_path)
+    cfg = {**BASE, "nproc": "1", "schedule": "onecycle"}
+    one = fit(TrainConfig(**{**cfg, "epochs": 1}))
+    capsys.readouterr()
+    two = fit(TrainConfig(**{**cfg, "epochs": 2}))
+    assert two.run_dir == one.run_dir.with_name(one.run_dir.name + "-2") and two["steps"] == 8
+    assert "holds this run at another horizon, not to be trained on" in capsys.readouterr().out
 
 
 def test_a_run_dir_named_with_its_horizon_by_an_older_ddpkit_is_still_found(tmp_path, monkeypatch):
@@ -125,3 +141,19 @@ def test_a_run_dir_named_with_its_horizon_by_an_older_ddpkit_is_still_found(tmp_
     )
     again = fit(cfg)
     assert again.run_dir == older and again.summary == first.summary
+
+
+def test_a_run_killed_after_its_cut_short_epochs_snapshot_ends_it_as_it_would_have(tmp_path):
+    """Review finding: a --max-steps run's last snapshot is taken mid-epoch, before the epoch's end; killed
+    between the two (here: summary.json and model.pt removed, as a kill in the final evaluation leaves it),
+    the rerun went straight to the end, with no train figures for the epoch. It now ends that epoch first."""
+    run = tmp_path / "r"
+    cfg = TrainConfig(**BASE, nproc="1", max_steps=6, run_dir=str(run))
+    first = fit(cfg)
+    for name in ("summary.json", "model.pt"):
+        (run / name).unlink()
+    again = fit(cfg)
+    for key in ("steps", "final_train_loss", "test_loss"):
+        assert again[key] == first[key], key
+    epochs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1]  # the cut-short epoch's record, once

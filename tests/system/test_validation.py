@@ -80,6 +80,13 @@ def test_choosing_without_a_validation_split_is_one_line_before_launch(tmp_path)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_join_and_a_step_cadence_are_refused_together():
+    """Review finding: under --join the step loop skips every collective of its own until all ranks have
+    joined, so --eval-every-steps never evaluated and --keep-best/--early-stop did nothing, silently."""
+    with pytest.raises(ConfigError, match="--join cannot be combined with --eval-every-steps"):
+        TrainConfig(join=True, eval_every_steps=5).resolved()
+
+
 def test_a_validation_split_is_evaluated_by_step_and_the_test_set_once(tmp_path):
     """val_data from Python; every 3 steps: eval records by step, the epoch records carry the validation
     figures of their step when it has one, summary.json the test set's (evaluated once, at the end)."""

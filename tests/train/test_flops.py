@@ -92,3 +92,14 @@ def test_tflops_appear_for_the_convnet_and_a_transformer(tmp_path, workload):
     assert all(r["tflops"] == pytest.approx(flops_per_sample * r["samples_per_s"] / 2 / 1e12) for r in steps)
     start = records[0]
     assert start["flops_per_step"] == s["flops_per_step"] and start["mfu_peak"] == "no peak for a CPU (TFLOP/s only)"
+
+
+def test_a_gpu_is_matched_by_its_whole_model_name():
+    """Review finding: names were matched as substrings, so an L40 took the L4's peak and an A10G the A10's."""
+    from ddpkit.train.flops import known_as
+
+    assert known_as("L4", "NVIDIA L4") and not known_as("L4", "NVIDIA L40S") and not known_as("L4", "NVIDIA L40")
+    assert known_as("H100", "NVIDIA H100 80GB HBM3") and not known_as("A10", "NVIDIA A10G")
+    names = [row[0] for row in PEAKS_TFLOPS]
+    nvl = next(n for n in names if known_as(n, "NVIDIA H100 NVL"))
+    assert nvl == "H100 NVL"

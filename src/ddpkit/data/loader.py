@@ -378,7 +378,9 @@ class StreamSource:
         worker_init_fn=None,
     ):
         self.data, self.cfg, self.ctx, self.batch = data, cfg, ctx, per_rank_batch
-        self.workers = loader_workers(cfg, ctx)
+        # The shards, their quotas and the steps an epoch follow from the workers: the same on every rank and at
+        # every rerun, so --num-workers as given, never a count of this host's cores (0 unless given)
+        self.workers = cfg.num_workers or 0
         shards = ctx.world_size * max(1, self.workers)
         quota = len(data) // shards  # each shard's items an epoch: the same on every rank
         # every worker's batches are whole (drop_last): a worker's tail does not make a partial batch

@@ -82,7 +82,7 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str 
             for run in runs
             for r in run["steps"]
             for k in r
-            if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm")
+            if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm", "tflops", "mfu")
             and isinstance(r[k], (int, float))
         )
     )

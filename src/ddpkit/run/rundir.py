@@ -143,7 +143,7 @@ def check_run_dir(cfg: TrainConfig, identity: dict | None = None, lr_total: str 
         return None
     grown = cfg.horizon_changes(saved)
     if grown and trained:
-        _check_longer(run_dir, grown, lr_total)
+        _check_longer(cfg, files, grown, lr_total)
         return None  # trained on from its last snapshot: not finished at this horizon
     summary = files.summary
     if not (summary.exists() and files.model.exists()):
@@ -375,28 +375,49 @@ def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
     on_rank0(ctx, write)
 
 
-def _check_longer(run_dir: Path, grown: dict, lr_total: str | None) -> None:
-    """Train a run longer, or say in one line why not: a horizon that shrinks, or an lr policy that spans it."""
+class HorizonRefused(RunDirError):
+    """A run dir holding this run at another horizon that it cannot be trained to (``_check_longer``): in a
+    run dir the user named, the one line; in a default one, preflight trains in the next free one instead."""
+
+
+def _check_longer(cfg: TrainConfig, files: RunFiles, grown: dict, lr_total: str | None) -> None:
+    """Train a run to another horizon from its last snapshot, or say in one line why not: an lr policy that
+    spans the total, a horizon the run has trained past already, or a run that cannot resume."""
+    run_dir = files.root
     what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in grown.items())
-
-    def steps(v):  # --max-steps 0: every epoch, no cap
-        return v or float("inf")
-
-    shorter = [k for k, (a, b) in grown.items() if (steps(b) < steps(a) if k == "max_steps" else b < a)]
-    if shorter:
-        raise RunDirError(
-            f"run dir {run_dir} holds a run with a longer horizon ({what}): it may have trained past the new "
-            f"one already; keep {', '.join(shorter)} as it was, or pass a new --run-dir"
-        )
+    if cfg.comm_hook == "powersgd":
+        raise HorizonRefused(f"run dir {run_dir} holds this run at another horizon ({what}): {POWERSGD_NO_RESUME}")
     if lr_total:
-        raise RunDirError(
-            f"run dir {run_dir} holds this run with a shorter horizon ({what}), and it cannot be trained longer: "
-            f"{lr_total}, so its steps so far are not those of a run started with the longer horizon. Pass a "
-            f"new --run-dir to train that from the start (or use a constant lr: --schedule constant)"
+        raise HorizonRefused(
+            f"run dir {run_dir} holds this run at another horizon ({what}), and it cannot be trained to it: "
+            f"{lr_total}, so its steps so far are not those of a run started with the new horizon. Pass a new "
+            f"--run-dir to train that from the start (or use a constant lr: --schedule constant)"
+        )
+    done = _steps_done(files)
+    if "epochs" in grown and grown["epochs"][1] < grown["epochs"][0]:
+        raise HorizonRefused(
+            f"run dir {run_dir} holds this run with more epochs ({what}): it may have trained past the new "
+            f"horizon; keep --epochs as it was, or pass a new --run-dir"
+        )
+    new_cap = grown.get("max_steps", (0, cfg.max_steps))[1]
+    if new_cap and done > new_cap:
+        raise HorizonRefused(
+            f"run dir {run_dir} holds this run trained {done} steps, past the new horizon ({what}); keep "
+            f"--max-steps as it was, or pass a new --run-dir"
         )
     print(
-        f"ddpkit: training {run_dir} longer ({what}) from its last snapshot; its lr policy does not depend on the total"
+        f"ddpkit: training {run_dir} to another horizon ({what}) from its last snapshot (step {done}); its lr "
+        f"policy does not depend on the total"
     )
+
+
+def _steps_done(files: RunFiles) -> int:
+    """The optimizer steps a run dir's run has done: its summary's, or its newest snapshot's."""
+    try:
+        return int(json.loads(files.summary.read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = [int(p.stem.rpartition("-")[2]) for p in files.checkpoints.glob("snapshot-*.pt")]
+        return max(steps, default=0)
 
 
 def write_best(run_dir: Path, model: nn.Module, ctx: DistContext, best) -> None:

@@ -26,7 +26,7 @@ from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits, ImageData
 from ..data.draws import seed_rank
 from ..data.loader import EvalSource, Preprocess, make_train_source
-from ..errors import NonFiniteLoss, RunDirError, Stopped
+from ..errors import DataError, NonFiniteLoss, RunDirError, Stopped
 from ..models import uses_conv
 from ..ranks import env, hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
@@ -252,6 +252,8 @@ class Engine:
             "interval": dataclasses.asdict(self.interval),
             "divergence": dataclasses.asdict(self.watch),
             "selection": {"best": to_state(self.best), "early_stop": to_state(self.stopper)},
+            # an IterableDataset's loader workers: its shards (data/stream.py), which a resume must keep
+            "stream_workers": getattr(self.train_src, "workers", None) if self.train_src.path == "stream" else None,
             "final_train": self.final_train,
             # Plain floats: this travels through all_gather_object, which would rebuild a
             # device tensor on the sender's GPU in every receiver (float64 -> float is exact).
@@ -266,6 +268,12 @@ class Engine:
                 part.load_state_dict(state[key])
         self.pos, self.timing = Position(**state["position"]), Timing(**state["timing"])
         self.watch = DivergenceWatch(**state.get("divergence", {}))  # snapshots before 0.3 have none
+        workers = state.get("stream_workers")
+        if self.train_src.path == "stream" and workers is not None and workers != self.train_src.workers:
+            raise DataError(
+                f"this run read its IterableDataset with --num-workers {workers}, which splits it into other shards "
+                f"than --num-workers {self.train_src.workers} does: resume it with --num-workers {workers}"
+            )
         selection = state.get("selection") or {}  # snapshots before --keep-best have none
         from_state(self.best, selection.get("best"))
         from_state(self.stopper, selection.get("early_stop"))
@@ -314,8 +322,10 @@ class Engine:
                 self.ckpt.restore_rng(snap, self.cfg.seed)  # last: nothing loaded before moves the streams
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
-                # A finished run trained longer: its summary.json is of the shorter horizon until this one ends
-                on_rank0(self.ctx, lambda: RunFiles(self.cfg.run_dir).summary.unlink(missing_ok=True))
+                self._check_position()
+                if self.pos.global_step < self.total_steps:
+                    # A finished run trained longer: its summary.json is of the shorter horizon until this one ends
+                    on_rank0(self.ctx, lambda: RunFiles(self.cfg.run_dir).summary.unlink(missing_ok=True))
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
             if self.graph_decision.use:
                 self.graph = GraphedSteps(self)
@@ -347,6 +357,9 @@ class Engine:
                 mfu_peak=self.peak_name if self.flops_per_step else self.flops_note,
             )
             with self._stop:
+                cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self._stopped_early)
+                if snap is not None and cut_short:
+                    self._end_cut_epoch()  # killed after the snapshot of a cut-short epoch, before that epoch's end
                 while (
                     self.pos.epoch < self.cfg.epochs
                     and self.pos.global_step < self.total_steps
@@ -612,6 +625,27 @@ class Engine:
                 name,
             )
 
+    def _check_position(self) -> None:
+        """A snapshot's position must be where its step is. ddpkit before 0.4 took a --max-steps run's last
+        snapshot after its cut-short epoch had ended (epoch + 1, step 0): trained on to a longer horizon, the
+        rest of that epoch would be skipped. (Every rank decides alike: the snapshot is the same.)"""
+        pos, k = self.pos, self.steps_per_epoch
+        if self.cfg.join or pos.global_step >= self.total_steps or pos.global_step == pos.epoch * k + pos.step_in_epoch:
+            return
+        raise RunDirError(
+            f"{self.cfg.run_dir}'s last snapshot (step {pos.global_step}) was taken by an older ddpkit after its "
+            f"last epoch was cut short by --max-steps: training it on would skip the rest of that epoch. Pass a "
+            f"new --run-dir to train the longer run from the start"
+        )
+
+    def _end_cut_epoch(self) -> None:
+        """The end of an epoch cut short by --max-steps or --early-stop, for a run whose snapshot was taken
+        mid-epoch there and which was killed before that epoch's end was written: its train figures, the
+        validation (report only) and the epoch record, as the run would have written them."""
+        totals = self._sync()[0]
+        seen = self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size
+        self._end_epoch(self.acc.means(totals, "train_"), self.timing.epoch_elapsed_s, seen, partial=True)
+
     def _utilisation(self, samples_per_s: float) -> dict:
         """{tflops: achieved TFLOP/s per device, mfu: its share of the dense peak} at ``samples_per_s`` (all
         ranks'); {} where the step's FLOPs were not counted, and no mfu where the peak is not known."""
@@ -628,8 +662,9 @@ class Engine:
             val = self._last_val
             if val is not None and val[0] == self.pos.global_step:
                 result = val[1]  # this step's, from the cadence
-            else:  # at epoch ends only when there is no step cadence
-                result = self._validate() if not self.cfg.eval_every_steps else {}
+            else:  # at epoch ends only when there is no step cadence; an epoch cut short by --max-steps reports it
+                # without choosing by it: a longer run, or this run trained on, makes no evaluation at that step
+                result = self._validate(select=not partial) if not self.cfg.eval_every_steps else {}
         else:
             result, local = self._evaluate()
             self._last_eval = (self.pos.global_step, result, local)
@@ -664,7 +699,7 @@ class Engine:
     def _stopped_early(self) -> bool:
         return self.stopper is not None and self.stopper.exhausted
 
-    def _validate(self) -> dict:
+    def _validate(self, select: bool = True) -> dict:
         """Evaluate the validation split now: an ``eval`` record by step, a new best written to best.pt
         (--keep-best), the patience counted (--early-stop). Every rank decides alike on the all-reduced
         result. Its time is left out of the epoch's and the interval's training time."""
@@ -672,9 +707,9 @@ class Engine:
         step = self.pos.global_step
         result, _ = self._evaluate(self.val_src, "val_")
         self._last_val = (step, result)
-        if self.best is not None and self.best.update(result, step):
+        if select and self.best is not None and self.best.update(result, step):
             write_best(self.cfg.run_dir, self.ema.module if self.ema is not None else self.raw, self.ctx, self.best)
-        if self.stopper is not None:
+        if select and self.stopper is not None:
             self.stopper.update(result, step)
         self.log.log("eval", epoch=self.pos.epoch, step=step, **result)
         if self._stopped_early:

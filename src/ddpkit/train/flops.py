@@ -14,6 +14,7 @@ as in the usual MFU (PaLM's appendix B; nanoGPT's ``estimate_mfu``): MFU is agai
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from .task import Task
 PEAKS_TFLOPS = (
     ("H200", 989.4, 494.7, 66.9, 66.9),
     ("H100 PCIe", 756.0, 378.0, 51.2, 51.2),
+    ("H100 NVL", 835.0, 417.5, 60.0, 60.0),
     ("H100", 989.4, 494.7, 66.9, 66.9),  # SXM
     ("A100", 312.0, 156.0, 19.5, 19.5),
     ("L40S", 362.0, 183.0, 91.6, 1.4),
@@ -70,12 +72,17 @@ def step_flops(model: nn.Module, task: Task, batch) -> tuple[int | None, str]:
     return int(counter.get_total_flops()), ""
 
 
+def known_as(model: str, name: str) -> bool:
+    """``model`` (a table row's) is ``name``'s, as whole words: "L4" is not an "L40S", "A10" not an "A10G"."""
+    return re.search(rf"(?<![\w]){re.escape(model)}(?![\w])", name) is not None
+
+
 def peak_flops(device: torch.device, cfg: TrainConfig) -> tuple[float | None, str]:
     """(the device's dense peak in FLOP/s for the run's dtype, its name) or (None, why none)."""
     if device.type != "cuda":
         return None, "no peak for a CPU (TFLOP/s only)"
     name = torch.cuda.get_device_name(device)
-    row = next((r for r in PEAKS_TFLOPS if r[0] in name), None)
+    row = next((r for r in PEAKS_TFLOPS if known_as(r[0], name)), None)
     if row is None:
         return None, f"no peak known for {name} (TFLOP/s only)"
     _, half, tf32, fp32, fp64 = row

@@ -137,7 +137,7 @@ def sync_interval(
     if crc_sum * crc_sum != ctx.world_size * crc_square_sum:
         raise ConfigError(
             f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): log the same "
-            f"names on every rank (loop.log())"
+            f"names on every rank (loop.log(), or your task's metrics)"
         )
     return Synced(totals, stopping > 0, bad > 0)
 
