@@ -79,7 +79,7 @@ def test_a_sigkilled_stream_resumes_at_its_position_and_ends_bitwise(tmp_path, w
     dropped, their random draws replayed. Either way the weights are an uninterrupted run's, bit for bit."""
     whole = spec(tmp_path, "whole", workers, seek)
     run(whole)
-    cut = spec(tmp_path, "cut", workers, seek, sleep_s=0.02, save_every_steps=3)
+    cut = spec(tmp_path, "cut", workers, seek, sleep_s=0.01, save_every_steps=3)
     Path(cut["log_dir"]).mkdir(parents=True)
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, json.dumps(cut)],
