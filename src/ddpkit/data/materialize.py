@@ -75,7 +75,7 @@ def _held(data: Dataset | None, split: str, splits: DataSplits, cfg: TrainConfig
     if data is None:  # evaluate() needs no training split
         return None, f"no {split} split"
     if isinstance(data, IterableDataset):
-        return data, f"{split} a stream (an IterableDataset: each rank reads its shard, ddpkit.data.stream)"
+        return data, f"{split} streamed as an IterableDataset (each rank reads its shard: ddpkit.data.stream)"
     if splits.collate_fn is not None:
         # before any in-memory path: batches made by indexing tensors would never call it
         return data, f"{split} streamed (a collate_fn is given: it makes each batch, as in torch's DataLoader)"

@@ -630,7 +630,10 @@ class Engine:
         snapshot after its cut-short epoch had ended (epoch + 1, step 0): trained on to a longer horizon, the
         rest of that epoch would be skipped. (Every rank decides alike: the snapshot is the same.)"""
         pos, k = self.pos, self.steps_per_epoch
-        if self.cfg.join or pos.global_step >= self.total_steps or pos.global_step == pos.epoch * k + pos.step_in_epoch:
+        # (--join: ranks' epochs differ in steps; a stream's steps an epoch follow the world size: neither is checked)
+        if self.cfg.join or self.train_src.path == "stream" or pos.global_step >= self.total_steps:
+            return
+        if pos.global_step == pos.epoch * k + pos.step_in_epoch:
             return
         raise RunDirError(
             f"{self.cfg.run_dir}'s last snapshot (step {pos.global_step}) was taken by an older ddpkit after its "
