@@ -26,7 +26,7 @@ from .data.batch import first_tensor, leading_size
 from .data.datasets import hold_out
 from .data.loader import Preprocess
 from .data.materialize import materialize
-from .data.stream import first_item
+from .data.stream import first_items
 from .errors import ConfigError, DataError, DdpkitError, RunDirError, TaskError, raised_at
 from .identity import Fingerprint, data_fingerprint, file_fingerprint, with_code
 from .importpath import generators_kept, is_import_path, resolve
@@ -354,7 +354,7 @@ def sample_batch(splits: DataSplits, n: int = 2) -> Any:
     if isinstance(data, ImageData) and splits.collate_fn is None:
         x, y = data.images[:n], data.labels[:n]
     else:
-        items = first_item(data, min(n, len(data)))
+        items = first_items(data, n)
         batch = (splits.collate_fn or default_collate)(items)
         if splits.meta is None:
             return batch

@@ -35,7 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
-from .data.stream import check_stream, first_item
+from .data.stream import check_stream, first_items
 from .data.types import infer_meta
 from .errors import ConfigError, DataError, article
 from .identity import (
@@ -174,7 +174,7 @@ class Trainer:
         sample = None
         if self.splits is not None:
             data = self.splits.train if self.splits.train is not None else self.splits.test
-            sample = first_item(data) if data is not None and len(data) else None
+            sample = first_items(data, 1)[0] if data is not None and len(data) else None
         classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
         least = None
         if self.splits is not None and classes is None:  # test labels too: a class seen only there fails at evaluation

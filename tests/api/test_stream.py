@@ -154,3 +154,16 @@ def test_a_stream_resumed_with_other_loader_workers_is_refused(tmp_path):
         DataError, match="read its IterableDataset with --num-workers 0, .* resume it with --num-workers 0"
     ):
         fit(2, 2)  # trained on to 2 epochs (a constant lr), from the snapshot made with no workers
+
+
+def test_preflights_sample_of_a_one_sample_training_set_is_a_batch_of_one(tmp_path):
+    """Review finding (a read of the diff): the first-samples helper returned a bare sample when asked for
+    one, so preflight's batch of a one-sample map-style training set was collated from the sample's fields."""
+    from ddpkit.data import DataSplits
+    from ddpkit.preflight import sample_batch
+
+    one = TensorDataset(torch.ones(1, 3), torch.zeros(1, 1))
+    x, y = sample_batch(DataSplits(one, one, None))
+    assert x.shape == (1, 3) and y.shape == (1, 1)
+    rows = Rows(96, str(tmp_path))
+    assert len(sample_batch(DataSplits(rows, one, None), 2)[0]) == 2  # a stream's first items, as a batch

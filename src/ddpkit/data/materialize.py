@@ -22,6 +22,8 @@ took and why, and the run's ``[start]`` line shows it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -144,9 +146,6 @@ def _read_all(data: Dataset, split: str, budget: float, limit_s: float | None = 
 def _progress(split: str, n: int):
     """A function of the samples read so far that prints, every PROGRESS_S seconds, how far the read is (the
     launcher's, or global rank 0's under torchrun)."""
-    import os
-    import sys
-
     t0 = last = time.perf_counter()
     quiet = os.environ.get("RANK", "0") != "0"
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import DataError
-from .draws import seed_generators
+from .draws import generators_set_aside, seed_generators
 
 STREAM = 0x57EA  # tags the stream's seeds apart from every other use of the run's seed
 
@@ -109,19 +109,17 @@ class PrivateGenerators:
     around each read (:meth:`read`) and out again: the rank's own streams are not moved by the data's draws."""
 
     def __init__(self, key: tuple[int, ...]):
-        saved = _states()
-        seed_generators(key)
-        self.states = _states()
-        _restore(saved)
+        with generators_set_aside():
+            seed_generators(key)
+            self.states = _states()
 
     def read(self, it: Iterator):
-        saved = _states()
-        _restore(self.states)
-        try:
-            return next(it)
-        finally:
-            self.states = _states()
-            _restore(saved)
+        with generators_set_aside():
+            _restore(self.states)
+            try:
+                return next(it)
+            finally:
+                self.states = _states()
 
 
 def _states():
@@ -134,18 +132,17 @@ def _restore(states) -> None:
     random.setstate(states[2])
 
 
-def first_item(data, n: int = 1):
-    """The first ``n`` samples of ``data`` (a list; one sample itself for ``n`` = 1), map-style or a stream's
-    first items (read with no shard: what a dataset yields at ``(0, 1)``)."""
-    if isinstance(data, IterableDataset):
-        items = []
-        for item in data:
-            items.append(item)
-            if len(items) == n:
-                break
-    else:
-        items = [data[i] for i in range(min(n, len(data)))]
-    return items[0] if n == 1 else items
+def first_items(data, n: int) -> list:
+    """The first ``n`` samples of ``data``: by index, or a stream's first items (read with no shard: what a
+    dataset yields at ``(0, 1)``)."""
+    if not isinstance(data, IterableDataset):
+        return [data[i] for i in range(min(n, len(data)))]
+    items = []
+    for item in data:
+        items.append(item)
+        if len(items) == n:
+            break
+    return items
 
 
 def check_stream(data, which: str) -> None:

@@ -135,53 +135,16 @@ def _curve_figure(
     for run, (line, marker, colour) in zip(runs, RUN_STYLES * 4):
         who = f"{run['label']}: " if len(runs) > 1 else ""
         pts = [(r["step"], r[metric]) for r in run["steps"] if r.get(metric) is not None]
-        if pts:
-            x, y = zip(*pts)
-            ax.plot(
-                x,
-                [v * scale for v in y],
-                linestyle=line,
-                color=colour,
-                lw=1.6,
-                marker=marker if len(pts) <= 30 else None,
-                ms=4,
-                label=f"{who}train (per log interval)" if test else who[:-2] or None,
-            )
-        ends = [
-            (r["step"], r[f"test_{metric}"])
-            for r in run["epochs"]
-            if test and r.get("step") is not None and r.get(f"test_{metric}") is not None
-        ]
-        if ends:
-            x, y = zip(*ends)
-            ax.plot(
-                x,
-                [v * scale for v in y],
-                linestyle=line,
-                color=colour,
-                lw=0.8,
-                marker=marker,
-                ms=8,
-                markerfacecolor="white",
-                markeredgewidth=1.8,
-                label=f"{who}test (epoch end)",
-            )
-        vals = [
-            (r["step"], r[f"val_{metric}"]) for r in run.get("evals", []) if test and r.get(f"val_{metric}") is not None
-        ]
-        if vals:
-            x, y = zip(*vals)
-            ax.plot(
-                x,
-                [v * scale for v in y],
-                linestyle=line,
-                color=colour,
-                lw=1.0,
-                marker="s" if len(vals) <= 30 else None,
-                ms=5,
-                markerfacecolor="white",
-                label=f"{who}validation",
-            )
+        label = f"{who}train (per log interval)" if test else who[:-2] or None
+        _series(ax, pts, scale, line, colour, label, lw=1.6, marker=marker if len(pts) <= 30 else None, ms=4)
+        if not test:
+            continue
+        ends = [(r.get("step"), r.get(f"test_{metric}")) for r in run["epochs"]]
+        ends = [(x, y) for x, y in ends if x is not None and y is not None]
+        _series(ax, ends, scale, line, colour, f"{who}test (epoch end)", lw=0.8, marker=marker, ms=8, edge=1.8)
+        vals = [(r["step"], r[f"val_{metric}"]) for r in run.get("evals", []) if r.get(f"val_{metric}") is not None]
+        square = "s" if len(vals) <= 30 else None
+        _series(ax, vals, scale, line, colour, f"{who}validation", lw=1.0, marker=square, ms=5, edge=1.0)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     xs = {x for line in ax.get_lines() for x in line.get_xdata()}
@@ -206,6 +169,15 @@ def _curve_figure(
             f"{path} exists and is not a PNG; ddpkit replaces only its own figures: choose another {flag}"
         )
     return _save(fig, path, flag)
+
+
+def _series(ax, pts: list, scale: float, line: str, colour, label, lw: float, marker, ms: float, edge=None) -> None:
+    """One curve of (step, value) points, scaled (x100 for a percentage); hollow markers with an ``edge`` width."""
+    if not pts:
+        return
+    x, y = zip(*pts)
+    hollow = {"markerfacecolor": "white", "markeredgewidth": edge} if edge is not None else {}
+    ax.plot(x, [v * scale for v in y], linestyle=line, color=colour, lw=lw, marker=marker, ms=ms, label=label, **hollow)
 
 
 def _save(fig, path: Path, flag: str) -> Path:
