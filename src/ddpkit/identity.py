@@ -283,6 +283,8 @@ class _Reader:
         for attr, member in vars(klass).items():
             if attr.startswith("__") and attr not in ("__init__", "__call__", "__getitem__", "__len__", "__iter__"):
                 continue
+            if attr == "_abc_impl":  # ABCMeta's cache on every subclass of an ABC (IterableDataset's): no code
+                continue
             if isinstance(member, property):
                 inner = [f for f in (member.fget, member.fset, member.fdel) if f is not None]
             elif isinstance(member, functools.cached_property):
