@@ -12,6 +12,7 @@ Two rules hold for every test here (see ``pytest_runtest_protocol`` below):
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
@@ -71,11 +72,16 @@ def pytest_runtest_protocol(item, nextitem):
     the CPU flags pinned, and processes refused unless it is marked ``multiprocess``."""
     mp = pytest.MonkeyPatch()
     mp.setattr(recipes, "cpu_flags", lambda: AVX2_ONLY)
-    if item.get_closest_marker("multiprocess") is None:
+    multiprocess = item.get_closest_marker("multiprocess") is not None
+    if not multiprocess:
         refuse_processes(mp, item)
     try:
         yield
     finally:
+        if multiprocess:
+            # Finalizers of what a launch left (a multiprocessing semaphore's unregister asks the resource
+            # tracker to run) run here, where processes are allowed, not in whichever test collects it next
+            gc.collect()
         mp.undo()
 
 

@@ -12,7 +12,12 @@ What is read (never values drawn through ``__getitem__`` or ``forward``, which m
   an installed package's), and what it reaches: the module-level names it uses (values, functions,
   classes), the names it reaches through a module of your own (``mycfg.SCALE``), the values it
   closes over, its default arguments, a ``functools.partial``'s arguments, a callable object's class
-  and attributes, every method and class attribute of your own classes (``act = staticmethod(torch.relu)``);
+  and attributes, every method and class attribute of your own classes (``act = staticmethod(torch.relu)``),
+  what it names on a builtin or C-extension module that is plain data or yours (``math.X`` set at import);
+  the environment variables it reads by a constant name (``os.environ["MUL"]``, ``os.getenv("MUL")``: the
+  value, or that it is unset; a read by another name is listed in ``unproven``; a launcher's, such as
+  ``RANK`` or ``WORLD_SIZE``, is not the run's identity). A script's top level that made a ``Loop``: its
+  code, and its settings at that line (:func:`_settings`);
 - **model**: parameter and buffer names, shapes and dtypes, ``repr`` (layer types and settings),
   the code and attributes (private ones too) of each of your own module classes, and each library
   module's constructor settings: its public attributes of plain values (``num_heads``, ``norm_first``),
@@ -38,11 +43,16 @@ which part differs.
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
+import importlib.machinery
 import json
+import linecache
 import logging
 import os
 import re
@@ -69,7 +79,8 @@ _MAX_DEPTH = 5  # object attributes followed this deep
 _TEXT = 100  # part values longer than this (characters) are kept as a digest
 # What ddpkit reads, by version (in identity.json): a run dir fingerprinted by an older reading
 # (none written: 1) lacks the parts added since, so its tags cannot be compared with today's.
-READING = 2
+# 3: environment variables, and what code names on a builtin or C-extension module (math.X).
+READING = 3
 # Attributes every nn.Module has (its parameters, buffers, children, hooks keyed by global handle
 # numbers, the training flag): read through their own paths, or not part of what a module computes.
 _MODULE_BASE = frozenset(vars(nn.Module()))
@@ -180,6 +191,270 @@ def _names(c: types.CodeType) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# ---------------------------------------------------------------------- values set outside your code
+_ABSENT = object()
+# Set for each rank or attempt by a launcher (torchrun, SLURM, MPI) or by ddpkit, or naming the rank's devices
+# and network: where and how a rank runs, not what it computes. Read, they would make ranks disagree and an
+# elastic resume at another world size another run, so they are neither read nor listed.
+_PLACEMENT_ENV = re.compile(
+    r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME"
+    r"|MASTER_ADDR|MASTER_PORT|CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|OMP_NUM_THREADS|CUBLAS_WORKSPACE_CONFIG"
+    r"|(TORCHELASTIC|TORCH|SLURM|OMPI|PMI|PMIX|NCCL|GLOO|DDPKIT)_\w+)"
+)
+_SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)  # kept as a digest, never in clear
+_ENV_READS = frozenset({"get", "setdefault", "pop", "__getitem__", "__contains__"})  # os.environ.get("K")
+_ENV_WRITES = frozenset({"update", "clear", "__setitem__", "__delitem__"})  # what code sets is not an input
+_LOADS = frozenset(
+    {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CLASSDEREF"}
+)
+_ATTRS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+# Opcodes between an expression's parts that say nothing of it (call set-up, caches), across Python 3.9-3.13
+_FILLER = frozenset({"CACHE", "NOP", "EXTENDED_ARG", "PUSH_NULL", "PRECALL", "KW_NAMES", "RESUME", "COPY_FREE_VARS"})
+_UNKNOWN = object()
+
+
+def _environ_objects() -> dict[int, str]:
+    found = {"environ": os.environ, "getenv": os.getenv}
+    found.update({k: getattr(os, k) for k in ("environb", "getenvb") if hasattr(os, k)})
+    return {id(v): k for k, v in found.items()}
+
+
+_ENVIRON = _environ_objects()  # id -> name: os.environ and os.getenv, as `from os import environ` binds them
+
+
+def _environ_reads(code: types.CodeType, scope: dict, bound: dict | None = None) -> tuple[list[str], bool]:
+    """The environment variables ``code`` (and the functions nested in it) reads by a constant name
+    (``os.environ["K"]``, ``os.environ.get("K")``, ``os.getenv("K")``, ``"K" in os.environ``, and through
+    ``from os import environ``), and whether it reads the environment otherwise (a name that is not a
+    constant, ``os.environ.items()``, the mapping passed on). Read from the bytecode: what runs, not the
+    source. An ``environ`` attribute of something that may be ``os`` counts; one of another known object not."""
+    ops = [op for op in dis.get_instructions(code) if op.opname not in _FILLER]
+    bound = dict(bound or {})  # names this code binds to os or its members: `import os as o`, `from os import environ`
+    for i, op in enumerate(ops[:-1]):
+        if op.opname == "IMPORT_NAME" and (op.argval == "os" or str(op.argval).startswith("os.")):
+            if ops[i + 1].opname.startswith("STORE_"):
+                bound[ops[i + 1].argval] = os
+            j = i + 1
+            while j + 1 < len(ops) and ops[j].opname == "IMPORT_FROM":
+                if ops[j + 1].opname.startswith("STORE_"):
+                    bound[ops[j + 1].argval] = getattr(os, ops[j].argval, None)
+                j += 2
+
+    def value_of(op: dis.Instruction) -> Any:
+        if op.opname not in _LOADS or not isinstance(op.argval, str):
+            return _UNKNOWN
+        if op.argval in bound:
+            return bound[op.argval]
+        return scope.get(op.argval, _UNKNOWN) if op.opname in ("LOAD_GLOBAL", "LOAD_NAME") else _UNKNOWN
+
+    def const(at: int) -> str | None:
+        op = ops[at] if 0 <= at < len(ops) else None
+        return op.argval if op is not None and op.opname == "LOAD_CONST" and isinstance(op.argval, str) else None
+
+    keys, other = [], False
+    for i, op in enumerate(ops):
+        if op.opname in _ATTRS and op.argval in ("environ", "getenv", "environb", "getenvb"):
+            base = value_of(ops[i - 1]) if i else _UNKNOWN
+            if base is not os and base is not _UNKNOWN:
+                continue  # another object's attribute of that name
+            what, start = op.argval, i - 1
+        elif op.opname in _LOADS and id(value_of(op)) in _ENVIRON:
+            what, start = _ENVIRON[id(value_of(op))], i
+        else:
+            continue
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        after = ops[i + 2] if i + 2 < len(ops) else None
+        subscript = after is not None and (after.opname == "BINARY_SUBSCR" or after.argrepr == "[]")  # 3.14: BINARY_OP
+        method = nxt.argval if nxt is not None and nxt.opname in _ATTRS else None
+        if what in ("environ", "environb") and after is not None and after.opname in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+            continue  # os.environ["K"] = ...: what the code sets is not an input
+        if what == "environ" and method in _ENV_WRITES:
+            continue
+        if what == "getenv" and const(i + 1) is not None:
+            keys.append(const(i + 1))
+        elif what == "environ" and const(i + 1) is not None and subscript:
+            keys.append(const(i + 1))
+        elif what == "environ" and method in _ENV_READS and const(i + 2) is not None:
+            keys.append(const(i + 2))
+        elif what == "environ" and nxt is not None and nxt.opname == "CONTAINS_OP" and const(start - 1) is not None:
+            keys.append(const(start - 1))
+        else:  # a name that is not a constant, the whole mapping, or bytes (environb, getenvb)
+            other = True
+    for k in code.co_consts:
+        if isinstance(k, types.CodeType):
+            more, odd = _environ_reads(k, scope, bound)
+            keys, other = keys + more, other or odd
+    return list(dict.fromkeys(keys)), other
+
+
+def _compiled(module: types.ModuleType) -> bool:
+    """A builtin or C-extension module (``math``, ``time``): no Python source."""
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return not hasattr(module, "__path__")  # a namespace package has folders, not code
+    return path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def _plain_data(v: Any, depth: int = 0) -> bool:
+    """A number, string, bool or None, or a tuple, list, set or dict of these (a setting's value)."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return True
+    if depth >= 4 or not isinstance(v, (tuple, list, set, frozenset, dict)) or len(v) > 1000:
+        return False
+    items = [*v, *v.values()] if isinstance(v, dict) else v
+    return all(_plain_data(x, depth + 1) for x in items)
+
+
+def _of_yours(v: Any) -> bool:
+    """A function, class or object of your own code (not the standard library's or a package's)."""
+    if isinstance(v, types.FunctionType):
+        return not _in_library(v.__code__.co_filename)
+    kind = v if isinstance(v, type) else type(v)
+    return not _module_in_library(kind.__module__)
+
+
+# ---------------------------------------------------------------------- a script's top level
+@dataclass(frozen=True, eq=False)
+class Script:
+    """The top level of a script (or a notebook cell) at the line that made something, a Loop: its code, its
+    globals, and a copy of each plain value it names as it was at that line (:func:`script_at`)."""
+
+    code: types.CodeType
+    scope: dict  # the module's globals (live)
+    line: int  # the line that made it
+    values: dict  # name -> a copy of each global the code names whose value is plain data, at that line
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.code.co_filename)
+
+
+def script_at(frame: types.FrameType) -> Script:
+    """A frame running a module's top level (``<module>``), as it is now: what a rank reads later (once,
+    on rank 0) is what was set before this line, not what the script sets after it."""
+    code, scope = frame.f_code, frame.f_globals
+    values = {
+        name: copy.deepcopy(scope[name])
+        for name in _names(code)
+        if not name.startswith("__") and name in scope and _plain_data(scope[name])
+    }
+    return Script(code, scope, frame.f_lineno, values)
+
+
+_PURE_CALLS = frozenset({"abs", "bool", "dict", "float", "int", "len", "list", "max", "min", "round", "str", "tuple"})
+
+
+def _settings(script: Script) -> set[str] | None:
+    """The script's settings: the globals it sets, before the line that made the Loop, from constants and
+    other settings only (``learning_rate = 6e-4``, ``n_embd = 4 * 96``, ``name = f"gpt-{n_layer}"``). Their
+    values at that line are the run's, a configurator's overrides included (nanoGPT's
+    ``exec(open('configurator.py').read())``). A global also set from anything else (the environment, the
+    clock, the rank, a call: ``seed_offset = ddp_rank``, ``t0 = time.time()``, ``gradient_accumulation_steps
+    //= ddp_world_size``), by an import, a loop, a ``with`` or a function (``global``), is not one: it may
+    differ between runs or ranks of one run, and an elastic resume at another world size must go on. Nor is
+    a list, dict or set the script uses before that line (it may have been changed in place). None: the
+    source cannot be read (``python -c``)."""
+    lines = linecache.getlines(script.code.co_filename, script.scope)
+    try:
+        tree = ast.parse("".join(lines)) if lines else None
+    except (SyntaxError, ValueError):
+        tree = None
+    if tree is None:
+        return None
+    # the statement that made the Loop: a call over several lines reports one of them
+    at = script.line
+    for node in ast.walk(tree):  # breadth first: the innermost statement holding the line comes last
+        if isinstance(node, ast.stmt) and node.lineno <= script.line <= (node.end_lineno or node.lineno):
+            at = node.lineno
+    nodes = [n for n in _module_level(tree) if getattr(n, "lineno", at) < at]
+    assigned: dict[str, list[ast.expr]] = {}
+    taken: set[int] = set()  # the Name nodes of assignments read as such
+    for st in nodes:
+        pairs: list = []
+        if isinstance(st, ast.Assign) and st.end_lineno < at:
+            pairs = [p for target in st.targets for p in _pairs(target, st.value)]
+        elif isinstance(st, (ast.AnnAssign, ast.AugAssign)) and st.value is not None and st.end_lineno < at:
+            pairs = _pairs(st.target, st.value)
+        for target, value in pairs:
+            assigned.setdefault(target.id, []).append(value)
+            taken.add(id(target))
+    other = {name for node in ast.walk(tree) if isinstance(node, (ast.Global, ast.Nonlocal)) for name in node.names}
+    for n in nodes:
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load) and id(n) not in taken:
+            other.add(n.id)  # a for target, a with's `as`, a walrus, a del, an unpacked call's result
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            other |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)):
+            other.add(n.name or "")
+        elif type(n).__name__ in ("MatchAs", "MatchStar", "MatchMapping"):  # a match statement's captures
+            other.add(getattr(n, "name", None) or getattr(n, "rest", None) or "")
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno < at}
+    other |= {name for name in used if _mutable(script.values.get(name))}
+    settings, bound = set(assigned) - other, set(assigned) | other
+    changed = True
+    while changed:  # a setting is made of settings only: drop those made of anything else, until none is
+        changed = False
+        for name in sorted(settings):
+            if not all(_constant(v, settings, bound) for v in assigned[name]):
+                settings.discard(name)
+                changed = True
+    return settings
+
+
+def _module_level(node: ast.AST):
+    """The nodes under ``node`` that run at a module's top level (not in a function's or class's body)."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from _module_level(child)
+
+
+def _pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.Name, ast.expr]]:
+    """(name, value) of an assignment: ``a = 1``, ``a, b = 1, 2``; [] where a name's value is not its own
+    expression (``a, b = pair``, ``x[0] = 1``)."""
+    if isinstance(target, ast.Name):
+        return [(target, value)]
+    if (
+        isinstance(target, (ast.Tuple, ast.List))
+        and isinstance(value, (ast.Tuple, ast.List))
+        and len(target.elts) == len(value.elts)
+        and not any(isinstance(e, ast.Starred) for e in [*target.elts, *value.elts])
+    ):
+        return [p for t, v in zip(target.elts, value.elts) for p in _pairs(t, v)]
+    return []
+
+
+def _constant(node: ast.AST | None, settings: set[str], bound: set[str]) -> bool:
+    """Whether an expression is made of constants and settings only (a call to a builtin such as ``int``
+    or ``dict`` of such arguments included, where the script does not bind that name itself)."""
+    if node is None or isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in settings
+    if isinstance(node, ast.Call):
+        return (
+            isinstance(node.func, ast.Name)
+            and node.func.id in _PURE_CALLS
+            and node.func.id not in bound
+            and all(_constant(a, settings, bound) for a in node.args)
+            and all(k.arg is not None and _constant(k.value, settings, bound) for k in node.keywords)
+        )
+    if isinstance(node, ast.Dict) and None in node.keys:  # {**other}
+        return False
+    kinds = (
+        ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp,
+        ast.JoinedStr, ast.FormattedValue, ast.Subscript, ast.Slice, ast.operator, ast.unaryop, ast.boolop,
+        ast.cmpop, ast.expr_context,
+    )  # fmt: skip
+    return isinstance(node, kinds) and all(_constant(c, settings, bound) for c in ast.iter_child_nodes(node))
+
+
+def _mutable(v: Any) -> bool:
+    if isinstance(v, (list, dict, set, bytearray)):
+        return True
+    return isinstance(v, (tuple, frozenset)) and any(_mutable(x) for x in v)
+
+
 class _Reader:
     """Reads code, objects and data into ``parts`` (label -> text), following references once each."""
 
@@ -193,6 +468,7 @@ class _Reader:
         self._folders: list[tuple[str, str]] = []  # (label, path) of folders a dataset names
         self._modules_open: set[str] = set()  # modules being read through (pkg.sub.CONST): one naming itself stops
         self._layers: dict[int, str] = {}  # the model's own modules by id -> path: referenced, not read again
+        self.read_environ = True  # False: an environment variable code reads is listed in unproven (a Loop's)
 
     def fingerprint(self, name: str) -> Fingerprint:
         return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)))
@@ -206,6 +482,8 @@ class _Reader:
     # ---------------------------------------------------------------- code
     def callable(self, obj: Any, label: str) -> str:
         """Read what calling ``obj`` runs; returns a short description of it."""
+        if isinstance(obj, Script):
+            return self.script(obj)
         if isinstance(obj, functools.partial):
             self.parts[f"{label} arguments"] = self.value([obj.args, obj.keywords], f"{label} arguments", 1)
             return f"partial({self.callable(obj.func, label)})"
@@ -229,6 +507,7 @@ class _Reader:
         if label in self.parts:  # another function of that name (two module-level lambdas): keep both
             label = f"code {fn.__qualname__} (line {code.co_firstlineno})"
         self.parts[label] = _digest(_code(code))[:16]
+        self.environ(code, fn.__globals__, fn.__qualname__)
         for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 contents = cell.cell_contents
@@ -254,8 +533,13 @@ class _Reader:
     def module(self, module: types.ModuleType, names: list[str]) -> None:
         """What code reaches through a module of your own (``import mycfg`` ... ``mycfg.SCALE``): each
         name it uses that the module defines (code names attributes and globals alike; one read too
-        many is harmless), and through its submodules (``pkg.sub.CONST``)."""
-        if _module_object_in_library(module) or module.__name__ in self._modules_open:
+        many is harmless), and through its submodules (``pkg.sub.CONST``). A builtin or C-extension
+        module (``math``): see :meth:`compiled_module`."""
+        if module.__name__ in self._modules_open:
+            return
+        if _module_object_in_library(module):
+            if _compiled(module) and module.__name__ != "sys":  # sys: the process's own state (argv, path)
+                self.compiled_module(module, names)
             return
         self._modules_open.add(module.__name__)
         try:
@@ -272,6 +556,80 @@ class _Reader:
                     self.parts[label] = self.value(own[var], label, 1)
         finally:
             self._modules_open.discard(module.__name__)
+
+    def compiled_module(self, module: types.ModuleType, names: list[str]) -> None:
+        """What code names on a builtin or C-extension module (``math.X``) that holds plain data or is of
+        your own code (a value or function set on it by your code, at import) is read like a global value.
+        Its own functions and types are named, as before. What it was shipped with cannot be told from what
+        was set on it later in the process (a C module keeps no list of its names), so its own constants are
+        read too: ``math.pi`` is the same in every run, and never unproven."""
+        own = vars(module)
+        for var in names:
+            value = own.get(var, _ABSENT)
+            if var.startswith("__") or value is _ABSENT or not (_plain_data(value) or _of_yours(value)):
+                continue
+            label = f"global {module.__name__}.{var}"
+            if label not in self.parts:
+                self.parts[label] = "..."
+                self.parts[label] = self.value(value, label, 1)
+
+    def environ(self, code: types.CodeType, scope: dict, who: str) -> None:
+        """The environment variables ``code`` reads (:func:`_environ_reads`): each read by a constant name
+        is part of the identity, its value or its absence (``os.environ['MUL'] '2'``, ``unset``); listed
+        in ``unproven`` instead when ``read_environ`` is off (a Loop's code). One read otherwise (a name
+        that is not a constant, the whole mapping) is listed. Where a launcher or ddpkit places a rank
+        (``RANK``, ``WORLD_SIZE``, ``SLURM_*``...) is neither: it is not what the run computes."""
+        keys, other = _environ_reads(code, scope)
+        for key in keys:
+            label = f"os.environ[{key!r}]"
+            if _PLACEMENT_ENV.fullmatch(key) or label in self.parts:
+                continue
+            if not self.read_environ:
+                self.unproven.append(f"{label} (read by {who}): the environment is not compared on a resume")
+                continue
+            value = os.environ.get(key)
+            if value is None:
+                self.parts[label] = "unset"
+            elif _SECRET_ENV.search(key) or len(repr(value)) > _TEXT:  # a token is not written to the run dir
+                self.parts[label] = f"set, sha {_digest(value)[:16]}"
+            else:
+                self.parts[label] = repr(value)
+        if other:
+            self.unproven.append(
+                f"code {who}: reads the environment other than by a constant name (os.environ[name], "
+                f"os.environ.items(), ...), so what it reads is not read"
+            )
+
+    def script(self, script: Script) -> str:
+        """A script's top level that made a Loop: its code (with every function and class it defines), its
+        settings as they were at that line (:func:`_settings`: ``global learning_rate 0.0006``), what it
+        reaches of your own elsewhere (functions and classes it imports, your modules' names), and the
+        environment variables its functions read. Its other globals (the rank, the clock, objects: a model,
+        a device) are the run's own state, not its identity, and are left out; so are environment variables
+        read at its top level, which only its globals hold."""
+        self.parts[f"code {script.name}"] = _digest(_code(script.code))[:16]
+        names, settings = _names(script.code), _settings(script)
+        if settings is None:
+            self.unproven.append(
+                f"the settings of {script.name}: its source cannot be read, so which of its globals are "
+                f"settings is unknown (none is read)"
+            )
+        here = script.scope.get("__name__")
+        for var in names:
+            value = script.scope.get(var, _ABSENT)
+            if var.startswith("__") or value is _ABSENT:
+                continue
+            if var in script.values:
+                if var in (settings or ()):
+                    self.parts[f"global {var}"] = self.value(script.values[var], f"global {var}", 1)
+            elif isinstance(value, types.ModuleType):
+                self.module(value, names)
+            elif isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) != here:
+                self.callable(value, f"global {var}")  # imported from a module of yours: read there
+        for inner in script.code.co_consts:
+            if isinstance(inner, types.CodeType):
+                self.environ(inner, script.scope, getattr(inner, "co_qualname", inner.co_name))
+        return script.name
 
     def cls(self, klass: type) -> str:
         name = f"{klass.__module__}.{klass.__qualname__}"
@@ -325,6 +683,8 @@ class _Reader:
         return text if len(text) <= _TEXT else f"{type(v).__name__} sha {_digest(text)[:16]}"
 
     def _value(self, v: Any, label: str, depth: int) -> str:
+        if id(v) in _ENVIRON:  # `from os import environ`: by name; what code reads of it is read by key (environ())
+            return f"os.{_ENVIRON[id(v)]}"
         if isinstance(v, torch.device):  # its type only: a rank's own index (cuda:3) is not the run's identity
             return f"device {v.type}"
         if v is None or isinstance(v, (bool, int, float, complex, bytes, range, torch.dtype)):
@@ -572,9 +932,13 @@ def with_code(fp: Fingerprint, label: str, fn: Any) -> Fingerprint:
     return Fingerprint(fp.name, {**fp.parts, **reader.parts}, tuple(fp.unproven) + tuple(reader.unproven))
 
 
-def code_fingerprint(name: str, callables: dict) -> Fingerprint:
-    """What each of ``callables`` ({label: fn}, e.g. the loss and the metrics) runs."""
+def code_fingerprint(name: str, callables: dict, read_environ: bool = True) -> Fingerprint:
+    """What each of ``callables`` ({label: fn}, e.g. the loss and the metrics; or a :class:`Script`) runs.
+    ``read_environ=False`` (a Loop's code): the environment variables it reads are listed in ``unproven``,
+    not read: a loop's own code reads them for how to run (``SAVE``, when to stop, test hooks), which may
+    change between a run and its resume."""
     reader = _Reader()
+    reader.read_environ = read_environ
     for label, fn in callables.items():
         reader.parts[label] = reader.callable(fn, label)
     return reader.fingerprint(name)

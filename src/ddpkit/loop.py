@@ -36,10 +36,12 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 import types
@@ -59,16 +61,17 @@ from .data.shard import ShardedLoader
 from .device import resolve_device_type
 from .errors import ConfigError, DdpkitError, RunDirError, Stopped
 from .files import atomic_write, torch_bytes
-from .identity import code_fingerprint
+from .identity import Script, code_fingerprint, script_at
 from .ranks import env, hangwatch
 from .ranks.context import DistContext, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status, stop_exits_with_its_status
-from .run.checkpoint import Checkpointer
+from .run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger
+from .run.rundir import describe_difference
 from .train.ddp import make_ddp
-from .train.metrics import Accumulator, sync_interval
+from .train.metrics import Accumulator, framed_sums, sync_interval
 from .train.signals import StopSignal
 from .train.syncbn import convert_sync_batchnorm
 
@@ -132,12 +135,17 @@ class _RunKey:
         return hashlib.sha256(json.dumps(self._keyed(self.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
     def differing_keys(self, other: dict) -> list[str]:
+        """What differs from a snapshot's config, in words: the loop's code by the parts that differ, as
+        Trainer's identity names them (``global learning_rate 0.0006 -> 0.001``). The code compares on what
+        was read: a snapshot whose code was not read (an older ddpkit's Loop made at a script's top level)
+        matches on the rest, as it did then."""
         mine, theirs = self._keyed(self.to_dict()), self._keyed(other)
         keys = [k for k in mine if k != "code" and mine[k] != theirs.get(k)]
-        if "code" in mine and mine["code"] != theirs.get("code"):
-            parts, old = mine["code"] or {}, theirs.get("code") or {}
-            changed = sorted(k for k in set(parts) | set(old) if parts.get(k) != old.get(k))
-            keys.append(f"the loop's code ({', '.join(changed[:3]) or 'code'}; Loop(check_code=False) resumes anyway)")
+        now, before = mine.get("code") or {}, theirs.get("code") or {}
+        if "code" in mine and before.get("parts") and now.get("parts") != before.get("parts"):
+            key = "the loop's code in"  # said as "the loop's code in train.py: global learning_rate 0.0006 -> 0.001"
+            said = describe_difference(key, None, None, {key: before}, {key: now})
+            keys.append(f"{said} (Loop(check_code=False) resumes anyway)")
         return keys
 
 
@@ -195,6 +203,7 @@ class Loop:
         self._changes: list[str] = []
         self._best: dict = {}
         self._last_saved = -1
+        self._reset: list[str] = []  # per-rank values an elastic resume left as resume() gave them
         self.metrics: dict[str, float | None] = {}  # the last record's means, the same on every rank
 
     # ------------------------------------------------------------------ 1. the process group
@@ -257,6 +266,55 @@ class Loop:
         if raised_here is not None:
             raise raised_here
         return False  # the loop's own exception, if any, goes on as it was
+
+    @classmethod
+    def start(cls, run_dir: str = "runs/loop", **settings: Any) -> "Loop":
+        """A Loop for a script's top level, with no ``with`` and so no re-indent of the script below it::
+
+            loop = ddpkit.Loop.start("out", save_every_steps=100)   # the process group, run dir, stop signals
+            ...the rest of the script, as written...
+
+        It is closed when the script ends (``atexit``), as the ``with`` block's end closes it: the final
+        snapshot and record on success, the group torn down either way; or earlier by :meth:`close`. An
+        error the script does not catch is said as the ``with`` form says it (one line, its exit status)."""
+        loop = cls(run_dir, **settings)
+        loop._maker = _caller_function(sys._getframe(1))  # the script's code, not this method's
+        loop.__enter__()
+        loop._uncaught = None
+        previous = sys.excepthook
+
+        def seen(kind, exc, tb):  # the script's uncaught error: close() must not save after it
+            loop._uncaught = exc
+            previous(kind, exc, tb)
+
+        sys.excepthook = seen
+        atexit.register(loop._close_at_exit)
+        return loop
+
+    def close(self) -> None:
+        """End a :meth:`start`-ed Loop now, as leaving a ``with`` block does with no error: the final
+        snapshot and record, then the group's teardown. Every rank. Closing twice does nothing."""
+        if self.ctx is not None and not getattr(self, "_closed", False):
+            self._closed = True
+            self.__exit__(None, None, None)
+
+    def _close_at_exit(self) -> None:
+        if self.ctx is None or getattr(self, "_closed", False):
+            return
+        self._closed = True
+        exc = getattr(self, "_uncaught", None)
+        if exc is not None:  # said already, by the excepthook, with its status: the teardown is all that is left
+            try:
+                self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception:  # noqa: BLE001 - a teardown after a failure fails too (a lost peer); said already
+                pass
+            return
+        try:
+            self.__exit__(None, None, None)
+        except SystemExit as done:  # a launcher's one line, printed by __exit__: its status is the process's
+            _exit_now(done.code if isinstance(done.code, int) else 1)
+        except DdpkitError as error:  # the final save or the teardown failed after the script ended
+            _exit_now(exit_status(error))
 
     @property
     def rank(self) -> int:
@@ -385,6 +443,7 @@ class Loop:
             "run_dir": self.config.run_dir,
             "resumed_at_step": self.state.step if snap is not None else None,
             "resumed_from_world": resumed_from,
+            "reset_per_rank": self._reset or None,  # at another world size: each rank's own values, as given
             "changes": "; ".join(self._changes) or "none",
             "not_read": "; ".join(self.key.code.get("unproven", [])) or None,
         }
@@ -393,7 +452,8 @@ class Loop:
         return self.state
 
     def _load(self, snap: dict) -> int | None:
-        names = snap["trainer"]["state"]
+        per_rank = snap["trainer"].get("per_rank", [])  # names saved per rank (a snapshot before 0.4: none)
+        names = [*snap["trainer"]["state"], *per_rank]
         extra, missing = [n for n in names if n not in self.state], [n for n in self.state if n not in names]
         if extra or missing:  # checked before anything is loaded: nothing half-resumed
             what = f"holds {', '.join(map(repr, extra))}, which this resume() was not given" if extra else ""
@@ -405,7 +465,18 @@ class Loop:
                 f"or pass another run_dir to Loop"
             )
         saved = self.ckpt.restore(snap)
-        for name, value in saved["state"].items():
+        # Each rank's own values go back to the rank that had them; at another world size a rank's value
+        # cannot follow its rank, and keeps what this resume() was given (said below).
+        mine = (saved["rank_state"] or {}).get("state", {}) if saved["same_world"] else {}
+        values = {**saved["state"], **mine}
+        for name, value in values.items():  # checked before anything is loaded: nothing half-resumed
+            problem = _misfit(self.state[name], value)
+            if problem:
+                raise RunDirError(
+                    f"the snapshot in {self.config.run_dir} does not fit {name!r}: {problem}; build it as the run "
+                    f"that made the snapshot did, or pass another run_dir to Loop"
+                )
+        for name, value in values.items():
             target = self.state[name]
             if hasattr(target, "load_state_dict"):
                 _unwrapped(target).load_state_dict(value)
@@ -424,10 +495,17 @@ class Loop:
             self._restore_metrics(saved["rank_state"] or {})
             return None
         old_world = snap["world_size"]
+        self._reset = list(per_rank)
+        reset = (
+            f"; {', '.join(map(repr, per_rank))} (different on every rank) as this resume() was given them"
+            if per_rank
+            else ""
+        )
         self.print(
             f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {old_world}, now "
             f"{self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams anew "
-            f"from (seed, step, rank), and each loader's split is the new world's from the same place in its epoch",
+            f"from (seed, step, rank), and each loader's split is the new world's from the same place in its "
+            f"epoch{reset}",
             file=sys.stderr,
         )
         return old_world
@@ -437,7 +515,13 @@ class Loop:
         """``range(state.step, total)``: between two steps is a safe point (:meth:`step`)."""
         self._require_state()
         while self.state.step < total:
-            yield self.state.step
+            at = self.state.step
+            yield at
+            if self.state.step != at:
+                raise ConfigError(
+                    f"loop.step() was called inside 'for ... in loop.steps({total})', which calls it for you (step "
+                    f"{at} counted twice): remove your loop.step(), or keep it and loop over range() or loop.epochs()"
+                )
             self.step()
 
     def epochs(self, total: int) -> Iterator[int]:
@@ -509,21 +593,32 @@ class Loop:
 
     def _save(self, finished: bool = False):
         state = self.state
+        values = {
+            name: _to_host(_unwrapped(v).state_dict() if hasattr(v, "state_dict") else v) for name, v in state.items()
+        }
+        for name, value in values.items():  # what torch.load(weights_only=True) can read back, before any write
+            _check_plain(name, value, f"the loop's state at step {state.step}")
+        shared, per_rank = split_by_rank(self.ctx, values, self._replicated())
         trainer = {
             "loop": {"step": state.step, "epoch": state.epoch, "best": self._best, "finished": finished},
-            "state": {
-                name: _to_host(_unwrapped(v).state_dict() if hasattr(v, "state_dict") else v)
-                for name, v in state.items()
-            },
+            "state": shared,
+            "per_rank": sorted(per_rank),
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "loaders": [loader.state_dict() for loader in self._loaders],
-            "rank_state": {"metrics": self._acc.state() if self._acc is not None else [], "names": list(self._names())},
+            "rank_state": {
+                "metrics": self._acc.state() if self._acc is not None else [],
+                "names": list(self._names()),
+                "state": per_rank,
+            },
         }
-        for name, value in trainer["state"].items():  # what torch.load(weights_only=True) can read back
-            _check_plain(name, value)
         path = self.ckpt.save(trainer, state.step)
         self._last_saved = state.step
         return path
+
+    def _replicated(self) -> frozenset:
+        """Names of modules DDP keeps equal on every rank (wrap() with broadcast_buffers): not hashed at snapshots."""
+        kept = {id(m) for m in self._models if isinstance(m, DDP) and m.broadcast_buffers}
+        return frozenset(name for name, v in self.state.items() if id(v) in kept)
 
     def _names(self) -> tuple[str, ...]:
         return self._acc.names if self._acc is not None else ()
@@ -569,14 +664,18 @@ class Loop:
     def reduce(self, **values: Any) -> dict[str, float]:
         """Now, over every rank (one all-reduce and a host copy): each value's mean, a ``(sum, count)``
         pair's sum/count. Every rank, with the same names."""
-        names = sorted(values)
-        parts = []
-        for name in names:
-            v = values[name]
-            s, c = v if isinstance(v, tuple) else (v, 1)
-            parts += [_f64(s, self.ctx.device), _f64(c, self.ctx.device)]
-        totals = self.ctx.all_reduce(torch.stack(parts)).tolist() if parts else []
-        return {n: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else None for i, n in enumerate(names)}
+        names = tuple(sorted(values))
+        pairs = [values[n] if isinstance(values[n], tuple) else (values[n], 1) for n in names]
+        dev = self.ctx.device
+        local = torch.stack([_f64(p[0], dev) for p in pairs] + [_f64(p[1], dev) for p in pairs]) if pairs else None
+        none = torch.zeros(0, dtype=torch.float64, device=dev)
+        totals, _ = framed_sums(self.ctx, "reduce", names, none if local is None else local, none)
+        if totals is None:
+            raise ConfigError(
+                f"loop.reduce() was given different names on different ranks (this rank: {', '.join(names) or 'none'}):"
+                f" pass the same names on every rank"
+            )
+        return _means(names, totals)
 
     @torch.no_grad()
     def evaluate(
@@ -657,7 +756,10 @@ class Loop:
     # ------------------------------------------------------------------ helpers
     def _require_state(self) -> None:
         if self.ctx is None:
-            raise ConfigError("use the Loop in a with-statement: with ddpkit.Loop(...) as loop: ...")
+            raise ConfigError(
+                "use the Loop in a with-statement (with ddpkit.Loop(...) as loop: ...), or start it with "
+                "loop = ddpkit.Loop.start(...)"
+            )
         if self.state is None:
             raise ConfigError(
                 "call loop.resume(model=..., optimizer=..., ...) before the first step: it names what a snapshot "
@@ -669,14 +771,13 @@ class Loop:
             self._changes.append(change)
 
     def _identity(self) -> dict:
-        """The loop's code as rank 0 read it (every rank uses rank 0's, so they decide alike)."""
+        """The loop's code as rank 0 read it (every rank uses rank 0's, so they decide alike): the function's
+        or the script's that made the Loop (``identity.script_at``: its code and settings). An environment
+        variable it reads is listed under ``unproven``, not compared (``SAVE``, a test's ``DIE_AT``)."""
         mine = None
         if self.ctx.is_main or self.ctx.world_size == 1:
-            if self._maker is None:
-                mine = {"parts": {}, "unproven": ["the code that made the Loop (not a function)"]}
-            else:
-                fp = code_fingerprint("loop", {"loop": self._maker})
-                mine = {"parts": fp.parts, "unproven": list(fp.unproven)}
+            name = self._maker.name if isinstance(self._maker, Script) else self._maker.__qualname__
+            mine = code_fingerprint(name, {"loop": self._maker}, read_environ=False).to_json()
         if self.ctx.world_size > 1:
             box = [mine]
             dist.broadcast_object_list(box, src=0)
@@ -688,20 +789,27 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
-def _caller_function(frame) -> Callable | None:
-    """The function running ``frame`` (what the run identity reads), rebuilt from its code, globals and
-    closure; None for module-level code, whose module's values change from run to run."""
+def _caller_function(frame) -> Callable | Script:
+    """What is running ``frame`` (what the run identity reads): a function, rebuilt from its code, globals
+    and closure; or a script's top level (``<module>``: nanoGPT's train.py), its code and the settings it
+    has set by this line, copied now (``identity.script_at``)."""
     code = frame.f_code
     if code.co_name == "<module>":
-        return None
+        return script_at(frame)
     cells = tuple(types.CellType(frame.f_locals.get(name)) for name in code.co_freevars)
     return types.FunctionType(code, frame.f_globals, code.co_name, None, cells or None)
 
 
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` from an ``atexit`` handler, where an exception would be printed as a
+    traceback and leave the status the script's (0): its output flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _adopted_context(device: str) -> DistContext:
     """The process group already made (by ``ddpkit.launch`` or the user): this rank's place in it."""
-    import os
-
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get(env.LOCAL_RANK, rank))
     local_world = int(os.environ.get(env.LOCAL_WORLD_SIZE, world))
@@ -728,23 +836,44 @@ def _unwrapped(obj: Any) -> Any:
             return obj
 
 
-def _check_plain(name: str, value: Any) -> None:
+def _check_plain(name: str, value: Any, where: str = "Loop.resume()") -> None:
+    """Raise unless ``value`` is what ``torch.load(weights_only=True)`` reads back; ``where`` names the call (a
+    value given to resume(), or one the loop put into its state later, found when a snapshot is due)."""
     if type(value) in PLAIN or isinstance(value, torch.Tensor):  # exact types: numpy's float64 is a float too,
         return  # and torch.load(weights_only=True) refuses it
     if type(value) in (list, tuple):
         for v in value:
-            _check_plain(name, v)
+            _check_plain(name, v, where)
         return
     if type(value) in (dict, collections.OrderedDict):
         for k, v in value.items():
-            _check_plain(name, k)
-            _check_plain(name, v)
+            _check_plain(name, k, where)
+            _check_plain(name, v, where)
         return
     raise ConfigError(
-        f"Loop.resume(): {name!r} holds {type(value).__module__}.{type(value).__qualname__}, which a snapshot "
+        f"{where}: {name!r} holds {type(value).__module__}.{type(value).__qualname__}, which a snapshot "
         f"cannot hold: pass an object with state_dict(), or plain values (numbers, strings, tensors, lists, "
         f"dicts); convert numpy values with float() or torch.as_tensor()"
     )
+
+
+def _misfit(target: Any, saved: Any) -> str:
+    """How a snapshot's ``saved`` state fails to fit ``target`` as resume() names it ("" if it loads): a
+    module's tensors by name and shape, an optimizer's parameter groups by size. Found before anything is
+    loaded, where ``load_state_dict`` would fail half-way with a traceback per rank."""
+    target = _unwrapped(target)
+    if isinstance(target, nn.Module):
+        if not (isinstance(saved, dict) and all(isinstance(v, torch.Tensor) for v in saved.values())):
+            return "the snapshot holds no module weights there"
+        return weights_mismatch(target.state_dict(), saved)
+    if isinstance(target, torch.optim.Optimizer):
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list):
+            return "the snapshot holds no optimizer state there"
+        mine = [len(g["params"]) for g in target.param_groups]
+        theirs = [len(g.get("params", ())) for g in groups]
+        return "" if mine == theirs else f"parameters per group {theirs} in the snapshot, {mine} here"
+    return ""
 
 
 def _f64(x: Any, device: torch.device) -> torch.Tensor:

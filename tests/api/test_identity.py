@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import re
 import shutil
+from os import environ
 
 import identity_code
 import pytest
@@ -711,3 +714,96 @@ def test_samples_of_another_shape_are_not_read_and_say_so(tmp_path):
     """Review finding: an ImageFolder-like dataset with (path, target, weight) samples raised ValueError."""
     fp = data_fingerprint(identity_code.Triplets(str(tmp_path)), None)
     assert any("samples ddpkit cannot read as (path, target)" in u for u in fp.unproven)
+
+
+# ---------------------------------------------------------------- issue 41: values set outside your code
+class EnvScaled(RegressionMLP):
+    """Scaled by an environment variable its forward reads (issue 41 case 1)."""
+
+    def forward(self, x):
+        return super().forward(x) * float(os.environ["MUL"])
+
+
+class EnvRead(RegressionMLP):
+    """The other ways to read one by name: getenv, environ.get, `in`, and from-imported environ."""
+
+    def forward(self, x):
+        k = float(os.getenv("MUL_A", "1")) * float(os.environ.get("MUL_B", "1"))
+        return super().forward(x) * k * (2.0 if "MUL_C" in os.environ else 1.0) * float(environ.get("MUL_D", "1"))
+
+
+class EnvByName(RegressionMLP):
+    """Reads the environment by a name that is not a constant, and where it runs (its launcher's RANK)."""
+
+    key = "MUL"
+
+    def forward(self, x):
+        return super().forward(x) * float(os.environ[self.key]) * (1 + int(os.environ.get("RANK", "0")))
+
+
+class MathSet(RegressionMLP):
+    """Reads an attribute that code of yours set on a C-extension module at import (math.X41 = 2.0)."""
+
+    def forward(self, x):
+        return super().forward(x) * math.X41
+
+
+class MathShipped(RegressionMLP):
+    """Reads the shipped module's own constants."""
+
+    def forward(self, x):
+        return super().forward(x).to(torch.float32) * math.pi
+
+
+def test_an_environment_variable_read_in_forward_is_read_by_its_name(tmp_path, monkeypatch):
+    """Issue 41 case 1: a forward scaled by float(os.environ["MUL"]) was neither read nor listed, so
+    --reuse-finished returned the run made with another MUL (1.286 where a fresh run gave 2.211)."""
+    monkeypatch.setenv("MUL", "1")
+    one = model_fingerprint(EnvScaled())
+    assert model_fingerprint(EnvScaled()).tag == one.tag and one.unproven == ()
+    monkeypatch.setenv("MUL", "2")
+    two = model_fingerprint(EnvScaled())
+    assert said("model", one, two) == "model EnvScaled: os.environ['MUL'] '1' -> '2'"
+    monkeypatch.delenv("MUL")
+    assert said("model", one, model_fingerprint(EnvScaled())) == "model EnvScaled: os.environ['MUL'] '1' -> unset"
+    tags = set()
+    for name in ("MUL_A", "MUL_B", "MUL_C", "MUL_D"):  # each way of reading one is read
+        monkeypatch.setenv(name, "3")
+        tags.add(model_fingerprint(EnvRead()).tag)
+        monkeypatch.delenv(name)
+    assert len(tags | {model_fingerprint(EnvRead()).tag}) == 5
+    monkeypatch.setenv("MUL", "1")
+    run = tmp_path / "r"
+    fit(run, model=EnvScaled())
+    monkeypatch.setenv("MUL", "2")
+    with pytest.raises(RunDirError, match=r"model EnvScaled: os\.environ\['MUL'\] '1' -> '2'"):
+        fit(run, model=EnvScaled(), reuse=True)  # not the stored result of MUL=1
+
+
+def test_the_environment_read_by_another_name_is_listed_and_a_launchers_is_not_the_identity(tmp_path, monkeypatch):
+    """Issue 41 case 1: what cannot be read by name is "not read" (never returned finished); RANK, which
+    differs on every rank and a launcher sets, is not read (ranks must agree, and an elastic resume goes on)."""
+    monkeypatch.setenv("MUL", "1")
+    fp = model_fingerprint(EnvByName())
+    assert fp.unproven == (
+        "code EnvByName.forward: reads the environment other than by a constant name (os.environ[name], "
+        "os.environ.items(), ...), so what it reads is not read",
+    )
+    monkeypatch.setenv("RANK", "1")
+    assert model_fingerprint(EnvByName()).tag == fp.tag and not any("RANK" in part for part in fp.parts)
+    monkeypatch.delenv("RANK")
+    fit(tmp_path / "r", model=EnvByName())
+    with pytest.raises(RunDirError, match=r"cannot tell whether this run is the same: .*os\.environ\[name\]"):
+        fit(tmp_path / "r", model=EnvByName(), reuse=True)
+
+
+def test_an_attribute_set_on_a_c_module_is_read_and_its_shipped_constants_stay_read(monkeypatch):
+    """Issue 41 case 1: math.X41 = 2.0 at import, read in forward, was skipped with the module (the
+    standard library's), so another value was the same run. math.pi and torch.float32 stay read, never
+    "not read", and the same in every run."""
+    monkeypatch.setattr(math, "X41", 2.0, raising=False)
+    two = model_fingerprint(MathSet())
+    monkeypatch.setattr(math, "X41", 3.0)
+    assert said("model", two, model_fingerprint(MathSet())) == "model MathSet: global math.X41 2.0 -> 3.0"
+    shipped = model_fingerprint(MathShipped())
+    assert shipped.unproven == () and model_fingerprint(MathShipped()).tag == shipped.tag

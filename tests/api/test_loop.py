@@ -355,3 +355,167 @@ def test_the_loop_keeps_the_thread_count_the_process_has(tmp_path):
 def test_deterministic_applies_in_a_group_the_loop_did_not_make(tmp_path):
     assert ddpkit.launch(lw.deterministic_inside, str(tmp_path / "r"), nproc=2, device="cpu") is True
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+# ---------------------------------------------------------------- every rank's state is every rank's
+def _same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+
+
+@pytestmark_mp
+def test_what_resume_names_is_saved_per_rank_where_ranks_differ(tmp_path):
+    """A prefetched batch, a hidden state and a cursor object, each different on every rank: a stopped run
+    resumes with each rank's own, and ends bitwise as the uninterrupted run (float64). Before, a snapshot kept
+    rank 0's values only, and rank 1 resumed on rank 0's batch."""
+    whole = ddpkit.launch(lw.per_rank_state, str(tmp_path / "w"), None, nproc=2, device="cpu")
+    run = str(tmp_path / "cut")
+    with pytest.raises(Stopped, match="at step 3"):
+        ddpkit.launch(lw.per_rank_state, run, 3, nproc=2, device="cpu")
+    rest = ddpkit.launch(lw.per_rank_state, run, None, nproc=2, device="cpu")
+    assert _same(whole["weights"], rest["weights"])
+    for mine, theirs in zip(whole["ranks"], rest["ranks"]):
+        assert mine["cursor"] == theirs["cursor"] and torch.equal(mine["h"], theirs["h"])
+        assert torch.equal(mine["X"], theirs["X"])
+    assert whole["ranks"][0]["cursor"] != whole["ranks"][1]["cursor"]  # they do differ by rank
+    snap = torch.load(sorted((tmp_path / "cut" / "checkpoints").glob("snapshot-*.pt"))[-1])
+    assert snap["trainer"]["per_rank"] == ["X", "cursor", "h"]  # the model and optimizer: once, as before
+    assert set(snap["trainer"]["state"]) == {"model", "optimizer"}
+
+    # At another world size a rank's own value cannot follow its rank: each keeps what resume() gave it, said
+    run = str(tmp_path / "cut1")
+    with pytest.raises(Stopped):
+        ddpkit.launch(lw.per_rank_state, run, 3, nproc=2, device="cpu")
+    one = ddpkit.launch(lw.per_rank_state, run, None, nproc=1, device="cpu")
+    assert one["ranks"][0]["cursor"] == 8 - 3  # counted from 100 * rank 0 = 0 at the resume (step 3)
+    starts = [json.loads(line) for line in (tmp_path / "cut1" / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in starts if r["event"] == "start"]
+    assert starts[-1]["reset_per_rank"] == ["X", "cursor", "h"] and starts[-2]["reset_per_rank"] is None
+
+
+# ---------------------------------------------------------------- misuse: one line, every rank alike
+@pytestmark_mp
+def test_ranks_logging_a_different_number_of_names_is_one_line(tmp_path):
+    """Before: rank 0 died in C++ (gloo::EnforceNotMet, exit -6), rank 1 blamed a lost peer."""
+    with pytest.raises(ConfigError, match=r"the ranks logged different metric names"):
+        ddpkit.launch(lw.names_count_differs, str(tmp_path / "r"), nproc=2, device="cpu")
+
+
+@pytestmark_mp
+def test_a_rank_that_skips_reduce_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"the ranks reached different ddpkit collectives .*on every rank"):
+        ddpkit.launch(lw.reduce_skipped, str(tmp_path / "r"), nproc=2, device="cpu")
+
+
+def test_reduce_past_the_frame_takes_a_second_all_reduce(tmp_path):
+    from ddpkit.train.metrics import FRAME
+
+    with ddpkit.Loop(str(tmp_path / "r")) as loop:
+        many = {f"m{i:03d}": (float(i), 2) for i in range(FRAME + 5)}
+        assert loop.reduce(**many) == {name: s / c for name, (s, c) in many.items()}
+        assert loop.reduce() == {}
+        assert loop.reduce(val=torch.tensor(2.0), x=(3.0, 2)) == {"val": 2.0, "x": 1.5}  # within the frame
+
+
+def test_a_step_inside_steps_is_one_line_not_a_double_step(tmp_path):
+    """Before: for step in loop.steps(6) with the user's own loop.step() inside ran 3 optimizer steps."""
+    with ddpkit.Loop(str(tmp_path / "r")) as loop:
+        loop.resume()
+        with pytest.raises(ConfigError, match=r"loop.step\(\) was called inside 'for ... in loop.steps\(6\)'"):
+            for _ in loop.steps(6):
+                loop.step()
+
+
+def test_a_value_put_into_the_state_later_is_named_at_the_snapshot_not_resume(tmp_path):
+    with pytest.raises(ConfigError, match=r"the loop's state at step 2: 'lr' holds numpy.float64"):
+        with ddpkit.Loop(str(tmp_path / "r"), save_every_steps=2) as loop:
+            state = loop.resume(lr=0.1)
+            for _ in loop.steps(4):
+                state["lr"] = np.float64(0.05)
+    assert not list((tmp_path / "r" / "checkpoints").glob("snapshot-*.pt"))
+
+
+def test_a_snapshot_whose_weights_do_not_fit_is_one_line_before_anything_loads(tmp_path):
+    """Before: torch's 'Error(s) in loading state_dict' traceback on every rank."""
+
+    def run(width: int):
+        with ddpkit.Loop(str(tmp_path / "r")) as loop:
+            model = loop.wrap(torch.nn.Linear(2, width))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loop.resume(model=model, optimizer=opt, n=1)
+            return model
+
+    run(2)
+    with pytest.raises(RunDirError, match=r"does not fit 'model': other shapes \['bias', 'weight'\]; build it"):
+        run(3)
+
+
+def _a_script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+@pytestmark_mp
+def test_a_ddpkit_error_in_a_plain_python_script_is_one_line_and_its_status(tmp_path):
+    """Before: an 11-15-line traceback and exit 1 when the Loop made the group under plain python."""
+    proc = _a_script(
+        tmp_path,
+        "import ddpkit\nwith ddpkit.Loop('run') as loop:\n    loop.step()\n",
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines() == [
+        "ddpkit: error: call loop.resume(model=..., optimizer=..., ...) before the first step: it names what a "
+        "snapshot saves and reloads it when the run dir holds one"
+    ]
+
+
+START_SCRIPT = """\
+import os, sys, torch, ddpkit
+loop = ddpkit.Loop.start("run", log_every=2)
+model = loop.wrap(torch.nn.Linear(2, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = loop.resume(model=model, optimizer=opt)
+for step in loop.steps(int(sys.argv[1])):
+    model(torch.ones(3, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if os.environ.get("STOP_AT") == str(step):
+        loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+print("at", loop.state.step, flush=True)
+"""
+
+
+@pytestmark_mp
+def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
+    (tmp_path / "train.py").write_text(START_SCRIPT)
+
+    def run(steps: int, **env) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "train.py", str(steps)],
+            cwd=tmp_path,
+            env=cli_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    stopped = run(6, STOP_AT="2")
+    assert stopped.returncode == 143, stopped.stderr
+    assert "ddpkit: stopped on SIGTERM at step 4" in stopped.stderr and "Traceback" not in stopped.stderr
+    done = run(6)
+    assert done.returncode == 0 and "at 6" in done.stdout, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records if r["event"] in ("start", "stopped", "end")] == [
+        "start",
+        "stopped",
+        "start",
+        "end",
+    ]
+    assert records[-1]["step"] == 6  # the end record closing wrote, as the with-block's end writes it
+    longer = run(8)  # the final snapshot was written at exit: a longer horizon goes on from step 6
+    assert longer.returncode == 0 and "at 8" in longer.stdout, longer.stderr
+    assert [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"start"' in line
+    ][-1]["resumed_at_step"] == 6

@@ -5,11 +5,15 @@ its port onto ``ddpkit.Loop`` (gpt_ported.py) line by line and weight by weight.
     TOKENS=tokens.bin torchrun --standalone --nproc-per-node 2 gpt_plain.py OUT_DIR OUT.pt
 
 TOKENS is a uint16 token file (ids < 32); ITERS the iteration count (60). Rank 0 writes its best checkpoint
-to OUT_DIR/best.pt and {"model": state_dict, "best_val": float} to OUT.pt at the end.
+to OUT_DIR/best.pt and {"model": state_dict, "best_val": float} to OUT.pt at the end. As nanoGPT does, each
+rank fetches its next batch while the model computes (``X, Y = get_batch("train")`` after the forward), so
+the batch a step trains on was drawn in the step before. Test hook: DIE_AT=i with SIG=SIGTERM or SIGKILL:
+rank 0 sends itself that signal at the end of iteration i.
 """
 
 import math
 import os
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -108,6 +112,7 @@ os.makedirs(out_dir, exist_ok=True)
 model = DDP(GPT().to(device))
 optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
 best_val = 1e9
+X, Y = get_batch("train")  # fetch the very first batch
 
 for it in range(max_iters):
     lr = get_lr(it)
@@ -125,10 +130,10 @@ for it in range(max_iters):
                 torch.save(checkpoint, os.path.join(out_dir, "best.pt"))
 
     for micro_step in range(gradient_accumulation_steps):
-        X, Y = get_batch("train")
         # the gradients' all-reduce waits for the last micro-step
         with model.no_sync() if micro_step < gradient_accumulation_steps - 1 else nullcontext():
             _, loss = model(X, Y)
+            X, Y = get_batch("train")  # the next batch, fetched while the model computes, as nanoGPT does
             (loss / gradient_accumulation_steps).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -136,14 +141,9 @@ for it in range(max_iters):
 
     if it % 10 == 0 and rank == 0:
         print(f"iter {it}: loss {loss.item():.4f}, lr {lr:.2e}")
+    if os.environ.get("DIE_AT") == str(it) and rank == 0:  # test hook
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SIG", "SIGKILL")))
 
 if rank == 0:
     torch.save({"model": model.module.state_dict(), "best_val": best_val}, sys.argv[2])
 destroy_process_group()
-
-# Test harness only: end without the interpreter's teardown, where gloo's threads (still referenced by the
-# DDP object after destroy_process_group) abort now and then: "terminate called without an active exception",
-# exit -6, in plain DDP and Loop scripts alike (CI, 2026-11-26). Everything is written by now.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)

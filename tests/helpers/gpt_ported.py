@@ -2,14 +2,19 @@
 small: ~30 k parameters, so it trains in seconds on CPU). tests/system/test_gpt_port.py compares it with
 its port onto ``ddpkit.Loop`` (gpt_ported.py) line by line and weight by weight.
 
+    TOKENS=tokens.bin ddpkit run --nproc 2 gpt_ported.py RUN_DIR OUT.pt   # or, as plain DDP runs it:
     TOKENS=tokens.bin torchrun --standalone --nproc-per-node 2 gpt_ported.py RUN_DIR OUT.pt
 
 TOKENS is a uint16 token file (ids < 32); ITERS the iteration count (60). Rank 0 writes its best checkpoint
-to RUN_DIR/best.pt and {"model": state_dict, "best_val": float} to OUT.pt at the end.
+to RUN_DIR/best.pt and {"model": state_dict, "best_val": float} to OUT.pt at the end. As nanoGPT does, each
+rank fetches its next batch while the model computes (``X, Y = get_batch("train")`` after the forward), so
+the batch a step trains on was drawn in the step before. Test hook: DIE_AT=i with SIG=SIGTERM or SIGKILL:
+rank 0 sends itself that signal at the end of iteration i.
 """
 
 import math
 import os
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -100,46 +105,44 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-with ddpkit.Loop(out_dir, device="cpu", log_every=10) as loop:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1337 + rank)  # each rank draws its own windows; DDP broadcasts rank 0's weights
-    os.makedirs(out_dir, exist_ok=True)
+loop = ddpkit.Loop.start(out_dir, device="cpu", log_every=10, save_every_steps=20)  # closed at exit
+rank, world_size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(1337 + rank)  # each rank draws its own windows; DDP broadcasts rank 0's weights
+os.makedirs(out_dir, exist_ok=True)
 
-    model = loop.wrap(GPT().to(device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
-    loop.resume(model=model, optimizer=optimizer)  # a rerun carries on from the newest snapshot
+model = loop.wrap(GPT().to(device))
+optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
+X, Y = get_batch("train")  # fetch the very first batch
+state = loop.resume(model=model, optimizer=optimizer, X=X, Y=Y)  # a rerun carries on from the newest snapshot
+X, Y = state["X"], state["Y"]  # each rank's own next batch, as the snapshot kept it
 
-    for it in loop.steps(max_iters):
-        lr = get_lr(it)
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr
+for it in loop.steps(max_iters):
+    lr = get_lr(it)
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
 
-        if it % eval_interval == 0:
-            val = estimate_loss(model)
-            dist.all_reduce(val)  # each rank's estimate, then their mean
-            val = (val / world_size).item()
-            loop.best("val", val)  # rank 0 writes RUN_DIR/best.pt when val is the lowest so far
+    if it % eval_interval == 0:
+        val = estimate_loss(model)
+        dist.all_reduce(val)  # each rank's estimate, then their mean
+        val = (val / world_size).item()
+        loop.best("val", val)  # rank 0 writes RUN_DIR/best.pt when val is the lowest so far
 
-        for micro_step in range(gradient_accumulation_steps):
-            X, Y = get_batch("train")
-            # the gradients' all-reduce waits for the last micro-step
-            with model.no_sync() if micro_step < gradient_accumulation_steps - 1 else nullcontext():
-                _, loss = model(X, Y)
-                (loss / gradient_accumulation_steps).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loop.log(loss=loss.detach())
+    for micro_step in range(gradient_accumulation_steps):
+        # the gradients' all-reduce waits for the last micro-step
+        with model.no_sync() if micro_step < gradient_accumulation_steps - 1 else nullcontext():
+            _, loss = model(X, Y)
+            X, Y = get_batch("train")  # the next batch, fetched while the model computes, as nanoGPT does
+            (loss / gradient_accumulation_steps).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state.update(X=X, Y=Y)  # what a snapshot at this step saves, rank by rank
+    loop.log(loss=loss.detach())
 
-        if it % 10 == 0 and rank == 0:
-            print(f"iter {it}: loss {loss.item():.4f}, lr {lr:.2e}")
+    if it % 10 == 0 and rank == 0:
+        print(f"iter {it}: loss {loss.item():.4f}, lr {lr:.2e}")
+    if os.environ.get("DIE_AT") == str(it) and rank == 0:  # test hook
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SIG", "SIGKILL")))
 
-    if rank == 0:
-        torch.save({"model": model.module.state_dict(), "best_val": loop.best_so_far["val"]["value"]}, sys.argv[2])
-
-# Test harness only: end without the interpreter's teardown, where gloo's threads (still referenced by the
-# DDP object after destroy_process_group) abort now and then: "terminate called without an active exception",
-# exit -6, in plain DDP and Loop scripts alike (CI, 2026-11-26). Everything is written by now.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+if rank == 0:
+    torch.save({"model": model.module.state_dict(), "best_val": loop.best_so_far["val"]["value"]}, sys.argv[2])

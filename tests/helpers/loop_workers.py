@@ -159,3 +159,63 @@ def global_batch_regression(_ctx, run_dir: str, stop_at: int | None) -> dict:
                     loop._stop.received = "SIGTERM"
                 loop.step()
         return {k: v.clone() for k, v in getattr(model, "module", model).state_dict().items()}  # DDP or not
+
+
+class Cursor:
+    """An object of the rank's own with state_dict (a per-rank sampler, a data cursor)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def state_dict(self) -> dict:
+        return {"at": self.at}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.at = sd["at"]
+
+
+def per_rank_state(_ctx, run_dir: str, stop_at: int | None) -> dict:
+    """nanoGPT's shape and an RNN's: each rank prefetches its next batch (X) before the step ends, a hidden
+    state (h) carries from step to step, and a cursor of the rank's own moves on: all three differ by rank
+    and are named in resume(). Stopped after ``stop_at`` steps (a snapshot, then Stopped); rerun, it resumes."""
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(nn.Linear(4, 4).double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + loop.rank)
+        cursor = Cursor(100 * loop.rank)
+        x, h = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
+        state = loop.resume(model=model, optimizer=opt, cursor=cursor, X=x, h=h)
+        for step in loop.steps(8):
+            out = model(state["X"] + 0.01 * cursor.at)
+            loss = (out + state["h"]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state["h"] = torch.tanh(out + state["h"]).detach()
+            cursor.at += 1
+            state["X"] = torch.randn(8, 4, dtype=torch.float64)  # the next batch, fetched before the step ends
+            if stop_at is not None and step + 1 == stop_at:
+                loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+        weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+        ranks = [None] * loop.world_size  # every rank's own values, to rank 0's return
+        torch.distributed.all_gather_object(ranks, {"cursor": cursor.at, "h": state["h"], "X": state["X"]})
+        return {"weights": weights, "ranks": ranks}
+
+
+def names_count_differs(_ctx, run_dir: str) -> None:
+    """Rank 1 logs one metric more than rank 0: the totals differ in length (gloo aborted in C++ before)."""
+    with ddpkit.Loop(run_dir, log_every=2) as loop:
+        loop.resume()
+        for _ in loop.steps(4):
+            loop.log(a=torch.tensor(1.0), **({"b": torch.tensor(2.0)} if loop.rank == 1 else {}))
+
+
+def reduce_skipped(_ctx, run_dir: str) -> None:
+    """Rank 1 skips loop.reduce() and goes on to the safe point: the ranks meet in different collectives."""
+    with ddpkit.Loop(run_dir, log_every=1) as loop:
+        loop.resume()
+        for _ in loop.steps(2):
+            if loop.rank == 0:
+                loop.reduce(val=torch.tensor(1.0), loss=torch.tensor(2.0), acc=(3.0, 4))
+            loop.log(a=torch.tensor(1.0))

@@ -1,7 +1,8 @@
 """A nanoGPT-style character GPT written for plain DDP (tests/helpers/gpt_plain.py) and its port onto
 ``ddpkit.Loop`` (tests/helpers/gpt_ported.py), as a newcomer ports it from the docs: under the real
-torchrun at world size 2 both end with the same weights bit for bit and the same best validation loss,
-and the port changes few lines (counted as tests/helpers/seed_loops.py's ``changed_lines`` counts)."""
+torchrun at world size 2 both end with the same weights bit for bit and the same best validation loss; the
+port, stopped by SIGTERM and later SIGKILLed, ends bitwise the same too (each rank's prefetched batch is its
+own in the snapshot); and the port changes few lines, counted as a plain ``git diff`` counts them."""
 
 from __future__ import annotations
 
@@ -20,32 +21,51 @@ HELPERS = ROOT / "tests" / "helpers"
 ITERS = 60  # the scripts' default; evaluations at iterations 0, 20 and 40
 
 
-def torchrun(script: str, cwd, tokens) -> dict:
-    """``torchrun --standalone --nproc-per-node 2 SCRIPT out out.pt`` in ``cwd``: what rank 0 saved at the end."""
-    cwd.mkdir()
+def launched(script: str, cwd, tokens, **env) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 SCRIPT out out.pt`` in ``cwd``."""
+    cwd.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = cli_env(TOKENS=str(tokens), ITERS=str(ITERS))
-    proc = subprocess.run(
-        [*cmd, str(HELPERS / script), "out", "out.pt"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    return subprocess.run(
+        [*cmd, str(HELPERS / script), "out", "out.pt"],
+        cwd=cwd,
+        env=cli_env(TOKENS=str(tokens), ITERS=str(ITERS), **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+
+
+def torchrun(script: str, cwd, tokens) -> dict:
+    """What rank 0 saved at the end of an uninterrupted run."""
+    proc = launched(script, cwd, tokens)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return torch.load(cwd / "out.pt")
 
 
 def changed_lines(old: str, new: str) -> int:
-    """Lines removed plus lines added between two files, a line whose only change is its indentation
-    counted as unchanged (as ``git diff -w``, and seed_loops.changed_lines): a body moved under
-    ``with ddpkit.Loop() as loop:`` costs that one line."""
+    """Lines removed plus lines added between two files, as a plain ``git diff`` counts them: a line whose
+    indentation changed counts too."""
     a, b = ((HELPERS / f).read_text().splitlines() for f in (old, new))
-    matcher = difflib.SequenceMatcher(None, [line.strip() for line in a], [line.strip() for line in b], False)
+    matcher = difflib.SequenceMatcher(None, a, b, False)
     return sum(a2 - a1 + b2 - b1 for tag, a1, a2, b1, b2 in matcher.get_opcodes() if tag != "equal")
 
 
-def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(tmp_path):
-    tokens = tmp_path / "tokens.bin"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The token file, and the uninterrupted plain and ported runs: computed once for this module's tests."""
+    root = tmp_path_factory.mktemp("gpt")
+    tokens = root / "tokens.bin"
     np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tokens)
-    plain = torchrun("gpt_plain.py", tmp_path / "plain", tokens)
-    ported = torchrun("gpt_ported.py", tmp_path / "ported", tokens)
+    return (
+        root,
+        tokens,
+        torchrun("gpt_plain.py", root / "plain", tokens),
+        torchrun("gpt_ported.py", root / "ported", tokens),
+    )
+
+
+def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(runs):
+    tmp_path, tokens, plain, ported = runs
 
     assert plain["model"].keys() == ported["model"].keys()
     assert [k for k in plain["model"] if not torch.equal(plain["model"][k], ported["model"][k])] == []
@@ -70,3 +90,21 @@ def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(tmp_path):
 def test_port_changes_at_most_40_lines():
     n = changed_lines("gpt_plain.py", "gpt_ported.py")
     assert 0 < n <= 40, n
+
+
+def test_the_port_stopped_and_killed_resumes_bitwise_with_each_ranks_prefetched_batch(runs, tmp_path):
+    """SIGTERM at iteration 13 (saved at the next log interval, step 20), then SIGKILL at iteration 47 (nothing
+    saved; the rerun resumes from the step-40 snapshot): the weights end bitwise the uninterrupted run's. Each
+    rank's prefetched X, Y come back to that rank (before, rank 1 resumed on rank 0's batch: 4e-3 off)."""
+    _, tokens, _, whole = runs
+    term = launched("gpt_ported.py", tmp_path, tokens, DIE_AT="13", SIG="SIGTERM")
+    assert term.returncode != 0 and "ddpkit: stopped on SIGTERM at step 20" in term.stderr, term.stderr[-3000:]
+    kill = launched("gpt_ported.py", tmp_path, tokens, DIE_AT="47", SIG="SIGKILL")
+    assert kill.returncode != 0
+    done = launched("gpt_ported.py", tmp_path, tokens)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = [r["resumed_at_step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["event"] == "start"]
+    assert resumed == [None, 20, 40]
+    cut = torch.load(tmp_path / "out.pt")
+    assert [k for k in whole["model"] if not torch.equal(whole["model"][k], cut["model"][k])] == []
+    assert cut["best_val"] == whole["best_val"]

@@ -149,6 +149,27 @@ def check_weights_fit(model: nn.Module, path: str | Path, what: str = "--init-fr
         raise ConfigError(f"{what} {path} does not fit the model: {problem}")
 
 
+def split_by_rank(ctx: DistContext, values: dict, replicated: frozenset = frozenset()) -> tuple[dict, dict]:
+    """``values`` (name -> host tree) as (shared, per_rank): what is the same on every rank, saved once, and
+    what differs by rank (a prefetched batch, an RNN's hidden state, a sampler of the rank's own), which each
+    rank keeps and a snapshot saves per rank, as it saves the RNG states. Decided anew at every snapshot
+    from a CRC32 digest per value per rank (``run/checksums.py``; one ``all_gather_object`` of the digests).
+    Names in ``replicated`` are equal by construction (a DDP module: gradients all-reduced from the same
+    start, buffers broadcast from rank 0) and are not hashed. Every rank, with the same names."""
+    if ctx.world_size == 1:
+        return dict(values), {}
+    digests = {
+        name: (sums["values"], tuple(crc for _, crc in sums["tensors"]))
+        for name, value in values.items()
+        if name not in replicated
+        for sums in (checksums(value),)
+    }
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, digests)  # a collective: every rank, the same names
+    differ = {name for name in digests if len({d.get(name) for d in every}) > 1}  # the same set on every rank
+    return {n: v for n, v in values.items() if n not in differ}, {n: v for n, v in values.items() if n in differ}
+
+
 class Checkpointer:
     def __init__(
         self,

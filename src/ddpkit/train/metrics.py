@@ -106,6 +106,60 @@ class Synced:
     bad_weights: bool  # some rank holds a non-finite weight (only when asked: ``weights``)
 
 
+# Every ddpkit all-reduce of sums sends a frame of one size on every rank: a header (which call it is, a hash
+# of the names, flags) and FRAME metric slots. Ranks that reach different calls, or log a different number of
+# names, then meet in a collective of equal size and learn it from the header, where tensors of unequal sizes
+# abort inside gloo (``gloo::EnforceNotMet``, exit -6) and the peers blame a lost rank. More than FRAME names
+# take a second all-reduce, of a size every rank then knows to be the same.
+FRAME = 32  # metric names in the first all-reduce: 2 * 32 float64 (512 bytes) beside the header
+FLAGS = 3  # flag slots in every frame (a safe point's stop, bad weights, failed write; reduce() sends zeros)
+_CALLS = {"safe point": 1.0, "reduce": 2.0}  # which collective a rank is in (a safe point, loop.reduce/evaluate)
+_WHERE = {"safe point": "a safe point (loop.step(), a log interval)", "reduce": "loop.reduce() or loop.evaluate()"}
+
+
+def _agree(total: float, total_square: float, world_size: int) -> bool:
+    """Every rank sent the same value x: sum(x)^2 == world * sum(x^2), equality in Cauchy-Schwarz (exact
+    in float64 for the 16-bit values here)."""
+    return total * total == world_size * total_square
+
+
+def framed_sums(
+    ctx: DistContext, call: str, names: tuple[str, ...], local: torch.Tensor, flags: torch.Tensor
+) -> tuple[list[float] | None, list[float]]:
+    """Sum ``local`` ([sums..., counts...] of ``names``, float64 on the device) and ``flags`` (float64 on
+    the device) over every rank in one all-reduce and one host copy (two past FRAME names): (totals, flags),
+    totals None where the ranks hold different names (the caller says so in its own words). Raises on every
+    rank alike when the ranks are in different calls."""
+    code = _CALLS[call]
+    crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
+    inline = len(names) <= FRAME
+    head = torch.tensor([code, code * code, crc, crc * crc, float(not inline)], dtype=torch.float64)
+    body = local if inline else local.new_zeros(0)
+    # [head, flags padded to FLAGS, body padded to 2 * FRAME]: the same size on every rank, whatever it sums
+    frame = torch.cat(
+        [
+            head.to(ctx.device),
+            flags,
+            body.new_zeros(FLAGS - flags.numel()),
+            body,
+            body.new_zeros(2 * FRAME - body.numel()),
+        ]
+    )
+    values = ctx.all_reduce(frame).tolist()
+    codes, code_squares, crcs, crc_squares, overflow = values[:5]
+    summed_flags = values[5 : 5 + flags.numel()]
+    if not _agree(codes, code_squares, ctx.world_size):
+        raise ConfigError(
+            f"the ranks reached different ddpkit collectives (this rank: {_WHERE[call]}): call loop.reduce(), "
+            f"loop.evaluate() and loop.best() on every rank, at the same place in the loop"
+        )
+    if not _agree(crcs, crc_squares, ctx.world_size):
+        return None, summed_flags
+    if overflow:  # every rank holds the same names here: equal sizes
+        return ctx.all_reduce(local).tolist(), summed_flags
+    return values[5 + FLAGS : 5 + FLAGS + 2 * len(names)], summed_flags
+
+
 def sync_interval(
     ctx: DistContext,
     acc: Accumulator | None,
@@ -115,26 +169,22 @@ def sync_interval(
     weights: Iterable[torch.Tensor] | None = None,
 ) -> Synced:
     """The one collective of a safe point (a log interval, a snapshot), for the engine and ``Loop`` alike: one
-    all-reduce and one host copy of every rank's metric totals with its flags, so a stop, a failed write and
-    a bad weight are known to every rank at the same step, and every rank then decides the same.
+    all-reduce and one host copy of every rank's metric totals with its flags (:func:`framed_sums`), so a stop,
+    a failed write and a bad weight are known to every rank at the same step, and every rank then decides
+    the same.
 
     Raised on every rank together: rank 0's error writing ``metrics.jsonl`` (``log_error``, the message
-    printed there), and ranks that accumulated different metric names (a 16-bit hash of the names: the
-    ranks agree iff the sums of the hash and of its square are world times this rank's, equality in
-    Cauchy-Schwarz, exact in float64)."""
+    printed there), ranks that accumulated different metric names (a 16-bit hash of the names, any number
+    of them), and ranks in different collectives (one in ``loop.reduce()`` while another is here)."""
     names = acc.names if acc is not None else ()
     local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
-    crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
-    flags = torch.tensor([float(stop), 0.0, float(log_error is not None), crc, crc * crc], dtype=torch.float64).to(
-        ctx.device
-    )
+    flags = torch.tensor([float(stop), 0.0, float(log_error is not None)], dtype=torch.float64).to(ctx.device)
     if weights is not None:
         flags[1] = torch.stack([~w.detach().isfinite().all() for w in weights]).any()
-    values = ctx.all_reduce(torch.cat([local, flags])).tolist()
-    *totals, stopping, bad, failed, crc_sum, crc_square_sum = values
+    totals, (stopping, bad, failed) = framed_sums(ctx, "safe point", names, local, flags)
     if failed > 0:
         raise log_error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the one printed)")
-    if crc_sum * crc_sum != ctx.world_size * crc_square_sum:
+    if totals is None:
         raise ConfigError(
             f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): log the same "
             f"names on every rank (loop.log(), or your task's metrics)"
