@@ -519,3 +519,28 @@ def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
     assert [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"start"' in line
     ][-1]["resumed_at_step"] == 6
+
+
+def test_a_deleted_newest_snapshot_is_said_when_an_older_one_is_resumed(tmp_path, capsys):
+    """Before: the rerun fell back to the older snapshot with no line."""
+    run = tmp_path / "r"
+
+    def train(total: int):
+        with ddpkit.Loop(str(run), save_every_steps=2, keep_snapshots=3) as loop:
+            loop.resume(lin=torch.nn.Linear(1, 1))
+            for _ in loop.steps(total):
+                pass
+            return loop.state.step
+
+    train(4)
+    (run / "checkpoints" / "snapshot-000000004.pt").unlink()
+    capsys.readouterr()
+    assert train(6) == 6
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "is gone" in line]
+    assert said == [
+        f"ddpkit: warning: snapshot-000000004.pt, the newest snapshot written in {run / 'checkpoints'}, is gone; "
+        f"resuming from snapshot-000000002.pt"
+    ]
+    train(6)  # a rerun that finds its newest snapshot says nothing
+    assert "is gone" not in capsys.readouterr().out

@@ -413,6 +413,7 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
     ckpt = run / "checkpoints"
     sorted(ckpt.glob("snapshot-*.pt"))[-1].unlink()  # resume mid-run, so this run saves (and prunes) again
     real = sorted(ckpt.glob("snapshot-*.pt"))[-1]
+    (ckpt / "newest").write_text(real.stem.split("-")[1])  # as a run killed after that snapshot leaves it
     bad = ckpt / "snapshot-999999999.pt"
     if damage == "garbage":
         bad.write_bytes(b"not a snapshot at all")

@@ -44,6 +44,7 @@ from .paths import RunFiles
 
 FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
 _NAME = re.compile(r"snapshot-(\d+)\.pt$")
+NEWEST = "newest"  # checkpoints/newest: the step of the newest snapshot written, to say when it has gone
 
 
 def rng_state(device: torch.device) -> dict:
@@ -223,6 +224,7 @@ class Checkpointer:
             }
             snapshot["checksums"] = checksums(snapshot)  # of everything above, on what is written
             atomic_write(path, torch_bytes(snapshot))
+            atomic_write(self.dir / NEWEST, str(global_step).encode())  # after it: never names a file not whole
             self.valid.add(path)
             self._prune()
 
@@ -309,10 +311,27 @@ class Checkpointer:
                     f"resuming from {chosen[0].name}"
                 )
                 _move_aside(path, self.dir / "corrupt")
+            gone = self._newest_gone(step)
+            if gone:
+                then = f"resuming from {chosen[0].name}" if chosen else "training from the start"
+                warn(f"ddpkit: warning: {gone}, the newest snapshot written in {self.dir}, is gone; {then}")
         if chosen is None:
             return None
         self.valid.add(chosen[0])
         return chosen[1]
+
+    def _newest_gone(self, step: int) -> str:
+        """The name of the newest snapshot ever written here (``checkpoints/newest``) when it is newer than
+        ``step`` and no longer there, nor moved aside as damaged: a file deleted by hand, or lost with its
+        storage. "" otherwise (a dir from before the record: nothing to compare)."""
+        try:
+            newest = int((self.dir / NEWEST).read_text())
+        except (OSError, ValueError):
+            return ""
+        name = f"snapshot-{newest:09d}.pt"
+        if newest <= step or (self.dir / name).exists() or (self.dir / "corrupt" / name).exists():
+            return ""
+        return name
 
     def _agree_on(self, step: int) -> None:
         """Every rank must resume from the same snapshot (a rank that could not read a file would not)."""
