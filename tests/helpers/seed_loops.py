@@ -20,6 +20,7 @@ The ported loops keep their run dir where a ``Loop()`` keeps it by default: ``ru
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import inspect
 import os
@@ -260,61 +261,61 @@ def ported_train():
     lr = 1e-4
     log_steps = 2  # the notebook's 50: a record within the test's 8 steps
 
-    with ddpkit.Loop(device=device.type) as loop:
-        if loop.is_main:
-            wandb.init(project="MiNiST-DDP", name=f"{loop.world_size}-GPUs")
+    loop = ddpkit.Loop.start(device=device.type)
+    if loop.is_main:
+        wandb.init(project="MiNiST-DDP", name=f"{loop.world_size}-GPUs")
 
-        model = loop.wrap(ConvNet().to(device))
-        criterion = nn.CrossEntropyLoss().to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr)
+    model = loop.wrap(ConvNet().to(device))
+    criterion = nn.CrossEntropyLoss().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr)
 
-        train_dataset = MNIST(root="./data", train=True, transform=transforms.ToTensor(), download=True)
-        train_loader = DataLoader(
-            dataset=train_dataset,
-            batch_size=batch_size // loop.world_size,
-            shuffle=True,
-            num_workers=0,
-            pin_memory=True,
-        )
-        train_loader = loop.data(train_loader, seed=seed)
-        loop.resume(model=model, optimizer=optimizer)
+    train_dataset = MNIST(root="./data", train=True, transform=transforms.ToTensor(), download=True)
+    train_loader = DataLoader(
+        dataset=train_dataset,
+        batch_size=batch_size // loop.world_size,
+        shuffle=True,
+        num_workers=0,
+        pin_memory=True,
+    )
+    train_loader = loop.data(train_loader, seed=seed)
+    loop.resume(model=model, optimizer=optimizer)
 
-        losses = []
-        step = 0
-        sample_count = 0
-        last_step_time = time.time()
-        for epoch in loop.epochs(num_epochs):
-            for images, labels in train_loader:
-                images = images.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
+    losses = []
+    step = 0
+    sample_count = 0
+    last_step_time = time.time()
+    for epoch in loop.epochs(num_epochs):
+        for images, labels in train_loader:
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
 
-                outputs = model(images)
-                loss = criterion(outputs, labels)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                loop.step()
+            outputs = model(images)
+            loss = criterion(outputs, labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loop.step()
 
-                step += 1
-                sample_count += len(images)
-                losses.append(loss.item())
+            step += 1
+            sample_count += len(images)
+            losses.append(loss.item())
 
-                if step % log_steps == 0:
-                    sample_tp = (batch_size * log_steps) / (time.time() - last_step_time)
-                    metrics = dict(
-                        step=step,
-                        loss=loop.reduce(loss=(sum(losses), len(losses)))["loss"],
-                        sample_count=sample_count * loop.world_size,
-                        sample_tp=sample_tp,
-                    )
-                    if loop.is_main:
-                        wandb.log(metrics)
-                        print(", ".join(f"{k}: {round(v, 2) if type(v) is float else v}" for k, v in metrics.items()))
-                    losses = []
-                    last_step_time = time.time()
+            if step % log_steps == 0:
+                sample_tp = (batch_size * log_steps) / (time.time() - last_step_time)
+                metrics = dict(
+                    step=step,
+                    loss=loop.reduce(loss=(sum(losses), len(losses)))["loss"],
+                    sample_count=sample_count * loop.world_size,
+                    sample_tp=sample_tp,
+                )
+                if loop.is_main:
+                    wandb.log(metrics)
+                    print(", ".join(f"{k}: {round(v, 2) if type(v) is float else v}" for k, v in metrics.items()))
+                losses = []
+                last_step_time = time.time()
 
-        if loop.is_main:
-            wandb.finish()
+    if loop.is_main:
+        wandb.finish()
     return model
 
 
@@ -518,11 +519,11 @@ def ported_prepare_dataloader(dataset: Dataset, batch_size: int):
 
 
 def ported_main(device, total_epochs, save_every, batch_size):
-    with ddpkit.Loop(device=device) as loop:
-        dataset, model, optimizer = load_train_objs()
-        train_data = ported_prepare_dataloader(dataset, batch_size)
-        trainer = PortedTrainer(model, train_data, optimizer, loop, save_every)
-        trainer.train(total_epochs)
+    loop = ddpkit.Loop.start(device=device)
+    dataset, model, optimizer = load_train_objs()
+    train_data = ported_prepare_dataloader(dataset, batch_size)
+    trainer = PortedTrainer(model, train_data, optimizer, loop, save_every)
+    trainer.train(total_epochs)
     return trainer.model
 
 
@@ -716,37 +717,37 @@ def ported_toy_prepare_dataset():
 
 def ported_toy_main(device, num_epochs):
     torch.manual_seed(123)
-    with ddpkit.Loop(device=device) as loop:
-        train_loader, test_loader = ported_toy_prepare_dataset()
-        train_loader = loop.data(train_loader)
-        model = NeuralNetwork(num_inputs=2, num_outputs=2)
-        model = loop.wrap(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        loop.resume(model=model, optimizer=optimizer)
-        for epoch in loop.epochs(num_epochs):
-            model.train()
-            for features, labels in train_loader:
-                features, labels = features.to(device), labels.to(device)
-                logits = model(features)
-                loss = F.cross_entropy(logits, labels)  # Loss function
+    loop = ddpkit.Loop.start(device=device)
+    train_loader, test_loader = ported_toy_prepare_dataset()
+    train_loader = loop.data(train_loader)
+    model = NeuralNetwork(num_inputs=2, num_outputs=2)
+    model = loop.wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loop.resume(model=model, optimizer=optimizer)
+    for epoch in loop.epochs(num_epochs):
+        model.train()
+        for features, labels in train_loader:
+            features, labels = features.to(device), labels.to(device)
+            logits = model(features)
+            loss = F.cross_entropy(logits, labels)  # Loss function
 
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                loop.step()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loop.step()
 
-                # LOGGING
-                print(
-                    f"Epoch: {epoch + 1:03d}/{num_epochs:03d}"
-                    f" | Batchsize {labels.shape[0]:03d}"
-                    f" | Train/Val Loss: {loss:.2f}"
-                )
+            # LOGGING
+            print(
+                f"Epoch: {epoch + 1:03d}/{num_epochs:03d}"
+                f" | Batchsize {labels.shape[0]:03d}"
+                f" | Train/Val Loss: {loss:.2f}"
+            )
 
-        model.eval()
-        train_acc = compute_accuracy(model, train_loader, device=device)
-        print("Training accuracy", train_acc)
-        test_acc = compute_accuracy(model, test_loader, device=device)
-        print("Test accuracy", test_acc)
+    model.eval()
+    train_acc = compute_accuracy(model, train_loader, device=device)
+    print("Training accuracy", train_acc)
+    test_acc = compute_accuracy(model, test_loader, device=device)
+    print("Test accuracy", test_acc)
     return model
 
 
@@ -802,11 +803,11 @@ def source(seed: str, version: str) -> list[str]:
 
 
 def diff(seed: str, old: str = "single", new: str = "ported", context: int = 1) -> list[str]:
-    """A unified diff (difflib's format) of two versions that, as ``git diff -w``, takes a line whose only
-    change is its indentation as unchanged: a loop moved into ``with ddpkit.Loop() as loop:`` is one line
-    added, not a whole body changed. Context lines are shown as the new version has them."""
+    """A unified diff (difflib's format) of two versions, every changed line counted as a plain ``git diff``
+    counts it (a line whose indentation changed too: the ports start their Loop with ``Loop.start()``, so
+    nothing is re-indented)."""
     a, b = source(seed, old), source(seed, new)
-    matcher = difflib.SequenceMatcher(None, [line.strip() for line in a], [line.strip() for line in b], False)
+    matcher = difflib.SequenceMatcher(None, a, b, False)
     out = [f"--- {old}", f"+++ {new}"]
     for group in matcher.get_grouped_opcodes(context):
         (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
@@ -821,13 +822,13 @@ def diff(seed: str, old: str = "single", new: str = "ported", context: int = 1) 
 
 
 def changed_lines(seed: str, old: str = "single", new: str = "ported") -> int:
-    """Lines removed plus lines added, as ``git diff -w --numstat`` adds them up."""
+    """Lines removed plus lines added, as ``git diff --numstat`` adds them up."""
     return sum(1 for line in diff(seed, old, new)[2:] if line[:1] in "+-")
 
 
 def run(name: str, out: str) -> None:
     model = ENTRIES[name]()
-    if int(os.environ.get("RANK", 0)) == 0:  # after the loop: its process group is gone, torchrun's RANK is not
+    if int(os.environ.get("RANK", 0)) == 0:  # torchrun's RANK: a plain loop's process group is gone by now
         torch.save(getattr(model, "module", model).state_dict(), out)
 
 
@@ -835,7 +836,9 @@ if __name__ == "__main__":
     run(sys.argv[1], sys.argv[2])
     # Test harness only: end without the interpreter's teardown, where gloo's threads (still referenced by the
     # DDP object after destroy_process_group) abort now and then: "terminate called without an active exception",
-    # exit -6, in plain DDP and Loop scripts alike (CI, 2026-11-26). Everything is written by now.
+    # exit -6, in plain DDP and Loop scripts alike (CI, 2026-11-26). The exit handlers run first: a port's
+    # Loop.start()-ed loop closes there (its last snapshot and record), as at a script's normal end.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
