@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from .config import TrainConfig, parse_loggers, watched_metric
 from .data import DataSplits, ImageData, TensorData, load_dataset
@@ -164,6 +164,9 @@ def preflight(
     cfg, finished = settle_run_dir(
         cfg, identity, named=bool(config.run_dir), lr_total=lr_depends_on_total(cfg, scheduler)
     )
+    cap = past_the_epochs(cfg, splits, world)
+    if cap and finished is None and env.env_rank() == 0 and env.restart_count() == 0:
+        print(f"ddpkit: {cap}")  # the launcher's, or global rank 0's under torchrun, before its first start
     return Plan(cfg, spec, splits, task, identity, find_unused, finished, flops_per_sample, flops_note)
 
 
@@ -224,7 +227,7 @@ def settle_run_dir(
         if named:
             raise
         # A default run dir holding this run at a horizon it cannot be trained to: a new run beside it
-        return _next_free(cfg, identity, lr_total, f"this run at another horizon, not to be trained on ({exc})")
+        return _next_free(cfg, identity, lr_total, exc.held)
     if finished is None:
         return cfg, None  # nothing there, or a run to resume: its [start] line says what was not read
     if cfg.reuse_finished and not doubts:
@@ -257,6 +260,29 @@ def _next_free(cfg: TrainConfig, identity: dict, lr_total: str | None, why: str)
         except HorizonRefused:
             continue  # this run at another horizon, not to be trained on: the next one
     raise RunDirError(f"{base}-2 ... {base}-999 all hold finished runs; pass a run_dir")
+
+
+def past_the_epochs(cfg: TrainConfig, splits: DataSplits, world: int) -> str:
+    """A --max-steps past the steps the epochs hold, in words ("" if not): the run ends at the epochs' end.
+    The epoch's optimizer steps as the train source counts them (data/loader.py, whole accumulation groups;
+    --join, whose last batch is partial, takes no --max-steps): per rank, whole batches of its share; for a
+    stream, whole batches of each shard (world size x loader workers)."""
+    if not cfg.max_steps:
+        return ""
+    micro, n = cfg.batch_size // world // cfg.grad_accum, len(splits.train)
+    if isinstance(splits.train, IterableDataset):
+        workers = max(1, cfg.num_workers or 0)
+        batches = workers * (n // (world * workers) // micro)
+    else:
+        batches = n // world // micro
+    total = cfg.epochs * (batches // cfg.grad_accum)
+    if cfg.max_steps <= total:
+        return ""
+    epochs = f"{cfg.epochs} epoch's" if cfg.epochs == 1 else f"{cfg.epochs} epochs'"
+    return (
+        f"--max-steps {cfg.max_steps} is past the {epochs} {total} steps: the run ends at step {total}; raise "
+        f"--epochs to train longer"
+    )
 
 
 def agent_started_at() -> float:

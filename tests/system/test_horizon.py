@@ -117,7 +117,7 @@ def test_a_default_run_dir_that_cannot_go_on_leaves_a_new_run_beside_it(tmp_path
     capsys.readouterr()
     two = fit(TrainConfig(**{**cfg, "epochs": 2}))
     assert two.run_dir == one.run_dir.with_name(one.run_dir.name + "-2") and two["steps"] == 8
-    assert "holds this run at another horizon, not to be trained on" in capsys.readouterr().out
+    assert "holds this run at another horizon (epochs 1 -> 2), and it cannot be trained to" in capsys.readouterr().out
 
 
 def test_a_run_dir_named_with_its_horizon_by_an_older_ddpkit_is_still_found(tmp_path, monkeypatch):

@@ -377,33 +377,54 @@ def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
 
 class HorizonRefused(RunDirError):
     """A run dir holding this run at another horizon that it cannot be trained to (``_check_longer``): in a
-    run dir the user named, the one line; in a default one, preflight trains in the next free one instead."""
+    run dir the user named, the one line; in a default one, preflight trains in the next free one instead,
+    saying ``held`` (what the run dir holds and why it cannot go on, without the advice for a named one)."""
+
+    def __init__(self, message: str, held: str = ""):
+        super().__init__(message)  # one argument, as an exception is rebuilt from its args (pickle)
+        self.held = held
+
+    @classmethod
+    def saying(cls, run_dir: Path, held: str, advice: str = "") -> "HorizonRefused":
+        return cls(f"run dir {run_dir} holds {held}{advice}", held)
+
+
+def _horizon_words(changes: dict) -> str:
+    """``epochs 1 -> 2, max_steps 11 -> none (the epochs' end)``: a max_steps of 0 is no cap, not a step count."""
+
+    def said(key, value):
+        return "none (the epochs' end)" if key == "max_steps" and not value else str(value)
+
+    return ", ".join(f"{k} {said(k, a)} -> {said(k, b)}" for k, (a, b) in changes.items())
 
 
 def _check_longer(cfg: TrainConfig, files: RunFiles, grown: dict, lr_total: str | None) -> None:
     """Train a run to another horizon from its last snapshot, or say in one line why not: an lr policy that
     spans the total, a horizon the run has trained past already, or a run that cannot resume."""
     run_dir = files.root
-    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in grown.items())
+    what = _horizon_words(grown)
     if cfg.comm_hook == "powersgd":
-        raise HorizonRefused(f"run dir {run_dir} holds this run at another horizon ({what}): {POWERSGD_NO_RESUME}")
+        raise HorizonRefused.saying(run_dir, f"this run at another horizon ({what}): {POWERSGD_NO_RESUME}")
     if lr_total:
-        raise HorizonRefused(
-            f"run dir {run_dir} holds this run at another horizon ({what}), and it cannot be trained to it: "
-            f"{lr_total}, so its steps so far are not those of a run started with the new horizon. Pass a new "
-            f"--run-dir to train that from the start (or use a constant lr: --schedule constant)"
+        raise HorizonRefused.saying(
+            run_dir,
+            f"this run at another horizon ({what}), and it cannot be trained to it: {lr_total}, so its steps so "
+            f"far are not those of a run started with the new horizon",
+            ". Pass a new --run-dir to train that from the start (or use a constant lr: --schedule constant)",
         )
     done = _steps_done(files)
     if "epochs" in grown and grown["epochs"][1] < grown["epochs"][0]:
-        raise HorizonRefused(
-            f"run dir {run_dir} holds this run with more epochs ({what}): it may have trained past the new "
-            f"horizon; keep --epochs as it was, or pass a new --run-dir"
+        raise HorizonRefused.saying(
+            run_dir,
+            f"this run with more epochs ({what}): it may have trained past the new horizon",
+            "; keep --epochs as it was, or pass a new --run-dir",
         )
     new_cap = grown.get("max_steps", (0, cfg.max_steps))[1]
     if new_cap and done > new_cap:
-        raise HorizonRefused(
-            f"run dir {run_dir} holds this run trained {done} steps, past the new horizon ({what}); keep "
-            f"--max-steps as it was, or pass a new --run-dir"
+        raise HorizonRefused.saying(
+            run_dir,
+            f"this run trained {done} steps, past the new horizon ({what})",
+            "; keep --max-steps as it was, or pass a new --run-dir",
         )
     print(
         f"ddpkit: training {run_dir} to another horizon ({what}) from its last snapshot (step {done}); its lr "
