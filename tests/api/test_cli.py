@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import cli_env, run_cli
+from clirun import WAIT_S, cli_env, run_cli
 from formats import write_fashion
 
 
@@ -224,7 +224,7 @@ def test_half_set_launcher_variables_stop_the_cli_before_anything_starts(tmp_pat
         env=cli_env(RANK="0", WORLD_SIZE="2"),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from clirun import cli_env
+from clirun import WAIT_S, cli_env
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -241,7 +241,7 @@ def test_help_loads_no_torch():
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stderr
     loaded = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

@@ -11,7 +11,7 @@ import loop_workers as lw
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, cli_env
+from clirun import ROOT, WAIT_S, cli_env
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
@@ -194,7 +194,7 @@ def _torchrun(tmp_path, run_dir: str, out: str, nproc: int = 2, **env) -> subpro
         env=cli_env(TOKENS=str(tmp_path / "tokens.bin"), **env),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=WAIT_S,
     )
 
 
@@ -453,7 +453,7 @@ def _a_script(tmp_path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(body)
     return subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, str(script)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
     )
 
 
@@ -498,7 +498,7 @@ def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
             env=cli_env(**env),
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
 
     stopped = run(6, STOP_AT="2")

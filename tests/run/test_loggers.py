@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from clirun import cli_env, read_jsonl
+from clirun import WAIT_S, cli_env, read_jsonl
 
 from ddpkit.config import parse_loggers
 from ddpkit.errors import ConfigError
@@ -78,7 +78,7 @@ def logged_run(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
@@ -270,7 +270,7 @@ def test_the_cli_names_the_extra_when_tensorboard_is_missing(tmp_path):
         "import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
         f"sys.exit(main(['train', '--log', 'tensorboard', '--run-dir', {str(tmp_path / 'r')!r}]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "ddpkit: error: --log tensorboard needs the tensorboard package, which is not installed: "

@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
-from clirun import read_jsonl
+from clirun import WAIT_S, read_jsonl
 
 from ddpkit.run.recorder import MetricLogger
 
@@ -99,7 +99,7 @@ def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(t
         if not data:
             break
         chunks.append(data)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=WAIT_S) == 0
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))  # colours and cursor moves
     assert "[start] world_size=1" in out and "[epoch] epoch=0" in out
     counts = {int(k) for k in re.findall(r"\b(\d+)/40\b", out)}

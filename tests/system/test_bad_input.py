@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clirun import cli_env, free_port, read_jsonl, worker_pids
+from clirun import WAIT_S, cli_env, free_port, read_jsonl, worker_pids
 
 import ddpkit.preflight
 from ddpkit.cli import main
@@ -616,7 +616,7 @@ def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_i
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=WAIT_S,
     )
     line = check_one_line(proc.returncode, proc.stdout, proc.stderr, [f"{bad}: not a readable image"])
     assert "rank" in line
@@ -720,7 +720,7 @@ def test_a_rank_that_never_arrives_is_one_line_naming_the_rendezvous(tmp_path, t
         env=cli_env(**variables),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT_S,
     )
     check_one_line(proc.returncode, proc.stdout, proc.stderr, [*fragments, f":{port}"], exit_code=4)
 
@@ -749,7 +749,7 @@ def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT_S,
     )
     check_one_line(
         proc.returncode,
@@ -806,7 +806,7 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
                 break
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -1019,7 +1019,7 @@ def test_parameters_unused_by_some_batches_name_ddpkits_flag_once(tmp_path):
     to DistributedDataParallel, which ddpkit builds; ddpkit's own flag went unnamed."""
     (tmp_path / "train.py").write_text(BRANCH_BY_BATCH)
     proc = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180
+        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
     )
     said = check_one_line(
         proc.returncode,
@@ -1049,7 +1049,7 @@ def test_a_script_without_the_main_guard_is_one_line_naming_its_line_before_laun
     script's own exception said only "rank 0 exit code 2"."""
     (tmp_path / "train.py").write_text(SCRIPT_WITHOUT_GUARD)
     proc = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
     )
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert len(said) == 1 and "train.py:9 starts the workers when the script is imported" in said[0], proc.stderr

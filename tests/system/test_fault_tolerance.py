@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import ROOT, cli_env, read_jsonl, worker_pids
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl, worker_pids
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -113,7 +113,7 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
         pids = worker_pids(proc.pid)
         assert len(pids) == 2, pids
         os.kill(pids[-1], signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -145,7 +145,7 @@ def test_a_killed_worker_is_named_in_one_line_not_the_rank_that_lost_it(tmp_path
         pids = worker_pids(proc.pid)
         assert len(pids) == 2, pids
         os.kill(pids[-1], signal.SIGKILL)  # rank 1: torch starts local ranks in order
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -175,7 +175,7 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     code = killer.format(
         paths=[str(ROOT / "src"), str(ROOT / "tests" / "helpers")], script=SCRIPT, spec=json.dumps(spec(run_dir, **one))
     )
-    killed = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=240)
+    killed = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "snapshot-000000016.pt.tmp").exists()  # the half-written file
@@ -197,7 +197,7 @@ def test_sigterm_to_the_launcher_saves_a_snapshot_and_the_rerun_resumes_there(tm
     try:
         wait_for_step(run_dir, proc, lambda step: step >= 6)
         os.kill(proc.pid, signal.SIGTERM)  # as a scheduler would: the launcher forwards it to the workers
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -223,7 +223,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     try:
         wait_for_step(run_dir, proc, lambda step: step >= 4)
         os.kill(worker_pids(proc.pid)[-1], signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -256,7 +256,7 @@ def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     # 5 s: every collective gets --timeout-s, and make test runs another test beside this one on 2 cores
-    proc = run(spec(run_dir, "stall", at_step=3, rank=1, seconds=12, timeout_s=5, log_every=1), timeout=120)
+    proc = run(spec(run_dir, "stall", at_step=3, rank=1, seconds=12, timeout_s=5, log_every=1), timeout=WAIT_S)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 3, proc.stderr
     assert "rank 0: a collective did not complete within --timeout-s 5 s" in proc.stderr
@@ -291,7 +291,7 @@ def stop_after(s: dict, run_dir: Path, pred) -> int:
     try:
         wait_for_step(run_dir, proc, pred)
         os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -373,7 +373,7 @@ def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tm
         if line.startswith("[step]"):
             break
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 143, err[-3000:]
     assert err.count("ddpkit: stopped on SIGTERM") == 1, err[-3000:]
     assert "Traceback" not in err and "death signal" not in err, err[-3000:]
@@ -395,7 +395,7 @@ def test_sigterm_to_a_script_with_its_own_loop_ends_it_with_143_and_one_line(tmp
         if line.startswith("[step]"):
             break
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 143, err[-3000:]
     assert err.count("ddpkit: stopped on SIGTERM") == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]

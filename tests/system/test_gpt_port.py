@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, cli_env, read_jsonl
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +31,7 @@ def launched(script: str, cwd, tokens, **env) -> subprocess.CompletedProcess:
         env=cli_env(TOKENS=str(tokens), ITERS=str(ITERS), **env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
 
 

@@ -13,7 +13,7 @@ import sys
 import uuid
 
 import pytest
-from clirun import cli_env, free_port, read_jsonl, run_nodes
+from clirun import WAIT_S, cli_env, free_port, read_jsonl, run_nodes
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -69,7 +69,7 @@ def test_nnodes_without_an_endpoint_is_refused_before_launch(tmp_path):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 2
     assert proc.stderr.count("--nnodes 2 needs --rdzv-endpoint HOST:PORT") == 1

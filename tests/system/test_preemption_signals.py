@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import ROOT, cli_env, read_jsonl
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -77,7 +77,7 @@ def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path
             os.kill(proc.pid, signal.SIGUSR1)
         else:
             os.killpg(proc.pid, signal.SIGUSR1)
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -92,7 +92,7 @@ def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path
     assert (run_dir / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 20
     assert not (run_dir / "model.pt").exists()
 
-    again = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=180)
+    again = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
     assert again.returncode == 0, again.stderr
     starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
     assert starts[-1]["resumed_at_step"] == step

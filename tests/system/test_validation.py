@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, cli_env, read_jsonl
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl
 from user_code import RegressionMLP, mse, regression_data
 
 from ddpkit import TrainConfig, Trainer
@@ -170,7 +170,7 @@ def signal_at(spec: dict, step: int, sig: int) -> subprocess.Popen:
             steps = [r["step"] for r in read_jsonl(path) if r["event"] == "step"] if path.exists() else []
             if steps and steps[-1] >= step:
                 (os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig))
-                proc.communicate(timeout=60)
+                proc.communicate(timeout=WAIT_S)
                 return proc
             time.sleep(0.02)
         raise AssertionError("the awaited step never came")

@@ -7,14 +7,14 @@ import json
 import socket
 
 import pytest
-from clirun import run_cli
+from clirun import WAIT_S, run_cli
 
 
 @pytest.mark.multiprocess
 def test_doctor_reports_and_passes_on_this_machine():
     import torch
 
-    proc = run_cli("doctor", timeout=120)
+    proc = run_cli("doctor", timeout=WAIT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert torch.__version__ in out

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from clirun import cli_env, run_cli
+from clirun import WAIT_S, cli_env, run_cli
 from matplotlib.image import imread
 from PIL import Image
 
@@ -218,7 +218,7 @@ def test_cli_errors_are_one_line(trained_run, tmp_path):
         for words, args in cases.items()
     }  # side by side: each is mostly torch's import
     for words, proc in procs.items():
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=WAIT_S)
         assert proc.returncode != 0
         assert "Traceback" not in stderr
         assert len(stderr.strip().splitlines()) == 1 and words in stderr, stderr
