@@ -249,7 +249,7 @@ def waiting_watch(tmp_path):
 
 def test_a_hang_is_reported_only_when_a_second_round_finds_nothing_moved(tmp_path, capsys):
     """One look can catch a rank a moment before it joins the others: a rank behind in round 0 that has
-    moved by round 1 is no hang; the same state twice is."""
+    moved by round 1 is no hang; the same state twice is, and is reported when the wait times out."""
     watch, store, peer, collective = waiting_watch(tmp_path)
     with collective as entry:
         entry["started"] -= 10.0
@@ -261,7 +261,9 @@ def test_a_hang_is_reported_only_when_a_second_round_finds_nothing_moved(tmp_pat
             assert peer.verdict(1).startswith("again ")
             assert "ddpkit: hang" not in capsys.readouterr().err
             peer.answers(2, moved=[101.0, 0.0, 5])  # nothing moved since round 1
-            assert peer.verdict(2) == "hang"
+            assert peer.verdict(2).startswith("hang ")
+            assert "ddpkit: hang" not in capsys.readouterr().err  # kept, until the wait times out
+            watch.publish()  # what the group's error path does when this rank's collective timed out
         finally:
             watch.stop()
     line = capsys.readouterr().err
@@ -290,3 +292,70 @@ def test_a_report_being_gathered_when_the_run_ends_is_abandoned(tmp_path, capsys
     assert "ddpkit: hang" not in capsys.readouterr().err
     assert not (tmp_path / "hang-report.json").exists()
     assert not store.check([f"{watch.prefix}/1/verdict"])
+
+
+def test_a_confirmed_hang_that_moves_on_is_never_reported(tmp_path, capsys):
+    """Regression (issue 41): a wait confirmed twice that then completes (the late rank arrived before the
+    timeout) was reported; it is no hang. A later timeout of this rank in another collective does not print
+    the old one's report."""
+    watch, store, peer, collective = waiting_watch(tmp_path)
+    try:
+        with collective as entry:
+            entry["started"] -= 10.0
+            watch.start()
+            peer.answers(0, moved=[100.0, 0.0, 4])
+            assert peer.verdict(0).startswith("again ")
+            peer.answers(1, moved=[100.0, 0.0, 4])
+            assert peer.verdict(1).startswith("hang ")  # confirmed: kept in the store
+        watch.progress(1)  # the collective completed: rank 1 arrived, and this rank stepped on
+        with watch.collective("all_reduce"):
+            watch.publish()  # as if this next one timed out
+    finally:
+        watch.stop()
+    assert "ddpkit: hang" not in capsys.readouterr().err
+    assert not (tmp_path / "hang-report.json").exists()
+
+
+def test_where_the_backend_ends_the_process_at_the_timeout_the_watch_reports_just_before(tmp_path, capsys):
+    """NCCL's watchdog ends the waiting process at the timeout without returning to Python: there the watch
+    writes the confirmed hang's report itself, lead_s before the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.ranks.hangwatch import HangWatch
+
+    store = dist.HashStore()
+    watch = HangWatch(rank=0, world_size=2, timeout_s=3.0, store=store, abrupt=True)
+    watch.run_dir = str(tmp_path)
+    peer = FakePeer(watch, store)
+    with watch.collective("all_reduce", torch.ones(2)) as entry:
+        entry["started"] -= 10.0  # past timeout_s - lead_s already
+        watch.start()
+        try:
+            peer.answers(0, moved=[100.0, 0.0, 4])
+            assert peer.verdict(0).startswith("again ")
+            peer.answers(1, moved=[100.0, 0.0, 4])
+            assert peer.verdict(1).startswith("hang ")
+            deadline = time.monotonic() + 10
+            while not (tmp_path / "hang-report.json").exists():
+                assert time.monotonic() < deadline, "no report"
+                time.sleep(0.02)
+        finally:
+            watch.stop()
+    assert capsys.readouterr().err.startswith("ddpkit: hang: rank 1 is behind: in `slow_user_code`")
+
+
+@pytest.mark.multiprocess
+def test_a_run_that_completes_reports_no_hang_however_long_rank_0_logs_between_steps(tmp_path, capfd):
+    """Regression (issue 41): rank 0 4.5 s in its own logging between two steps at --timeout-s 6 (a rank-0
+    ``wandb.log``, as in docs/port.md's MNIST port) while rank 1 waits for it in DDP's backward: the watch
+    confirmed a hang at 0.625 of the timeout and wrote a report for a run that went on to exit 0. A wait
+    shorter than the timeout is one the job tolerates: no report, no line."""
+    import slow_rank0
+
+    import ddpkit
+
+    steps = ddpkit.launch(slow_rank0.late_rank0_loop, str(tmp_path / "run"), 4.5, nproc=2, device="cpu", timeout_s=6.0)
+    assert steps == 6
+    assert "ddpkit: hang" not in capfd.readouterr().err
+    assert not list(tmp_path.rglob("*hang*"))

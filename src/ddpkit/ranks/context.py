@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import resolve_device_type
-from ..errors import ConfigError, DdpkitError, RunDirError
+from ..errors import CollectiveTimeout, ConfigError, DdpkitError, RunDirError
 from . import env, hangwatch
 from .env import under_launcher
 from .failures import cause_reported, rendezvous_failure, report_failure, worker_failure
@@ -205,7 +205,10 @@ def distributed(
     timeout = timedelta(seconds=timeout_s)
     if under_launcher():
         try:
-            dist.init_process_group(backend=ctx.backend, timeout=timeout)
+            store = _group_store(ctx, timeout)
+            dist.init_process_group(
+                backend=ctx.backend, timeout=timeout, store=store, rank=ctx.rank, world_size=ctx.world_size
+            )
         except dist.DistError as exc:  # the env:// rendezvous (torchrun's or SLURM's variables): a peer not there
             raise rendezvous_failure(exc, ctx.world_size, timeout_s) from None
     else:
@@ -240,6 +243,8 @@ def distributed(
             raise
         except Exception as exc:
             failure = worker_failure(exc, ctx.world_size, timeout_s)
+            if isinstance(failure, CollectiveTimeout) and hangwatch.WATCH is not None:
+                hangwatch.WATCH.publish()  # the hang its watch kept, if this was it: before the timeout's line
             if ctx.world_size > 1:
                 report_failure(failure, ctx.rank)  # before the group goes: its teardown is what the others see
             if failure is exc:
@@ -250,6 +255,29 @@ def distributed(
             hangwatch.WATCH.stop()
             hangwatch.WATCH = None
         dist.destroy_process_group()
+
+
+# The groups this process has made under a launcher, each with its own keys in the job's store (_group_store)
+_GROUPS_MADE = [0]
+
+
+def _group_store(ctx: DistContext, timeout: timedelta):
+    """The env:// rendezvous's store (torchrun's agent store, or rank 0's TCPStore), as ``init_process_group``
+    would make it, under a prefix of this group's own.
+
+    torch names the default group "0" again after ``destroy_process_group`` and keys it under the same prefix
+    (``default_pg/0/``), where the first group's gloo addresses stay (``default_pg/0//cpu//0/<rank>``): in a
+    second group in the same process (two Loops one after the other), a rank that read its peer's old address
+    before the peer rewrote it connected to a closed port, and the group failed (gloo's connectFullMesh timing
+    out, 50 s past --timeout-s, or a first collective's timeout). Every rank makes the same groups in the same
+    order, so the count agrees; the restart count keeps a restarted attempt off an earlier one's keys where the
+    agent's store outlives an attempt (pytorch/pytorch#135712). The hang watch's and the failure notes' keys,
+    in the group's store, are the group's own too.
+    """
+    store, _, _ = next(dist.rendezvous("env://", ctx.rank, ctx.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    n, _GROUPS_MADE[0] = _GROUPS_MADE[0], _GROUPS_MADE[0] + 1
+    return dist.PrefixStore(f"ddpkit/attempt{env.restart_count()}/group{n}", store)
 
 
 def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
@@ -264,7 +292,9 @@ def _watch(ctx: DistContext, timeout_s: float) -> HangWatch | None:
     except Exception:  # noqa: BLE001 - no store to meet in: the timeout alone says it
         return None
     attempt = f"{os.environ.get(env.RUN_ID, 'run')}/{os.environ.get(env.RESTART_COUNT, '0')}"
-    return HangWatch(ctx.rank, ctx.world_size, timeout_s, store, attempt, main_store).start()
+    # NCCL's watchdog ends the process at the timeout, before the error reaches Python
+    abrupt = ctx.backend == "nccl"
+    return HangWatch(ctx.rank, ctx.world_size, timeout_s, store, attempt, main_store, abrupt).start()
 
 
 # Whether the group in this process was settled (settle()): one group per process, as hangwatch.WATCH.

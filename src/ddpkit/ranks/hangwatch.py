@@ -13,17 +13,24 @@ so a main thread waiting on the store does not hold the watch up). Every rank's 
 its main thread is doing: its Python stack (``sys._current_frames``), the collective it waits in
 and ddpkit's record of the last ones it issued (sequence numbers, op, shape, the line that called
 it), its step and the time since. The watch of the rank that noticed (its main thread waits, so
-its watch is free) gathers the answers, writes one report
-(JSON, beside the run: ``RUN_DIR/hang-report.json``, or in the temp folder for ``ddpkit.launch``)
-and prints one line, e.g.
+its watch is free) gathers the answers while every rank can still give them, and keeps them in the
+store. They become a report only when the wait ends in the collective's timeout: the rank whose
+collective timed out (:meth:`HangWatch.publish`, called by the group's error path before the timeout's
+own line) writes it, once for the job (JSON, beside the run: ``RUN_DIR/hang-report.json``, or in the
+temp folder for ``ddpkit.launch``), and prints one line, e.g.
 
     ddpkit: hang: rank 1 is behind: in `slow_loss` at train.py:42 (step 1207, 31 s since its last
     step); rank 0 waits in all_reduce #8812 (at engine.py:530). Every rank's stack: RUN/hang-report.json
 
-all before the timeout ends the job. DDP's own gradient all-reduces run in C++ and are not in
-ddpkit's record: a rank blocked there shows it in its stack (``loss.backward()``), and the step
-heartbeat is what raises the flag. On NCCL, torch's Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
-records every collective, DDP's included; where it is on, its dump is added to the rank's answer.
+A rank late by less than the timeout (rank 0's own logging between steps) is no hang, however late:
+the job tolerates it, and a run that completes never reports one. On NCCL, whose watchdog ends the
+process at the timeout without returning to Python, the waiting rank's watch writes the report
+instead when its wait is ``lead_s`` short of the timeout.
+
+DDP's own gradient all-reduces run in C++ and are not in ddpkit's record: a rank blocked there shows it
+in its stack (``loss.backward()``), and the step heartbeat is what raises the flag. On NCCL, torch's
+Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) records every collective, DDP's included; where it
+is on, its dump is added to the rank's answer.
 
 A raised flag is a question, not yet a report: the answers are a round, and the gatherer judges them
 (:func:`verdict`). Not a hang, and the watch looks again ``RECHECK_FRACTION`` of the threshold later:
@@ -33,10 +40,11 @@ A raised flag is a question, not yet a report: the answers are a round, and the 
 - no rank waiting in a collective: every rank in its own compute (a step slower than the threshold
   everywhere), or every rank in the backward of the same step.
 
-A hang is reported only when a second round, ``RECHECK_FRACTION`` of the threshold after the first,
+A hang is confirmed only when a second round, ``RECHECK_FRACTION`` of the threshold after the first,
 finds the same state with nothing moved (no rank's step, heartbeat or collective count changed): one
-sample can catch a rank a moment before the others join it. ``stop()`` (the group's teardown) abandons
-a report not yet printed, so a run that completed never prints one.
+sample can catch a rank a moment before the others join it. A confirmed hang is looked at again while it
+lasts (its answers kept fresh for the report); one that moves is dropped. ``stop()`` (the group's
+teardown) abandons a report not yet printed.
 """
 
 from __future__ import annotations
@@ -56,9 +64,9 @@ from typing import Any, Iterator
 
 from . import env
 
-TRIGGER_FRACTION = 0.5  # of --timeout-s: the report is written well before the timeout ends the job
+TRIGGER_FRACTION = 0.5  # of --timeout-s: the answers are gathered while every rank can still give them
 # of the threshold: how soon a cleared round is looked at again, and the gap between the two rounds that
-# confirm a hang (the report then comes at 0.625 of --timeout-s, before the timeout, plus the gathering)
+# confirm a hang (confirmed at 0.625 of --timeout-s, plus the gathering; reported at the timeout)
 RECHECK_FRACTION = 0.25
 RECENT = 8  # collectives kept per rank
 PREFIX = "ddpkit/hang"
@@ -66,10 +74,23 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/ddpki
 
 
 class HangWatch:
-    """This rank's record of its collectives and steps, and the thread that reports a hang once."""
+    """This rank's record of its collectives and steps, and the thread that asks every rank what it does
+    when one is late; the hang it confirms is reported once, when the wait times out (:meth:`publish`)."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store, attempt: str = "0", main_store=None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store,
+        attempt: str = "0",
+        main_store=None,
+        abrupt: bool = False,
+    ):
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
+        # The backend ends the process at the timeout without returning to Python (NCCL's watchdog): the
+        # report cannot wait for the timeout's error, and is written lead_s before it
+        self.abrupt = abrupt
         # The store the main thread announces its busy work in (the group's own, not the watch's clone): a
         # torch.save of a large snapshot holds the GIL for seconds (1 s per 200 MB here), and this rank's
         # watch cannot answer meanwhile; the announcement answers for it.
@@ -78,6 +99,7 @@ class HangWatch:
         self.trigger_s = timeout_s * TRIGGER_FRACTION
         self.poll_s = min(2.0, max(0.1, timeout_s / 40))
         self.recheck_s = max(self.poll_s, self.trigger_s * RECHECK_FRACTION)
+        self.lead_s = max(3 * self.poll_s, min(10.0, timeout_s * 0.05))  # 3 polls: the watch sees it in time
         self.recent: deque = deque(maxlen=RECENT)
         self.current: dict | None = None  # the collective this rank is in now
         self.seq = 0
@@ -87,7 +109,7 @@ class HangWatch:
         self.busy: tuple[str, float] | None = None  # (what, since): ddpkit's own work between steps
         self.busy_ended = 0.0  # when the last busy work ended: the heartbeat resumes from there
         self.run_dir: str | None = None
-        self.report_path: Path | None = None  # where rank 0 wrote it (for the timeout's message)
+        self.report_path: Path | None = None  # where this rank wrote it
         self.round = 0  # the round of questions this rank is in (see _poll)
         self.last_clear = -float("inf")  # when this rank last saw a round end without a report
         self._main = threading.main_thread().ident
@@ -190,10 +212,24 @@ class HangWatch:
             return f"rank {self.rank} made no {self.phase} step for {now - self.last_progress:.0f} s"
         return ""
 
+    def _due(self) -> bool:
+        """Where the backend ends the process at the timeout (``abrupt``): this rank's wait is within
+        ``lead_s`` of it, so the report must be written now or never."""
+        if not self.abrupt:
+            return False
+        current = self._waiting_in()
+        if current is not None:
+            since = current["started"]
+        elif self.phase and self.busy is None:  # a wait in DDP's backward, told by the heartbeat
+            since = max(self.last_progress, self.busy_ended)
+        else:
+            return False
+        return time.monotonic() - since > self.timeout_s - self.lead_s
+
     def _run(self) -> None:
         while not self._done.wait(self.poll_s):
             try:
-                if self._poll():
+                if self._poll() or (self._due() and self._publish(self.store)):
                     return
             except Exception:  # noqa: BLE001 - a store gone with the job, a dying process: never fail the run
                 return
@@ -204,14 +240,12 @@ class HangWatch:
     def _poll(self) -> bool:
         """One look, in rounds: a rank that is late raises round n's flag (the first to notice gathers:
         its main thread waits, so its watch is free; rank 0 may be the one stuck), every rank answers,
-        and the gatherer writes round n's verdict. After "ok" or "again" every rank goes on to round n + 1.
-        True when the watch is done (a hang was reported)."""
+        and the gatherer writes round n's verdict; after it every rank goes on to round n + 1.
+        True when the watch is done (stopped while gathering)."""
         n = self.round
         if self._answered:  # this round's verdict, from whichever rank gathers
             if not self.store.check([self._key(n, "verdict")]):
                 return False
-            if self.store.get(self._key(n, "verdict")).decode() == "hang":
-                return True
             self._next_round()
             return False
         flag = self._key(n, "flag")
@@ -230,8 +264,6 @@ class HangWatch:
         if word is None:  # stopped: the run ended while the answers came in
             return True
         self.store.set(self._key(n, "verdict"), word)
-        if word == "hang":
-            return True
         self._next_round()
         return False
 
@@ -270,15 +302,17 @@ class HangWatch:
 
     def _gather(self, n: int, why: str) -> str | None:
         """The rank that noticed: wait for every rank's answer (a dead or stuck one does not answer), judge
-        them, and report a hang the round before found too. The round's verdict: "ok", "again <state>"
-        (a hang seen once), "hang" (reported); None when the watch was stopped meanwhile."""
+        them, and keep a hang the round before found too as the job's pending report (:meth:`publish`). The
+        round's verdict: "ok", "again <state>" (a hang seen once), "hang <state>" (seen twice, pending);
+        None when the watch was stopped meanwhile."""
         before = self._key(n - 1, "verdict")
         previous = self.store.get(before).decode() if n and self.store.check([before]) else ""
+        seen = previous.split(" ", 1)[1] if previous.startswith(("again ", "hang ")) else None
         # A watch answers within a poll (0.15 s at --timeout-s 6); the wait is for one the GIL holds up. In
         # a confirming round, not again for the ranks silent in the last: the report must beat the timeout.
         expected = range(self.world_size)
-        if previous.startswith("again "):
-            expected = [rank for rank, _, _ in json.loads(previous.removeprefix("again "))]
+        if seen is not None:
+            expected = [rank for rank, _, _ in json.loads(seen)]
         deadline = time.monotonic() + min(30.0, max(1.0, self.timeout_s * 0.2))
         keys = [self._key(n, f"rank{r}") for r in range(self.world_size)]
         while time.monotonic() < deadline and not self.store.check([keys[r] for r in expected]):
@@ -295,16 +329,40 @@ class HangWatch:
             for name in ["flag", "verdict", *(f"rank{r}" for r in range(self.world_size))]:
                 self.store.delete_key(self._key(n - 1, name))
         line = verdict(answers, self.world_size, announced)
-        if line is None:
-            return "ok"
-        state = "again " + json.dumps(sorted([a["rank"], a["step"], a["moved"]] for a in answers))
-        if previous != state:
-            return state  # seen once: look again, RECHECK_FRACTION of the threshold later
-        self._report(why, line, answers)
-        return "hang"
-
-    def _report(self, why: str, line: str, answers: list[dict]) -> None:
+        pending = f"{self.prefix}/pending"
+        state = json.dumps(sorted([a["rank"], a["step"], a["moved"]] for a in answers))
+        if line is None or seen != state:
+            self.store.delete_key(pending)  # a hang kept from an earlier round has moved on
+            # seen once: look again, RECHECK_FRACTION of the threshold later
+            return "ok" if line is None else "again " + state
         report = {"why": why, "summary": line, "timeout_s": self.timeout_s, "ranks": answers}
+        self.store.set(pending, json.dumps(report))  # the freshest answers of a hang that lasts
+        return "hang " + state
+
+    def publish(self) -> None:
+        """This rank's collective timed out (the group's error path, on the main thread, before the timeout's
+        own line): write the report of the hang the rounds confirmed, once for the job. Nothing when none was
+        confirmed, or when it was of an earlier wait of this rank's that has since ended."""
+        try:
+            self._publish(self.main_store if self.main_store is not None else self.store)
+        except Exception:  # noqa: BLE001 - a store gone with the job: the timeout's own line remains
+            pass
+
+    def _publish(self, store) -> bool:
+        """True when the job's report is written, by this rank or another."""
+        key = f"{self.prefix}/pending"
+        if not store.check([key]):
+            return False
+        report = json.loads(store.get(key))
+        mine = [a["moved"] for a in report["ranks"] if a["rank"] == self.rank]
+        if mine and mine[0] != [self.last_progress, self.busy_ended, self.seq]:
+            return False  # this rank has moved since: the hang kept there is not the wait that timed out
+        if store.compare_set(f"{self.prefix}/published", "", str(self.rank)).decode() == str(self.rank):
+            self._write(report)
+        return True
+
+    def _write(self, report: dict) -> None:
+        line = report["summary"]
         path = Path(self.run_dir) / "hang-report.json" if self.run_dir else _temp_report()
         with self._lock:
             if self._done.is_set():
