@@ -2,6 +2,7 @@
 
     ddpkit train --dataset mnist --nproc 2 --epochs 2
     ddpkit eval RUN_DIR --nproc 2
+    ddpkit run --nproc 2 train.py --lr 0.1       # your own script on every rank
 
 Each subcommand lives in ``ddpkit.commands`` and registers its own parser. ``train``
 flags are generated from :class:`ddpkit.config.TrainConfig`, so the flags and

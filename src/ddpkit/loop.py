@@ -304,6 +304,7 @@ class Loop:
         self._closed = True
         exc = getattr(self, "_uncaught", None)
         if exc is not None:  # said already, by the excepthook, with its status: the teardown is all that is left
+            exc.traceback_printed = True  # a bug's traceback too: the teardown notes the cause, prints it no more
             try:
                 self._stack.__exit__(type(exc), exc, exc.__traceback__)
             except Exception:  # noqa: BLE001 - a teardown after a failure fails too (a lost peer); said already

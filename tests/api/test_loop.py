@@ -544,3 +544,24 @@ def test_a_deleted_newest_snapshot_is_said_when_an_older_one_is_resumed(tmp_path
     ]
     train(6)  # a rerun that finds its newest snapshot says nothing
     assert "is gone" not in capsys.readouterr().out
+
+
+@pytestmark_mp
+def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
+    """Found in review: under ``ddpkit run`` the excepthook printed it, then the group's teardown at exit again
+    (4 tracebacks for 2 ranks)."""
+    (tmp_path / "train.py").write_text(
+        "import ddpkit\nloop = ddpkit.Loop.start('run')\nloop.resume()\nraise ValueError('boom')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "train.py"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 1, proc.stderr
+    for rank in (0, 1):  # each rank raised it: each says it once
+        assert proc.stderr.count(f"[rank{rank}]: Traceback (most recent call last)") == 1, proc.stderr
+    assert proc.stderr.count("Traceback") == 2 and "ddpkit: error: rank 0 raised ValueError: boom" in proc.stderr

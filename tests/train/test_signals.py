@@ -1,15 +1,54 @@
-"""SIGTERM is latched, not fatal, inside StopSignal, and the previous handler comes back after."""
+"""SIGTERM is latched, not fatal, inside StopSignal, and the previous handler comes back after; a launched rank
+whose launcher is gone stops as if signalled."""
 
 import os
 import signal
 
-from ddpkit.train.signals import StopSignal
+import pytest
+
+from ddpkit.train.signals import LAUNCHER_GONE, StopSignal
 
 
 def test_sigterm_is_recorded_and_the_handler_restored():
     before = signal.getsignal(signal.SIGTERM)
-    with StopSignal() as stop:
+    with StopSignal(watch_parent=False) as stop:
         assert stop.received is None
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread before kill returns
         assert stop.received == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.fixture
+def parent(monkeypatch):
+    """os.getppid() as StopSignal sees it: the launcher's pid, until the test sets ``parent[0] = 1`` (init)."""
+    pid = [4242]
+    monkeypatch.setattr(os, "getppid", lambda: pid[0])
+    return pid
+
+
+def test_a_rank_whose_launcher_is_gone_stops_as_if_signalled(parent, monkeypatch):
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    with StopSignal() as stop:  # under a launcher: watched
+        assert stop.received is None  # the launcher is still there
+        parent[0] = 1  # SIGKILLed: the kernel hands the rank to init
+        assert stop.received == LAUNCHER_GONE
+    parent[0] = 4242
+    with StopSignal() as stop:  # a new block watches the parent it starts under
+        assert stop.received is None
+
+
+def test_a_signal_received_first_is_what_the_stop_names(parent):
+    with StopSignal(watch_parent=True) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        parent[0] = 1
+        assert stop.received == "SIGUSR1"
+
+
+def test_plain_python_is_not_watched(parent, monkeypatch):
+    """A script run by hand (no launcher) whose shell goes away (nohup) trains on."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with StopSignal() as stop:
+        parent[0] = 1
+        assert stop.received is None

@@ -47,7 +47,7 @@ TOOL_RUN_FIELDS = frozenset(
 )
 
 
-def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozenset()) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozenset(), config_file: bool = True) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip or not f.metadata["cli"]:
@@ -66,9 +66,9 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: frozenset = frozense
             group.add_argument(
                 flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text
             )
-    parser.add_argument(
-        "--config", dest="config_file", metavar="TOML", help="read config values from a TOML file; flags override it"
-    )
+    if config_file:  # not for `ddpkit run`, whose flags are the launch's alone
+        help_ = "read config values from a TOML file; flags override it"
+        parser.add_argument("--config", dest="config_file", metavar="TOML", help=help_)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

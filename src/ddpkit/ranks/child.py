@@ -35,7 +35,7 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _die_with_launcher()
+    die_with_launcher()
     try:
         return fn(*args)
     except DdpkitError as exc:
@@ -58,12 +58,13 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
         sys.exit(1)
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher(direct: bool = False) -> None:
     """Have the kernel SIGKILL this worker when its parent dies (Linux ``PR_SET_PDEATHSIG``).
 
-    The parent is the launcher (spawn, fork) or the forkserver, which exits as soon as the
-    launcher is gone. Otherwise workers of a killed launcher run on for seconds, and may
-    write to a run directory whose lock the kernel has already released to another run.
+    The parent is the launcher (spawn, fork, and ``ddpkit run``'s script workers, which the agent in the
+    launcher starts itself: ``direct``) or the forkserver, which exits as soon as the launcher is gone.
+    Otherwise workers of a killed launcher run on for seconds (a script's, for good), and may write to a
+    run directory whose lock the kernel has already released to another run.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -71,8 +72,15 @@ def _die_with_launcher() -> None:
     except (OSError, AttributeError):  # not Linux: nothing to ask for
         return
     _release_forkserver()
+    launcher = os.environ.get(names.LAUNCHER_PID, "")
+    if direct and launcher.isdecimal():
+        # A launcher that died before we asked left this process to init or a subreaper: kill(pid, 0) below
+        # would still find it while its own parent has not reaped it yet
+        if os.getppid() != int(launcher):
+            os._exit(1)
+        return
     try:
-        os.kill(int(os.environ.get(names.LAUNCHER_PID, os.getppid())), 0)
+        os.kill(int(launcher or os.getppid()), 0)
     except (ProcessLookupError, ValueError):
         os._exit(1)  # the launcher died before we asked
 

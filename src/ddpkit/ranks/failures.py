@@ -98,8 +98,9 @@ def report_failure(exc: BaseException, rank: int) -> None:
         if not (quiet or deferred or said_once):
             print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
     else:
-        traceback.print_exc()  # a bug keeps its traceback
-        sys.stderr.flush()
+        if not getattr(exc, "traceback_printed", False):  # printed already by the script's excepthook (Loop.start)
+            traceback.print_exc()  # a bug keeps its traceback
+            sys.stderr.flush()
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
     if not quiet:
         _note_cause(rank)
@@ -478,17 +479,18 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
 
 
 def stop_exits_with_its_status() -> None:
-    """From now on, a :class:`Stopped` that reaches the top of the user's script uncaught ends it as the CLI
-    does: its one line, once, and exit status 143 (138 for SIGUSR1, 130 for Ctrl-C), not a traceback and
-    status 1. Any other exception, and any in an interactive session (which a stop must not end), goes to
-    the hook that was there. Installed once per process, by ``Trainer.fit()``, ``Loop`` and ``launch()``: a
-    stop is how a preempted job is meant to end, and schedulers read its status."""
+    """From now on, a ddpkit error that reaches the top of the user's script uncaught ends it as the CLI
+    does: its one line, once, and its exit status (a :class:`Stopped`: 143, 138 for SIGUSR1, 130 for Ctrl-C;
+    a bad config: 2), not a traceback and status 1. Any other exception, and any in an interactive session
+    (which a stop must not end), goes to the hook that was there. Installed once per process, by
+    ``Trainer.fit()``, ``Loop`` and ``launch()``: a stop is how a preempted job is meant to end, and schedulers
+    read its status; from Python the error is raised as it is, for a caller to catch."""
     if _STOP_HOOK[0]:
         return
     previous = sys.excepthook
 
     def hook(kind, exc, tb):
-        if isinstance(exc, Stopped) and not (hasattr(sys, "ps1") or sys.flags.interactive):
+        if isinstance(exc, DdpkitError) and not (hasattr(sys, "ps1") or sys.flags.interactive):
             # torch's init_process_group wraps the hook it finds and points sys.stderr at a buffer it prints
             # after the hook returns, which an exit never does: the line goes to the real stderr
             with contextlib.redirect_stderr(sys.__stderr__):
@@ -503,6 +505,26 @@ def stop_exits_with_its_status() -> None:
 _STOP_HOOK = [False]  # installed in this process
 
 
+def filed_for_launcher(exc: DdpkitError) -> bool:
+    """In a rank of ddpkit's own launcher that ends through :func:`exit_status` (a ``ddpkit run`` script's:
+    its Loop's stop or error, or an error it left uncaught): leave ``exc`` unprinted in the agent's error file,
+    for the launcher, which reads every rank's and says the job's cause once. False anywhere else."""
+    if not (os.environ.get(env.LAUNCHER_PID) and os.environ.get(env.ERROR_FILE) and env.under_launcher()):
+        return False
+    rank = None if exc.all_ranks else env.env_rank()  # every rank met it alike: said without one
+    write_error_file(
+        str(exc) if rank is None else f"rank {rank}: {exc}",
+        False,
+        exc.exit_code,
+        kind=public_kind(exc),
+        text=str(exc),
+        rank=rank,
+        consequence=isinstance(exc, CONSEQUENCES),
+        printed=False,
+    )
+    return True
+
+
 def _report_once(exc: DdpkitError) -> int:
     """Print ``exc`` once for the job. Under torchrun every rank gets here.
 
@@ -515,6 +537,8 @@ def _report_once(exc: DdpkitError) -> int:
     on another node its local rank 0 only (those nodes' agents may learn of rank 0's exit too
     late, so an error met everywhere is printed once per node there).
     """
+    if filed_for_launcher(exc):
+        return exc.exit_code
     rank = os.environ.get(env.RANK, "0") if env.under_launcher() else "0"
     if rank != "0":
         other_node = os.environ.get(env.GROUP_RANK, "0") != "0"

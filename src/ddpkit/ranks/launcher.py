@@ -2,6 +2,7 @@
 
     result = launch(fn, *args, nproc=2)       # public: fn(ctx, *args) on every rank, rank 0's result
     result = run_workers(fn, args, spec)      # ddpkit's own: fn(*args), spec = LaunchSpec.from_config(cfg)
+    run_script("train.py", ["--lr", "0.1"], spec)   # `ddpkit run`: python train.py --lr 0.1 on every rank
 
 * Already under torchrun (RANK/LOCAL_RANK/WORLD_SIZE set): run ``fn`` here, no relaunch;
   torchrun's own flags decide nodes and restarts.
@@ -301,13 +302,42 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     start = start_method(fn, args, spec.device_type, spec.nproc)
     if start != "fork":  # spawned and forkserver workers import the script again
         refuse_unguarded_main()
+    if start == "forkserver":
+        prestart_workers()  # no-op when the launcher already started it, early
+    results = _hand_off(spec, start, worker_entry, (fn, *args))
+    result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
+    if isinstance(result, Failure):
+        raise returned_failure(result)
+    return result
+
+
+SCRIPT_ENTRY = "ddpkit.ranks.script_child"  # python -m SCRIPT_ENTRY script.py ARGS: one rank of `ddpkit run`
+
+
+def run_script(script: str, args: list[str], spec: LaunchSpec) -> None:
+    """``python script.py ARGS`` on every rank (``ddpkit run``): torch's agent starts each rank as
+    ``python -u -m ddpkit.ranks.script_child script.py ARGS``, as torchrun starts ``python -u script.py``, and
+    the job's failure or stop is raised here, said once. One process too: it gets the variables torchrun sets
+    (RANK, MASTER_ADDR, ...), which a script's own ``init_process_group()`` reads. Where this process is
+    already one rank (of torchrun, or an srun task made one by :func:`adopt_slurm_task`) it becomes the
+    script's rank instead (``exec``): its pid, and so the signals sent to it, are the script's."""
+    command = ["-m", SCRIPT_ENTRY, script, *args]
+    if under_launcher():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *command])
+    _hand_off(spec, "spawn", sys.executable, ("-u", *command))
+
+
+def _hand_off(spec: LaunchSpec, start: str, entry: Callable | str, args: tuple) -> dict[int, Any]:
+    """torch's elastic agent runs ``entry(*args)`` on every rank and returns their results by rank: a function
+    (given the workers' variables first: a forkserver's children have its environment, not this one's), or
+    a command (``sys.executable``: it inherits them). A failed or stopped job is raised as one error."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    if start == "forkserver":
-        prestart_workers()  # no-op when the launcher already started it, early
     start_resource_tracker()  # before anything of torch's starts it, deaf to a job step's SIGUSR1
     log_dir = tempfile.mkdtemp(prefix="ddpkit-agent-")  # the agent's per-worker error files; removed after
     config, env = _launch_config(spec, start, log_dir)
@@ -316,11 +346,14 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
     own = {names.SIGNALS_TO_HANDLE: AGENT_SIGNALS}
     try:
         with _environ({**env, **own}), _quiet_agent_logs(), _tensors_shared_by_name(), _stop_signals() as stops:
+            # A command's workers never ignore a stop signal, as a forkserver's children do until their entry
+            # restores it: sent once, as torch sends it (sent again, it could end a rank after its Loop stopped
+            # and before it filed its stop)
+            stops.resend = callable(entry)
             with _our_agent(spec, stops):
-                # A forkserver's children have its environment, not this one's: the workers' variables travel along.
-                results = elastic_launch(config, worker_entry)(env, fn, *args)
+                return elastic_launch(config, entry)(*((env, *args) if callable(entry) else args))
     except ChildFailedError as exc:
-        raise launch_failure(exc.failures, spec.timeout_s) from None
+        raise launch_failure(first_failures(exc.failures), spec.timeout_s) from None
     except SignalException as exc:
         # The workers are gone (the agent waited for them): one that stopped cleanly said so, and left its stop
         raise (stopped_report(log_dir) or interrupted(signal.Signals(exc.sigval), spec.resumable)) from None
@@ -339,10 +372,14 @@ def run_workers(fn: Callable, args: tuple, spec: LaunchSpec | int) -> Any:
         ) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)  # torch's default leaves one in /tmp per launch
-    result = results[min(results)]  # global rank 0's, or on other nodes this node's first rank's
-    if isinstance(result, Failure):
-        raise returned_failure(result)
-    return result
+
+
+def first_failures(failures: dict) -> dict:
+    """The agent's failed workers (``{global rank: ProcessFailure}``) less those it stopped itself: after the
+    first failure torch's agent stops a command's other workers with SIGTERM and records them too, and a rank
+    it stopped is no cause. All of them where every rank died of SIGTERM (the stop came from outside)."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    return own or failures
 
 
 @contextmanager
@@ -396,6 +433,7 @@ class _Stops:
     starting: bool = False
     kept: signal.Signals | None = None
     received: signal.Signals | None = None
+    resend: bool = True  # sent again to the workers every RESEND_S while the agent waits for them to stop
 
 
 @contextmanager
@@ -514,7 +552,7 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
         def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):
             done = threading.Event()
             # Only a stop the launcher was sent: a restart's or the job's end shuts workers down as torch does
-            if stops is not None and stops.received is not None and death_sig in STOP_SIGNALS:
+            if stops is not None and stops.resend and stops.received is not None and death_sig in STOP_SIGNALS:
                 threading.Thread(target=self._send_again, args=(death_sig, done), daemon=True).start()
             try:
                 return super()._shutdown(death_sig, *args, **kwargs)
@@ -532,7 +570,7 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            self._failures = result.failures if result.is_failed() else None
+            self._failures = first_failures(result.failures) if result.is_failed() else None
             return result
 
         def _restart_workers(self, worker_group):

@@ -1,4 +1,5 @@
-"""SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) as a request to stop at the next safe point, not a kill.
+"""SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) as a request to stop at the next safe point, not a kill; and the loss of
+the launcher too.
 
     with StopSignal() as stop:
         ...
@@ -11,33 +12,61 @@ SIGKILL; the agent's is 30 s, so a log interval should take less than that. SLUR
 SIGUSR1 instead where a job asks for it (``sbatch --signal=USR1@90``: 90 s before the time
 limit), the signal PyTorch Lightning and submitit requeue on; it stops the run as SIGTERM does,
 with its own exit status (:class:`ddpkit.errors.Stopped`).
+
+A launched rank (torchrun's, srun's or ddpkit's: RANK, LOCAL_RANK and WORLD_SIZE set) also stops when its
+launcher dies without a word (SIGKILL, the out-of-memory killer): torchrun's workers outlived a killed agent
+and trained on to the end, into a run directory nothing watched any more. The kernel hands an orphan to init
+or a subreaper, so its parent's pid changes: ``received`` looks (one ``getppid()``, no thread) each time it is
+read, which is at log intervals, off the step's path, and says ``LAUNCHER_GONE`` as a signal's name. Every
+rank reads it again after the flag's all-reduce, so all name the same reason. Under ``ddpkit run`` and
+``ddpkit.launch`` the kernel's parent-death signal (``ranks/child.py``) may end the worker first.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
+from ..ranks.env import under_launcher
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+LAUNCHER_GONE = "the loss of its launcher"  # read as "stopped on the loss of its launcher at step N"
 
 
 class StopSignal:
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, watch_parent: bool | None = None):
         self.signals = signals
-        self.received: str | None = None
+        self.watch_parent = watch_parent  # None: where a launcher started this process (decided on entry)
+        self._received: str | None = None
+        self._parent: int | None = None  # the launcher's pid, while watched
         self._previous: dict = {}
 
+    @property
+    def received(self) -> str | None:
+        """The name of the stop signal received, or ``LAUNCHER_GONE``; None while none came."""
+        if self._received is None and self._parent is not None and os.getppid() != self._parent:
+            self._received = LAUNCHER_GONE
+        return self._received
+
+    @received.setter
+    def received(self, name: str | None) -> None:
+        self._received = name
+
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        self._received = signal.Signals(signum).name
 
     def __enter__(self) -> "StopSignal":
         # Handlers can only be set from the main thread; elsewhere the default stays.
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if under_launcher() if self.watch_parent is None else self.watch_parent:
+            self._parent = os.getppid()
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        self._parent = None

@@ -1,0 +1,95 @@
+"""The child side of ``ddpkit run``: one rank of the user's script, as ``python script.py ARGS`` would run it.
+
+    python -m ddpkit.ranks.script_child script.py ARGS      # what torch's elastic agent starts on each rank
+
+``sys.argv`` is ``[script.py, ARGS...]``, ``__name__`` is ``"__main__"``, and the script's folder is first on
+``sys.path``. Before the script runs, and before it imports torch, the rank asks to die with its launcher
+(:func:`ddpkit.ranks.child.die_with_launcher`, the parent-death signal). An error the script leaves uncaught
+ends the rank as :func:`ddpkit.ranks.failures.exit_status` says (a ddpkit error: its exit status, left in
+the agent's error file for the launcher, which says it once) or, for any other exception, with its
+traceback, trimmed to the script's own frames, and status 1; one that only lost a peer of the script's own
+process group (gloo's "Connection closed by peer") is left to the launcher, which names the rank that
+failed first. The same hook serves a rank of torchrun or srun that ``ddpkit run`` became (``exec``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import time
+import traceback
+
+from ..errors import DdpkitError, PeerLost
+from . import env as names
+from .child import die_with_launcher
+from .failures import CONSEQUENCE_EXIT_DELAY_S, comm_failure, exit_status, filed_for_launcher, write_error_file
+
+
+def main(argv: list[str]) -> None:
+    script, args = argv[0], argv[1:]
+    ours = bool(os.environ.get(names.LAUNCHER_PID))  # started by ddpkit's launcher, not run in its place
+    if ours:
+        die_with_launcher(direct=True)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` puts it (-m put the cwd)
+    sys.excepthook = _uncaught(script, ours)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if ours:
+            _exit_said(done)
+        raise
+
+
+def _exit_said(done: SystemExit) -> None:
+    """A rank's ``sys.exit(N)`` (the script's, or a Loop's that owns its group: SystemExit(status), its error
+    filed already) told to the launcher: N != 0 with no error file is filed as the rank's own exit."""
+    if done.code in (0, None):
+        return
+    error_file = os.environ.get(names.ERROR_FILE, "")
+    if error_file and not os.path.exists(error_file):
+        rank, code = names.env_rank(), done.code if isinstance(done.code, int) else 1
+        said = f"called sys.exit({done.code!r})"
+        write_error_file(f"rank {rank}: {said}", False, code, text=said, rank=rank, printed=False)
+    if getattr(done.__context__, "deferred", False):
+        # A rank that only lost a peer leaves the agent time to see that peer's death first (see
+        # ddpkit.ranks.failures.CONSEQUENCE_EXIT_DELAY_S)
+        time.sleep(CONSEQUENCE_EXIT_DELAY_S)
+
+
+def _uncaught(script: str, ours: bool):
+    """``sys.excepthook`` for the script (a Loop and torch's ``init_process_group`` chain theirs in front)."""
+    path = os.path.realpath(script)
+
+    def hook(kind, exc, tb) -> None:
+        if isinstance(exc, (DdpkitError, KeyboardInterrupt)):
+            # torch's hook, in front once a group was made, prints what this one writes to sys.stderr only after
+            # it returns, which an exit never does: the line goes to the real stderr
+            with contextlib.redirect_stderr(sys.__stderr__):
+                if isinstance(exc, DdpkitError):
+                    sys.exit(exit_status(exc))
+                if not ours:  # under ddpkit's launcher, the launcher says the job was interrupted
+                    print("ddpkit: interrupted", file=sys.stderr)
+                sys.exit(130)
+        if getattr(exc, "reported", False):  # its rank printed it inside the process group, and filed it
+            return
+        lost = comm_failure(exc, 0.0) if ours and isinstance(exc, RuntimeError) else None
+        if isinstance(lost, PeerLost):  # a peer of the script's own group died first: the launcher names it
+            filed_for_launcher(lost)
+            time.sleep(CONSEQUENCE_EXIT_DELAY_S)  # so that the agent sees the peer's death before this exit
+            sys.exit(lost.exit_code)
+        while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
+            tb = tb.tb_next  # runpy's and this module's frames are not the script's
+        traceback.print_exception(kind, exc, tb)
+        if ours:  # the launcher's one line: "rank 1 raised ValueError: ... (its traceback is above)"
+            line = f"rank {names.env_rank()} raised {type(exc).__name__}: {exc}"
+            write_error_file(line, False, 1, traceback_printed=True)
+        # Python exits with status 1 once the hook returns
+
+    return hook
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,219 @@
+"""``ddpkit run --nproc 2 script.py ARGS``: a user's own script under torch's elastic agent, with ``ddpkit train``'s
+one-line errors, exit statuses, stop signals and workers that die with their launcher; and a Loop under plain
+torchrun that stops when its agent is killed.
+
+The CLI is under test, so each behaviour is one subprocess: a tiny script written to tmp_path makes a
+``ddpkit.Loop`` at world size 2 on CPU and trains a linear model, writing its ranks' pids (and rank 0 its
+``sys.argv`` and ``__name__``) beside the run dir first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from clirun import WAIT_S, cli_env, read_jsonl, run_cli
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+SCRIPT = """\
+import json, os, sys, time
+from pathlib import Path
+
+import torch
+
+import ddpkit
+
+
+def main(run_dir, steps, mode):
+    pids = Path(run_dir + "-pids")
+    pids.mkdir(parents=True, exist_ok=True)
+    rank = os.environ["RANK"]
+    (pids / f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == "0":
+        (pids / "argv.json").write_text(json.dumps({"argv": sys.argv, "name": __name__}))
+    with ddpkit.Loop(run_dir, log_every=2, device="cpu") as loop:
+        model = loop.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loop.resume(model=model, optimizer=opt)
+        for step in loop.steps(steps):
+            if mode == "raise" and loop.rank == 1 and step == 3:
+                raise ValueError("boom at step 3")
+            loss = model(torch.ones(8, 4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loop.log(loss=loss.detach())
+            time.sleep(0.05)  # so that a signal lands mid-run
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "")
+"""
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _start(cmd: list[str], tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """``cmd`` in its own session, its output in a file (workers that outlive it would hold a pipe open)."""
+    out = tmp_path / f"{name}.log"
+    with open(out, "w") as fh:
+        proc = subprocess.Popen(cmd, env=cli_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, out
+
+
+def _first_step(run: Path, proc: subprocess.Popen, out: Path, timeout: float = WAIT_S) -> None:
+    deadline, path = time.monotonic() + timeout, run / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early: {out.read_text()[-3000:]}"
+        if path.exists() and '"step"' in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step record came: {out.read_text()[-3000:]}")
+
+
+def _worker_pids(run: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(Path(f"{run}-pids").glob("rank*.pid"))]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for init (or no init) to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _end(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Whatever of this test's processes is still running, by pid."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
+    run = tmp_path / "run"
+    proc = run_cli("run", "--nproc", "2", str(script), str(run), "50", "raise")
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(said) == 1 and "rank 1 raised ValueError: boom at step 3" in said[0], proc.stderr[-3000:]
+    # the rank's own traceback, once: not one per rank, nor torchrun's ChildFailedError and its box
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishes(tmp_path, script):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(run), "200"]
+    proc, out = _start(cmd, tmp_path, "first")
+    try:
+        _first_step(run, proc, out)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: it passes the signal on to the ranks
+        proc.wait(timeout=WAIT_S)
+    finally:
+        _end(proc, _worker_pids(run))
+    err = out.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.count("stopped on SIGTERM at step") == 1 and "run the same command again" in err, err[-3000:]
+    assert "error" not in err and "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert json.loads((Path(f"{run}-pids") / "argv.json").read_text()) == {
+        "argv": [str(script), str(run), "200"],
+        "name": "__main__",
+    }
+    stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
+    assert [r["reason"] for r in stopped] == ["SIGTERM"]
+    step = stopped[0]["step"]
+    assert (run / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 200
+
+    again = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r for r in records if r["event"] == "start"][-1]["resumed_at_step"] == step
+    assert records[-1]["event"] == "end" and records[-1]["step"] == 200
+
+
+def test_a_killed_launcher_leaves_no_worker_running(tmp_path, script):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(run), "100000"]
+    proc, out = _start(cmd, tmp_path, "killed")
+    pids: list[int] = []
+    try:
+        _first_step(run, proc, out)
+        pids = _worker_pids(run)
+        assert len(pids) == 2 and all(_alive(p) for p in pids), pids
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=WAIT_S)
+        deadline = time.monotonic() + 10  # what is tested: the workers go with it, within seconds
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], f"workers outlived their launcher: {out.read_text()[-2000:]}"
+    finally:
+        _end(proc, pids)
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--nproc", "0", "SCRIPT"], "--nproc must be a positive integer or 'auto', got '0'"),
+        (["--nproc", "two", "SCRIPT"], "--nproc must be a positive integer or 'auto', got 'two'"),
+        (["--nproc", "2", "missing.py"], "no such script: missing.py"),
+        (["--nproc", "2", "."], ". is a directory"),
+    ],
+    ids=["nproc 0", "nproc two", "missing script", "a directory"],
+)
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, script, args, fragment):
+    args = [str(script) if a == "SCRIPT" else a for a in args]
+    proc = run_cli("run", *args, cwd=tmp_path)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == 2 and len(said) == 1 and fragment in said[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+
+
+def test_a_loop_under_torchrun_stops_and_saves_when_its_agent_is_killed(tmp_path, script):
+    """Before, a SIGKILLed torchrun left its workers training on to the end. Each rank's StopSignal notices its
+    parent is gone and stops the run at its next log interval, with a snapshot."""
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(run),
+        "100000",
+    ]
+    proc, out = _start(cmd, tmp_path, "torchrun")
+    pids: list[int] = []
+    try:
+        _first_step(run, proc, out)
+        pids = _worker_pids(run)
+        assert len(pids) == 2, pids
+        os.kill(proc.pid, signal.SIGKILL)  # the agent alone: torchrun's workers run in their own sessions
+        proc.wait(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S  # a guard: unstopped, they would train on for over an hour
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], f"workers trained on: {out.read_text()[-2000:]}"
+    finally:
+        _end(proc, pids)
+    stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
+    assert [r["reason"] for r in stopped] == ["the loss of its launcher"], out.read_text()[-3000:]
+    assert (run / "checkpoints" / f"snapshot-{stopped[0]['step']:09d}.pt").exists()
+    assert out.read_text().count("stopped on the loss of its launcher at step") == 1, out.read_text()[-3000:]
