@@ -21,10 +21,12 @@ HELPERS = ROOT / "tests" / "helpers"
 ITERS = 60  # the scripts' default; evaluations at iterations 0, 20 and 40
 
 
-def launched(script: str, cwd, tokens, **env) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2 SCRIPT out out.pt`` in ``cwd``."""
+def launched(script: str, cwd, tokens, launcher: str = "torchrun", **env) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 SCRIPT out out.pt`` in ``cwd``, or ``ddpkit run --nproc 2``."""
     cwd.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    if launcher == "ddpkit run":
+        cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2"]
     return subprocess.run(
         [*cmd, str(HELPERS / script), "out", "out.pt"],
         cwd=cwd,
@@ -95,13 +97,15 @@ def test_port_changes_at_most_40_lines():
 def test_the_port_stopped_and_killed_resumes_bitwise_with_each_ranks_prefetched_batch(runs, tmp_path):
     """SIGTERM at iteration 13 (saved at the next log interval, step 20), then SIGKILL at iteration 47 (nothing
     saved; the rerun resumes from the step-40 snapshot): the weights end bitwise the uninterrupted run's. Each
-    rank's prefetched X, Y come back to that rank (before, rank 1 resumed on rank 0's batch: 4e-3 off)."""
+    rank's prefetched X, Y come back to that rank (before, rank 1 resumed on rank 0's batch: 4e-3 off). Run by
+    ``ddpkit run --nproc 2`` and by torchrun in turn: the snapshots are the Loop's, whichever launched it."""
     _, tokens, _, whole = runs
-    term = launched("gpt_ported.py", tmp_path, tokens, DIE_AT="13", SIG="SIGTERM")
-    assert term.returncode != 0 and "ddpkit: stopped on SIGTERM at step 20" in term.stderr, term.stderr[-3000:]
-    kill = launched("gpt_ported.py", tmp_path, tokens, DIE_AT="47", SIG="SIGKILL")
+    term = launched("gpt_ported.py", tmp_path, tokens, "ddpkit run", DIE_AT="13", SIG="SIGTERM")
+    assert term.returncode == 143, term.stderr[-3000:]
+    assert term.stderr.count("ddpkit: stopped on SIGTERM at step 20") == 1, term.stderr[-3000:]
+    kill = launched("gpt_ported.py", tmp_path, tokens, "torchrun", DIE_AT="47", SIG="SIGKILL")
     assert kill.returncode != 0
-    done = launched("gpt_ported.py", tmp_path, tokens)
+    done = launched("gpt_ported.py", tmp_path, tokens, "ddpkit run")
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = [r["resumed_at_step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["event"] == "start"]
     assert resumed == [None, 20, 40]
