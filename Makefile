@@ -21,9 +21,10 @@ train-mnist: venv
 	$(VENV)/bin/ddpkit train --dataset mnist --model convnet --nproc 2 --epochs 2
 
 # Two tests at a time: the multi-process tests mostly wait on their workers (BENCHMARKS.md, the test suite's wall time).
+# The 25 slowest tests are listed at the end: where the suite's time goes.
 # The fast loop while editing: .venv/bin/python -m pytest -m "not multiprocess"
 test: venv
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadscope
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadscope --durations=25
 
 clean:
 	rm -rf $(VENV)
