@@ -185,6 +185,13 @@ class TrainConfig:
         (None, "onecycle", "cosine", "constant"),
     )
     warmup_frac: Optional[float] = _f(None, "optim", "fraction of all steps spent warming up (0..1)")
+    full_lr_steps: Optional[int] = _f(
+        None,
+        "optim",
+        "optimizer steps from which lr is the onecycle or cosine peak as it is; a shorter run peaks at "
+        "lr x sqrt(steps / full_lr_steps) (0 = lr at any length). The recipe's rule: 0 when lr is given",
+        cli=False,
+    )
     label_smoothing: Optional[float] = _f(None, "optim", "cross-entropy label smoothing (0..1)")
     ema: Optional[float] = _f(None, "optim", "weight EMA decay per step, e.g. 0.999 (0 = off); eval uses the EMA")
     clip_grad_norm: float = _f(
@@ -455,6 +462,8 @@ class TrainConfig:
         for name, value in nonneg.items():
             if value is not None and value < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {value}")
+        if self.full_lr_steps is not None and self.full_lr_steps < 0:  # no flag: TOML and Python only
+            raise ConfigError(f"full_lr_steps must be >= 0 (0 = lr at any length), got {self.full_lr_steps}")
         if not 0 <= self.seed <= SEED_MAX:
             raise ConfigError(f"--seed {self.seed} is out of range: give a whole number from 0 to 2**63-1 ({SEED_MAX})")
         for name in ("warmup_frac", "label_smoothing", "ema"):
@@ -544,6 +553,7 @@ class TrainConfig:
         "eval_every_steps": 0,
         "keep_best": "",
         "early_stop": "",
+        "full_lr_steps": 0,
     }
 
     # "Horizon" fields: how long the run trains, not what any of its steps computes. A run dir is named
@@ -586,11 +596,16 @@ class TrainConfig:
             "early_stop",
         }
     )
+    # Keys a recipe fills that were added after run dirs were written: a config.toml from before reads them as
+    # unset (None), which a resolved config never holds, so such a run is matched on the rest. Its snapshots hold
+    # the lr curve it started on (the schedule's base_lrs, train/optim.py), so it finishes as it began.
+    UNSET_IN_OLDER = frozenset({"full_lr_steps"})
 
     def differing_keys(self, other: dict) -> list[str]:
         """Identity keys whose values differ from ``other`` (a saved config dict)."""
         unrecorded = {k for k in self.RECORDED_SINCE_0_3 if not other.get(k)}
         unrecorded |= {k for k in self.ADDED_SINCE_0_3 if k not in other}
+        unrecorded |= {k for k in self.UNSET_IN_OLDER if other.get(k) is None}
         mine = {k: v for k, v in self.identity().items() if k not in unrecorded}
         other = {k: v for k, v in other.items() if k not in unrecorded}
         theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}

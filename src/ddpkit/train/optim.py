@@ -109,7 +109,8 @@ def lr_depends_on_total(cfg: TrainConfig, scheduler=None) -> str | None:
         ]
         return "your scheduler factory takes the total steps" if len(params) >= 2 else None
     if cfg.schedule == "constant":
-        return None
+        # the recipe's rule is off with --schedule constant (recipes.apply), unless a config file sets it
+        return f"the lr is scaled for runs under {cfg.full_lr_steps} steps" if cfg.full_lr_steps else None
     return f"the {cfg.schedule} lr schedule spans the total steps"
 
 
@@ -193,7 +194,20 @@ class TableLR(torch.optim.lr_scheduler.LambdaLR):
         self._build()  # the loaded base_lrs and schedule settings
 
 
+def peak_scale(cfg: TrainConfig, total_steps: int) -> float:
+    """The factor on ``cfg.lr`` at the peak of a ``total_steps``-step run: ``sqrt(total_steps / full_lr_steps)``
+    below ``cfg.full_lr_steps`` (the recipe's rule; 0 or unset: none), else 1. Never on your own optimizer."""
+    full = 0 if str(cfg.optimizer).startswith("custom:") else cfg.full_lr_steps or 0
+    return math.sqrt(max(1, total_steps) / full) if max(1, total_steps) < full else 1.0
+
+
 def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> TableLR:
+    scale = peak_scale(cfg, total_steps)
+    if scale != 1.0:
+        # The scaled peak is the groups' lr before the schedule is made, so it is the schedule's base_lrs (and the
+        # optimizer's initial_lr): in every snapshot, and a resume goes on along the curve the run started on.
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * scale
     return TableLR(opt, ScheduleFactor(cfg.schedule, total_steps, cfg.warmup_frac), total_steps)
 
 
@@ -213,11 +227,15 @@ def lr_policy(cfg: TrainConfig, opt: torch.optim.Optimizer, user_optimizer: bool
         who = f"{cfg.optimizer} at lr {lr} ({beta} {cfg.momentum:g}{extra}, weight decay {cfg.weight_decay:g})"
     if user_scheduler:
         return f"{who}, your {type(sched).__name__} each step"
+    steps = sched.lr_lambdas[0].total if isinstance(sched, TableLR) else None
+    scaled = ""
+    if steps is not None and peak_scale(cfg, steps) != 1.0:
+        scaled = f" (scaled for a {steps}-step run; {cfg.lr:g} from {cfg.full_lr_steps} steps)"
     if cfg.schedule == "constant":
-        return f"{who}, constant"
+        return f"{who}{scaled}, constant"
     warm = f"{cfg.warmup_frac:g} of the steps" if cfg.warmup_frac else "no"
     shape = "then linear to 0" if cfg.schedule == "onecycle" else "then cosine to 0"
-    return f"{who} as the peak, {cfg.schedule}: {warm} warm-up {shape}"
+    return f"{who} as the peak{scaled}, {cfg.schedule}: {warm} warm-up {shape}"
 
 
 def changes(cfg: TrainConfig, applies_conv: bool) -> str:
