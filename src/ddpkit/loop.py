@@ -44,6 +44,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import types
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -304,7 +305,7 @@ class Loop:
         self._closed = True
         exc = getattr(self, "_uncaught", None)
         if exc is not None:  # said already, by the excepthook, with its status: the teardown is all that is left
-            exc.traceback_printed = True  # a bug's traceback too: the teardown notes the cause, prints it no more
+            exc.already_said = True  # its line or traceback: the teardown notes the cause, prints it no more
             try:
                 self._stack.__exit__(type(exc), exc, exc.__traceback__)
             except Exception:  # noqa: BLE001 - a teardown after a failure fails too (a lost peer); said already
@@ -316,6 +317,9 @@ class Loop:
             _exit_now(done.code if isinstance(done.code, int) else 1)
         except DdpkitError as error:  # the final save or the teardown failed after the script ended
             _exit_now(exit_status(error))
+        except BaseException:  # noqa: BLE001 - a bug there: its traceback, and a failed status, not 0
+            traceback.print_exc()
+            _exit_now(1)
 
     @property
     def rank(self) -> int:
@@ -618,8 +622,8 @@ class Loop:
 
     def _replicated(self) -> frozenset:
         """Names of modules DDP keeps equal on every rank (wrap() with broadcast_buffers): not hashed at snapshots."""
-        kept = {id(m) for m in self._models if isinstance(m, DDP) and m.broadcast_buffers}
-        return frozenset(name for name, v in self.state.items() if id(v) in kept)
+        kept = {id(_unwrapped(m)) for m in self._models if isinstance(m, DDP) and m.broadcast_buffers}
+        return frozenset(name for name, v in self.state.items() if id(_unwrapped(v)) in kept)
 
     def _names(self) -> tuple[str, ...]:
         return self._acc.names if self._acc is not None else ()
@@ -864,9 +868,10 @@ def _misfit(target: Any, saved: Any) -> str:
     loaded, where ``load_state_dict`` would fail half-way with a traceback per rank."""
     target = _unwrapped(target)
     if isinstance(target, nn.Module):
-        if not (isinstance(saved, dict) and all(isinstance(v, torch.Tensor) for v in saved.values())):
+        if not isinstance(saved, dict):
             return "the snapshot holds no module weights there"
-        return weights_mismatch(target.state_dict(), saved)
+        tensors = lambda sd: {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # noqa: E731 - not extra state
+        return weights_mismatch(tensors(target.state_dict()), tensors(saved))
     if isinstance(target, torch.optim.Optimizer):
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if not isinstance(groups, list):

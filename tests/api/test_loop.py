@@ -565,3 +565,64 @@ def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
     for rank in (0, 1):  # each rank raised it: each says it once
         assert proc.stderr.count(f"[rank{rank}]: Traceback (most recent call last)") == 1, proc.stderr
     assert proc.stderr.count("Traceback") == 2 and "ddpkit: error: rank 0 raised ValueError: boom" in proc.stderr
+
+
+# ---------------------------------------------------------------- found in the last review: each failed before
+@pytestmark_mp
+def test_a_module_named_unwrapped_is_still_known_replicated(tmp_path):
+    """Before: model.module (or a compiled wrapper) was not matched to its DDP wrapper, hashed, and its
+    BatchNorm buffers (each rank's own until the next forward) made the whole model saved once per rank."""
+    assert ddpkit.launch(lw.bn_named_unwrapped, str(tmp_path / "r"), nproc=2, device="cpu") == []
+
+
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"note": "kept"}
+
+    def set_extra_state(self, state):
+        self.note = state["note"]
+
+
+def test_a_module_with_extra_state_resumes(tmp_path):
+    """Before: the fit check took the plain ``_extra_state`` entry for missing weights and refused the resume."""
+
+    def run():
+        with ddpkit.Loop(str(tmp_path / "r")) as loop:
+            model = loop.wrap(_WithExtraState(2, 2))
+            loop.resume(model=model)
+            return model.module
+
+    run()
+    assert run().note == "kept"
+
+
+@pytestmark_mp
+def test_a_bug_in_the_final_save_of_a_started_loop_is_a_failed_exit(tmp_path):
+    """Before: the exception escaped the atexit handler ('Exception ignored') and the script exited 0."""
+    proc = _a_script(
+        tmp_path,
+        "import ddpkit\n"
+        "class Broken:\n"
+        "    def state_dict(self): raise RuntimeError('cannot')\n"
+        "    def load_state_dict(self, sd): pass\n"
+        "loop = ddpkit.Loop.start('run')\n"
+        "loop.resume(b=Broken())\n"
+        "for _ in loop.steps(2): pass\n",
+    )
+    assert proc.returncode == 1 and "RuntimeError: cannot" in proc.stderr, proc.stderr
+
+
+@pytestmark_mp
+def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once_per_rank(tmp_path):
+    """Before: the excepthook said it, then the group's teardown at exit said it again."""
+    (tmp_path / "train.py").write_text("import ddpkit\nloop = ddpkit.Loop.start('run')\nloop.step()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    said = [line for line in proc.stderr.splitlines() if "call loop.resume(" in line]
+    assert proc.returncode != 0 and said and len(said) == len(set(said)), proc.stderr

@@ -219,3 +219,20 @@ def reduce_skipped(_ctx, run_dir: str) -> None:
             if loop.rank == 0:
                 loop.reduce(val=torch.tensor(1.0), loss=torch.tensor(2.0), acc=(3.0, 4))
             loop.log(a=torch.tensor(1.0))
+
+
+def bn_named_unwrapped(_ctx, run_dir: str) -> list:
+    """A BatchNorm model named in resume() by its unwrapped module (model.module): DDP keeps it equal where it
+    counts (rank 0's buffers broadcast at each forward), so it is saved once, not once per rank."""
+    with ddpkit.Loop(run_dir, save_every_steps=2) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop.resume(model=model.module, optimizer=opt)
+        torch.manual_seed(loop.rank)
+        for _ in loop.steps(2):
+            model(torch.randn(8, 2)).sum().backward()  # each rank's own batch: its running stats differ
+            opt.step()
+            opt.zero_grad()
+    snap = torch.load(sorted((__import__("pathlib").Path(run_dir) / "checkpoints").glob("snapshot-*.pt"))[-1])
+    return snap["trainer"]["per_rank"]

@@ -27,7 +27,7 @@ def parent(monkeypatch):
 
 
 def test_a_rank_whose_launcher_is_gone_stops_as_if_signalled(parent, monkeypatch):
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "x")):
         monkeypatch.setenv(name, value)
     with StopSignal() as stop:  # under a launcher: watched
         assert stop.received is None  # the launcher is still there
@@ -49,6 +49,17 @@ def test_plain_python_is_not_watched(parent, monkeypatch):
     """A script run by hand (no launcher) whose shell goes away (nohup) trains on."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+    with StopSignal() as stop:
+        parent[0] = 1
+        assert stop.received is None
+
+
+def test_a_rank_started_by_hand_or_by_srun_is_not_watched(parent, monkeypatch):
+    """Found in review: RANK and WORLD_SIZE set by hand (or by srun), the parent a shell that a nohup run
+    outlives on purpose: only a worker of torch's elastic agent (TORCHELASTIC_RUN_ID) is watched."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with StopSignal() as stop:
         parent[0] = 1
         assert stop.received is None

@@ -93,12 +93,13 @@ def report_failure(exc: BaseException, rank: int) -> None:
     # An error several ranks may meet at once, each on its own (not all_ranks: some may not): the launcher
     # says the first it reads, once
     said_once = launcher and bool(getattr(exc, "said_by_launcher", False))
+    already = getattr(exc, "already_said", False)  # by the script's excepthook (a Loop.start()-ed script's end)
     if isinstance(exc, DdpkitError):
         line, code = f"rank {rank}: {exc}", exc.exit_code
-        if not (quiet or deferred or said_once):
+        if not (quiet or deferred or said_once or already):
             print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
     else:
-        if not getattr(exc, "traceback_printed", False):  # printed already by the script's excepthook (Loop.start)
+        if not already:
             traceback.print_exc()  # a bug keeps its traceback
             sys.stderr.flush()
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1

@@ -112,6 +112,7 @@ class Synced:
 # abort inside gloo (``gloo::EnforceNotMet``, exit -6) and the peers blame a lost rank. More than FRAME names
 # take a second all-reduce, of a size every rank then knows to be the same.
 FRAME = 32  # metric names in the first all-reduce: 2 * 32 float64 (512 bytes) beside the header
+HEAD = 7  # which call (and its square), the names' hash, their count (each with its square), past FRAME or not
 FLAGS = 3  # flag slots in every frame (a safe point's stop, bad weights, failed write; reduce() sends zeros)
 _CALLS = {"safe point": 1.0, "reduce": 2.0}  # which collective a rank is in (a safe point, loop.reduce/evaluate)
 _WHERE = {"safe point": "a safe point (loop.step(), a log interval)", "reduce": "loop.reduce() or loop.evaluate()"}
@@ -132,8 +133,10 @@ def framed_sums(
     rank alike when the ranks are in different calls."""
     code = _CALLS[call]
     crc = float(zlib.crc32(",".join(names).encode()) & 0xFFFF)
-    inline = len(names) <= FRAME
-    head = torch.tensor([code, code * code, crc, crc * crc, float(not inline)], dtype=torch.float64)
+    inline, n = len(names) <= FRAME, float(len(names))
+    # The count agreed on its own: name sets whose 16-bit hashes collide, one past FRAME, would take other branches
+    head = torch.tensor([code, code * code, crc, crc * crc, n, n * n, float(not inline)], dtype=torch.float64)
+    assert head.numel() == HEAD
     body = local if inline else local.new_zeros(0)
     # [head, flags padded to FLAGS, body padded to 2 * FRAME]: the same size on every rank, whatever it sums
     frame = torch.cat(
@@ -146,18 +149,18 @@ def framed_sums(
         ]
     )
     values = ctx.all_reduce(frame).tolist()
-    codes, code_squares, crcs, crc_squares, overflow = values[:5]
-    summed_flags = values[5 : 5 + flags.numel()]
+    codes, code_squares, crcs, crc_squares, counts, count_squares, overflow = values[:HEAD]
+    summed_flags = values[HEAD : HEAD + flags.numel()]
     if not _agree(codes, code_squares, ctx.world_size):
         raise ConfigError(
             f"the ranks reached different ddpkit collectives (this rank: {_WHERE[call]}): call loop.reduce(), "
             f"loop.evaluate() and loop.best() on every rank, at the same place in the loop"
         )
-    if not _agree(crcs, crc_squares, ctx.world_size):
+    if not (_agree(crcs, crc_squares, ctx.world_size) and _agree(counts, count_squares, ctx.world_size)):
         return None, summed_flags
     if overflow:  # every rank holds the same names here: equal sizes
         return ctx.all_reduce(local).tolist(), summed_flags
-    return values[5 + FLAGS : 5 + FLAGS + 2 * len(names)], summed_flags
+    return values[HEAD + FLAGS : HEAD + FLAGS + 2 * len(names)], summed_flags
 
 
 def sync_interval(

@@ -13,13 +13,15 @@ SIGUSR1 instead where a job asks for it (``sbatch --signal=USR1@90``: 90 s befor
 limit), the signal PyTorch Lightning and submitit requeue on; it stops the run as SIGTERM does,
 with its own exit status (:class:`ddpkit.errors.Stopped`).
 
-A launched rank (torchrun's, srun's or ddpkit's: RANK, LOCAL_RANK and WORLD_SIZE set) also stops when its
+A worker of torch's elastic agent (torchrun's or ddpkit's: ``TORCHELASTIC_RUN_ID`` set) also stops when its
 launcher dies without a word (SIGKILL, the out-of-memory killer): torchrun's workers outlived a killed agent
 and trained on to the end, into a run directory nothing watched any more. The kernel hands an orphan to init
 or a subreaper, so its parent's pid changes: ``received`` looks (one ``getppid()``, no thread) each time it is
 read, which is at log intervals, off the step's path, and says ``LAUNCHER_GONE`` as a signal's name. Every
 rank reads it again after the flag's all-reduce, so all name the same reason. Under ``ddpkit run`` and
-``ddpkit.launch`` the kernel's parent-death signal (``ranks/child.py``) may end the worker first.
+``ddpkit.launch`` the kernel's parent-death signal (``ranks/child.py``) may end the worker first. A rank
+started by hand with RANK and WORLD_SIZE set, or by srun, is not watched: its parent is a shell (a ``nohup``
+run outlives it on purpose) or SLURM's step daemon, which ends its tasks itself.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import signal
 import threading
 
-from ..ranks.env import under_launcher
+from ..ranks.env import RUN_ID, under_launcher
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LAUNCHER_GONE = "the loss of its launcher"  # read as "stopped on the loss of its launcher at step N"
@@ -61,7 +63,7 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        if under_launcher() if self.watch_parent is None else self.watch_parent:
+        if elastic_worker() if self.watch_parent is None else self.watch_parent:
             self._parent = os.getppid()
         return self
 
@@ -70,3 +72,9 @@ class StopSignal:
             signal.signal(sig, previous)
         self._previous.clear()
         self._parent = None
+
+
+def elastic_worker() -> bool:
+    """This process is a worker of torch's elastic agent (torchrun, ``ddpkit run``, ``ddpkit.launch``): the agent
+    sets ``TORCHELASTIC_RUN_ID`` for its workers, and a worker it leaves behind would train on unwatched."""
+    return under_launcher() and RUN_ID in os.environ
