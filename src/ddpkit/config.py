@@ -611,6 +611,16 @@ class TrainConfig:
         theirs = {k: v for k, v in other.items() if k not in self.NON_IDENTITY}
         return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k) and k not in self.HORIZON)
 
+    def world_change(self, old_world: int, new_world: int) -> str:
+        """Why a snapshot of this run made at ``old_world`` cannot resume at ``new_world`` ("" if it can): the
+        run-key protocol of ``run/runkey.py``. Under --join the last, uneven batch of an epoch is averaged per
+        rank (each rank's mean, then DDP's mean over ranks), so its gradient depends on the world size."""
+        if self.join and old_world != new_world:
+            return (
+                f"with --join, this run has {new_world}; a --join run resumes only at the world size it was made with"
+            )
+        return ""
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -818,3 +828,42 @@ def early_stop_rule(spec: str) -> tuple[str, str, int]:
         )
     name, mode = watched_metric(":".join([parts[0], *parts[2:]]), "--early-stop")
     return name, mode, int(parts[1])
+
+
+# ---------------------------------------------------------------------- a Loop's config
+# Beside TrainConfig: both are plain data saved into every run (config.toml, loop.json), and ddpkit.Loop,
+# like Trainer, is a face over the one run session (train/session.py).
+LOOP_AMP = ("off", "bf16", "fp16")  # a Loop's autocast: "off" adds none and leaves the user's own
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the user asked of a :class:`Loop`; saved as ``loop.json`` in the run dir."""
+
+    run_dir: str = "runs/loop"
+    device: str = "auto"  # auto (cuda when there is a GPU), cpu, cuda
+    seed: int = 0  # the reseed at another world size, and the per-batch draws of DataLoader workers
+    amp: str = "off"  # off, bf16, fp16 (fp16 adds a GradScaler, used by backward/optimizer_step)
+    sync_bn: bool = False  # every BatchNorm made synchronised across ranks by wrap()
+    deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic
+    save_every_steps: int = 0  # 0: snapshots at each epochs() end, at the end, and on a stop only
+    keep_snapshots: int = 2
+    log_every: int = 50  # steps per record; a stop signal is acted on at the next one
+    timeout_s: float = 600.0  # collectives and the hang watch (seconds)
+    check_code: bool = True  # refuse a snapshot that other code (the loop function's) made
+
+    # What a snapshot is matched on, with the loop's code: the rest may differ between runs.
+    HASHED = ("seed", "amp", "sync_bn", "deterministic")
+
+    def validate(self) -> None:
+        if self.amp not in LOOP_AMP:
+            raise ConfigError(f"Loop(amp={self.amp!r}): choose one of {', '.join(LOOP_AMP)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"Loop(device={self.device!r}): choose auto, cpu or cuda")
+        for name in ("save_every_steps", "log_every", "keep_snapshots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "keep_snapshots" else 0):
+                raise ConfigError(f"Loop({name}={value!r}): expected an int >= {int(name == 'keep_snapshots')}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"Loop(seed={self.seed!r}): expected an int")
+        check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")

@@ -1038,3 +1038,14 @@ def probe_optimizer(model: nn.Module | None) -> torch.optim.Optimizer:
     scheduler's own factors are what is read)."""
     params = list(model.parameters()) if model is not None else []
     return torch.optim.SGD(params or [torch.zeros(1, requires_grad=True)], lr=1.0)
+
+
+def running_code(frame) -> types.FunctionType | Script:
+    """What is running ``frame`` (what the run identity reads): a function, rebuilt from its code, globals
+    and closure; or a script's top level (``<module>``: nanoGPT's train.py), its code and the settings it
+    has set by this line, copied now (``identity.script_at``)."""
+    code = frame.f_code
+    if code.co_name == "<module>":
+        return script_at(frame)
+    cells = tuple(types.CellType(frame.f_locals.get(name)) for name in code.co_freevars)
+    return types.FunctionType(code, frame.f_globals, code.co_name, None, cells or None)

@@ -37,117 +37,40 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 from __future__ import annotations
 
 import atexit
-import collections
-import hashlib
 import json
 import math
 import os
 import sys
 import time
 import traceback
-import types
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .config import check_timeout_s
+from .config import LoopConfig
 from .data.batch import leading_size, tree_map
 from .data.shard import ShardedLoader
-from .device import resolve_device_type
-from .errors import ConfigError, DdpkitError, RunDirError, Stopped
-from .files import atomic_write, torch_bytes
-from .identity import Script, code_fingerprint, script_at
-from .ranks import env, hangwatch
-from .ranks.context import DistContext, deterministic, distributed, on_rank0
+from .errors import ConfigError, DdpkitError, RunDirError
+from .files import atomic_write
+from .identity import Script, code_fingerprint, running_code
+from .ranks import hangwatch
+from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status, stop_exits_with_its_status
-from .run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
-from .run.paths import RunFiles
+from .run.checkpoint import split_by_rank
 from .run.recorder import MetricLogger
-from .run.rundir import describe_difference
-from .train.ddp import make_ddp
-from .train.metrics import Accumulator, framed_sums, sync_interval
-from .train.signals import StopSignal
+from .run.runkey import CodeKey
+from .train.evaluate import evaluate_split
+from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
+from .train.session import Amp, Session, check_plain, misfit, to_host
+from .train.strategy import strategy_for
 from .train.syncbn import convert_sync_batchnorm
 
-AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PLAIN = (int, float, bool, str, type(None))  # what a snapshot holds besides tensors (torch.load weights_only)
 STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """What the user asked of a :class:`Loop`; saved as ``loop.json`` in the run dir."""
-
-    run_dir: str = "runs/loop"
-    device: str = "auto"  # auto (cuda when there is a GPU), cpu, cuda
-    seed: int = 0  # the reseed at another world size, and the per-batch draws of DataLoader workers
-    amp: str = "off"  # off, bf16, fp16 (fp16 adds a GradScaler, used by backward/optimizer_step)
-    sync_bn: bool = False  # every BatchNorm made synchronised across ranks by wrap()
-    deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic
-    save_every_steps: int = 0  # 0: snapshots at each epochs() end, at the end, and on a stop only
-    keep_snapshots: int = 2
-    log_every: int = 50  # steps per record; a stop signal is acted on at the next one
-    timeout_s: float = 600.0  # collectives and the hang watch (seconds)
-    check_code: bool = True  # refuse a snapshot that other code (the loop function's) made
-
-    # What a snapshot is matched on, with the loop's code: the rest may differ between runs.
-    HASHED = ("seed", "amp", "sync_bn", "deterministic")
-
-    def validate(self) -> None:
-        if self.amp not in AMP:
-            raise ConfigError(f"Loop(amp={self.amp!r}): choose one of {', '.join(AMP)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"Loop(device={self.device!r}): choose auto, cpu or cuda")
-        for name in ("save_every_steps", "log_every", "keep_snapshots"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "keep_snapshots" else 0):
-                raise ConfigError(f"Loop({name}={value!r}): expected an int >= {int(name == 'keep_snapshots')}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"Loop(seed={self.seed!r}): expected an int")
-        check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")
-
-
-class _RunKey:
-    """What a snapshot's ``config`` is matched on (the duck type ``Checkpointer`` reads of a config):
-    the hashed fields of :class:`LoopConfig` and the loop's code."""
-
-    join = False  # Trainer's --join; a Loop's data split is its own
-
-    def __init__(self, config: LoopConfig, code: dict):
-        self.config, self.code = config, code
-
-    def to_dict(self) -> dict:
-        return {**asdict(self.config), "code": self.code}
-
-    def _keyed(self, d: dict) -> dict:
-        keyed = {k: d.get(k) for k in LoopConfig.HASHED}
-        if self.config.check_code:
-            keyed["code"] = d.get("code")
-        return keyed
-
-    def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self._keyed(self.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
-
-    def differing_keys(self, other: dict) -> list[str]:
-        """What differs from a snapshot's config, in words: the loop's code by the parts that differ, as
-        Trainer's identity names them (``global learning_rate 0.0006 -> 0.001``). The code compares on what
-        was read: a snapshot whose code was not read (an older ddpkit's Loop made at a script's top level)
-        matches on the rest, as it did then."""
-        mine, theirs = self._keyed(self.to_dict()), self._keyed(other)
-        keys = [k for k in mine if k != "code" and mine[k] != theirs.get(k)]
-        now, before = mine.get("code") or {}, theirs.get("code") or {}
-        if "code" in mine and before.get("parts") and now.get("parts") != before.get("parts"):
-            key = "the loop's code in"  # said as "the loop's code in train.py: global learning_rate 0.0006 -> 0.001"
-            said = describe_difference(key, None, None, {key: before}, {key: now})
-            keys.append(f"{said} (Loop(check_code=False) resumes anyway)")
-        return keys
 
 
 class State(dict):
@@ -191,7 +114,7 @@ class Loop:
         )
         self.config.validate()
         stop_exits_with_its_status()  # an uncaught Stopped ends the script with 143, not a traceback and 1
-        self._maker = _caller_function(sys._getframe(1))  # the run identity reads the loop's own code
+        self._maker = running_code(sys._getframe(1))  # the run identity reads the loop's own code
         self.ctx: DistContext | None = None
         self._stack = ExitStack()
         self._owns_group = False
@@ -199,11 +122,10 @@ class Loop:
         self._models: list[nn.Module] = []
         self._loaders: list[ShardedLoader] = []
         self._pending_loaders: list[dict] = []  # positions from a snapshot, for loaders made after resume()
-        self._scaler = None
+        self.strategy = strategy_for("ddp")
         self._acc: Accumulator | None = None
         self._changes: list[str] = []
         self._best: dict = {}
-        self._last_saved = -1
         self._reset: list[str] = []  # per-rank values an elastic resume left as resume() gave them
         self.metrics: dict[str, float | None] = {}  # the last record's means, the same on every rank
 
@@ -211,7 +133,7 @@ class Loop:
     def __enter__(self) -> "Loop":
         try:
             if dist.is_available() and dist.is_initialized():
-                self.ctx = _adopted_context(self.config.device)
+                self.ctx = adopt(self.config.device)
                 self._stack.enter_context(deterministic(self.config.deterministic))  # the group's owner's timeout
             else:
                 # The process's intra-op threads as it has them (torchrun's OMP_NUM_THREADS=1, or yours):
@@ -222,24 +144,24 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
-            self._stop = self._stack.enter_context(StopSignal())
-            self.files = RunFiles(self.config.run_dir)
-            code = self._identity()
-            self.key = _RunKey(self.config, code)
-            self.ckpt = Checkpointer(
-                self.config.run_dir,
+            cfg = self.config
+            self.key = CodeKey(cfg, self._identity(), LoopConfig.HASHED, cfg.check_code)
+            self.log_writer = MetricLogger(self.ctx, cfg.run_dir, 0, progress=False, config=self.key.to_dict())
+            self._stack.callback(self.log_writer.close)
+            self.session = Session(
                 self.ctx,
+                cfg.run_dir,
                 self.key,
-                keep=self.config.keep_snapshots,
-                every_steps=self.config.save_every_steps,
+                self.log_writer,
+                keep=cfg.keep_snapshots,
+                every_steps=cfg.save_every_steps,
                 new_run="pass another run_dir to Loop",
             )
-            self.log_writer = MetricLogger(self.ctx, self.files.root, 0, progress=False, config=self.key.to_dict())
-            self._stack.callback(self.log_writer.close)
+            self._stack.enter_context(self.session.signal)
+            self.files = self.session.files
             on_rank0(self.ctx, lambda: self.files.checkpoints.mkdir(parents=True, exist_ok=True), "making the run dir")
-            hangwatch.report_to(self.config.run_dir)
-            if AMP[self.config.amp] is torch.float16:
-                self._scaler = torch.amp.GradScaler(self.ctx.device.type)
+            hangwatch.report_to(cfg.run_dir)
+            self.amp = Amp(cfg.amp, self.ctx.device)
         except BaseException:
             self._stack.__exit__(*sys.exc_info())
             raise
@@ -249,8 +171,8 @@ class Loop:
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
-                if self._last_saved != self.state.step:
-                    self._save(finished=True)  # a rerun resumes here: at the end
+                if self.session.last_saved != self.state.step:
+                    self.session.save(self._snapshot(finished=True), self.state.step)  # a rerun resumes here
                 self.log_writer.log("end", step=self.state.step, epoch=self.state.epoch)
             except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
                 exc_type, exc, tb = type(error), error, error.__traceback__
@@ -279,7 +201,7 @@ class Loop:
         snapshot and record on success, the group torn down either way; or earlier by :meth:`close`. An
         error the script does not catch is said as the ``with`` form says it (one line, its exit status)."""
         loop = cls(run_dir, **settings)
-        loop._maker = _caller_function(sys._getframe(1))  # the script's code, not this method's
+        loop._maker = running_code(sys._getframe(1))  # the script's code, not this method's
         loop.__enter__()
         loop._uncaught = None
         previous = sys.excepthook
@@ -357,7 +279,7 @@ class Loop:
         if self.config.sync_bn:
             raw = convert_sync_batchnorm(raw, self.ctx.device)
             self._said("SyncBatchNorm")
-        wrapped = make_ddp(
+        wrapped = self.strategy.wrap(
             raw,
             self.ctx,
             static_graph=static_graph,
@@ -367,37 +289,29 @@ class Loop:
         self._models.append(wrapped)
         return wrapped
 
-    @contextmanager
-    def no_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    def no_sync(self, model: nn.Module, enabled: bool = True):
         """Gradient accumulation: no all-reduce in this backward (DDP's ``no_sync``) while ``enabled``."""
-        with model.no_sync() if enabled and isinstance(model, DDP) else nullcontext():
-            yield
+        return self.strategy.no_sync(model, enabled)
 
     def autocast(self):
         """``torch.autocast`` in ``Loop(amp=...)``'s dtype on this device, or nothing when amp is off."""
-        dtype = AMP[self.config.amp]
-        return torch.autocast(self.ctx.device.type, dtype=dtype) if dtype is not None else nullcontext()
+        return self.amp.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled by the GradScaler under ``amp="fp16"``."""
-        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+        self.amp.backward(loss)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:
-        """Clip by the global gradient norm (after DDP's all-reduce each rank holds the same gradients,
-        so its own norm is the global one); unscaled first under fp16 (pass the ``optimizer``)."""
-        if self._scaler is not None:
+        """Clip by the global gradient norm; unscaled first under fp16 (pass the ``optimizer``)."""
+        if self.amp.scaling:
             if optimizer is None:
                 raise ConfigError("Loop.clip_grad_norm_() under amp='fp16' needs optimizer= (to unscale first)")
-            self._scaler.unscale_(optimizer)
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            self.amp.unscale_(optimizer)
+        return self.strategy.clip_grad_norm_(model, max_norm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; through the GradScaler under ``amp="fp16"``."""
-        if self._scaler is not None:
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        else:
-            optimizer.step()
+        self.amp.step(optimizer)
 
     # ------------------------------------------------------------------ 3. the data
     def data(
@@ -433,32 +347,28 @@ class Loop:
             raise ConfigError("Loop.resume() was called twice: call it once, after building what it names")
         for name, value in state.items():
             if not hasattr(value, "state_dict"):
-                _check_plain(name, value)
+                check_plain(name, value, "Loop.resume()")
         self.state = State(state)
-        snap = self.ckpt.load_latest(warn=self.print)
-        resumed_from = None
-        if snap is not None:
-            resumed_from = self._load(snap)
-        self.log_writer.begin(self.state.step, self.state.epoch)
-        on_rank0(self.ctx, self._write_config, "writing loop.json")
-        start = {
-            "world_size": self.ctx.world_size,
-            "backend": self.ctx.backend,
-            "device": str(self.ctx.device),
-            "run_dir": self.config.run_dir,
-            "resumed_at_step": self.state.step if snap is not None else None,
-            "resumed_from_world": resumed_from,
-            "reset_per_rank": self._reset or None,  # at another world size: each rank's own values, as given
-            "changes": "; ".join(self._changes) or "none",
-            "not_read": "; ".join(self.key.code.get("unproven", [])) or None,
-        }
-        self.log_writer.log("start", **start)
+        snap = self.session.resume(self._load, self.config.seed, warn=self.print)
+        resumed_from = snap["world_size"] if snap is not None and snap["world_size"] != self.ctx.world_size else None
+        self.session.begin(
+            self.state.step,
+            self.state.epoch,
+            lambda: on_rank0(self.ctx, self._write_config, "writing loop.json"),
+            run_dir=self.config.run_dir,
+            resumed_at_step=self.state.step if snap is not None else None,
+            resumed_from_world=resumed_from,
+            reset_per_rank=self._reset or None,  # at another world size: each rank's own values, as given
+            changes="; ".join(self._changes) or "none",
+            not_read="; ".join(self.key.code.get("unproven", [])) or None,
+        )
         self._t_interval, self._steps_interval = time.perf_counter(), 0
         return self.state
 
-    def _load(self, snap: dict) -> int | None:
-        per_rank = snap["trainer"].get("per_rank", [])  # names saved per rank (a snapshot before 0.4: none)
-        names = [*snap["trainer"]["state"], *per_rank]
+    def _load(self, saved: dict) -> None:
+        """A snapshot's state into what resume() named (``Session.resume`` restores the RNG streams after)."""
+        per_rank = saved.get("per_rank", [])  # names saved per rank (a snapshot before 0.4: none)
+        names = [*saved["state"], *per_rank]
         extra, missing = [n for n in names if n not in self.state], [n for n in self.state if n not in names]
         if extra or missing:  # checked before anything is loaded: nothing half-resumed
             what = f"holds {', '.join(map(repr, extra))}, which this resume() was not given" if extra else ""
@@ -469,13 +379,12 @@ class Loop:
                 f"the snapshot in {self.config.run_dir} {what}: name the same state as the run that made it, "
                 f"or pass another run_dir to Loop"
             )
-        saved = self.ckpt.restore(snap)
         # Each rank's own values go back to the rank that had them; at another world size a rank's value
         # cannot follow its rank, and keeps what this resume() was given (said below).
         mine = (saved["rank_state"] or {}).get("state", {}) if saved["same_world"] else {}
         values = {**saved["state"], **mine}
         for name, value in values.items():  # checked before anything is loaded: nothing half-resumed
-            problem = _misfit(self.state[name], value)
+            problem = misfit(self.strategy.unwrap(self.state[name]), value)
             if problem:
                 raise RunDirError(
                     f"the snapshot in {self.config.run_dir} does not fit {name!r}: {problem}; build it as the run "
@@ -484,22 +393,19 @@ class Loop:
         for name, value in values.items():
             target = self.state[name]
             if hasattr(target, "load_state_dict"):
-                _unwrapped(target).load_state_dict(value)
+                self.strategy.unwrap(target).load_state_dict(value)
             else:
                 self.state[name] = value
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
-        if self._scaler is not None and saved.get("scaler"):
-            self._scaler.load_state_dict(saved["scaler"])
+        if self.amp.scaling and saved.get("scaler"):
+            self.amp.scaler.load_state_dict(saved["scaler"])
         self._pending_loaders = list(saved["loaders"])
         for loader, position in zip(self._loaders, self._pending_loaders):
             loader.load_state_dict(position)
-        self._last_saved = self.state.step
-        self.ckpt.restore_rng(snap, self.config.seed)  # last: a load_state_dict of the user's that draws moves nothing
         if saved["same_world"]:
             self._restore_metrics(saved["rank_state"] or {})
-            return None
-        old_world = snap["world_size"]
+            return
         self._reset = list(per_rank)
         reset = (
             f"; {', '.join(map(repr, per_rank))} (different on every rank) as this resume() was given them"
@@ -507,13 +413,12 @@ class Loop:
             else ""
         )
         self.print(
-            f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {old_world}, now "
-            f"{self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams anew "
-            f"from (seed, step, rank), and each loader's split is the new world's from the same place in its "
+            f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {saved['world_size']}, "
+            f"now {self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams "
+            f"anew from (seed, step, rank), and each loader's split is the new world's from the same place in its "
             f"epoch{reset}",
             file=sys.stderr,
         )
-        return old_world
 
     # ------------------------------------------------------------------ 5. safe points
     def steps(self, total: int) -> Iterator[int]:
@@ -552,43 +457,26 @@ class Loop:
         s, cfg = self.state.step, self.config
         hangwatch.progress(s)  # the heartbeat a rank late in the user's code is seen by
         due_log = not epoch_end and cfg.log_every and s % cfg.log_every == 0
-        due_save = epoch_end or (cfg.save_every_steps and s % cfg.save_every_steps == 0)
+        due_save = self.session.snapshot_due(s, epoch_end)
         # A stop signal is read with the records; with no records (log_every=0), every STOP_CHECK steps
         due_check = not cfg.log_every and s % STOP_CHECK == 0
-        if not (due_log or due_save or due_check):
+        if not (due_log or due_save or due_check or epoch_end):
             return
-        totals, names, stop = self._sync()
+        synced = self.session.sync(self._acc)
         if due_log or epoch_end:
-            self._record("epoch" if epoch_end else "step", totals, names)
-        if (due_save or stop) and self._last_saved != s:
-            path = self._save()
-        elif stop:
-            path = self.ckpt.snapshots()[0]
-        if stop:
-            self.log_writer.log("stopped", reason=stop, step=s)
-            raise Stopped(
-                f"stopped on {stop} at step {s} (epoch {self.state.epoch}); saved {path}; run the same command "
-                f"again to resume from it",
-                stop,
-            )
-
-    def _sync(self) -> tuple[list[float], tuple[str, ...], str | None]:
-        """One all-reduce and one host copy (``sync_interval``, the engine's too): every rank's metric sums
-        and counts, the stop flag, and a check that every rank logged the same names."""
-        synced = sync_interval(
-            self.ctx, self._acc, stop=self._stop.received is not None, log_error=self.log_writer.error
-        )
-        stop = (self._stop.received or "a stop signal") if synced.stop else None
-        return synced.totals, self._names(), stop
+            self._record("epoch" if epoch_end else "step", synced.totals, self._names())
+        if synced.stop:
+            self.session.stop(s, self.state.epoch, self._snapshot)
+        if due_save:
+            self.session.save(self._snapshot, s)
 
     def _record(self, event: str, totals: list[float], names: tuple[str, ...]) -> None:
         now = time.perf_counter()
         elapsed, steps = now - self._t_interval, self._steps_interval
-        means = _means(names, totals)
-        self.metrics = means
+        self.metrics = means(names, totals)
         # an epoch record names the epoch that ended (state.epoch counts it already); a step record the current one
         epoch = self.state.epoch - 1 if event == "epoch" else self.state.epoch
-        record = {"step": self.state.step, "epoch": epoch, **means}
+        record = {"step": self.state.step, "epoch": epoch, **self.metrics}
         if steps and elapsed > 0:
             record["steps_per_s"] = round(steps / elapsed, 3)
         self.log_writer.log(event, **record)
@@ -596,19 +484,24 @@ class Loop:
             self._acc.reset()
         self._t_interval, self._steps_interval = now, 0
 
-    def _save(self, finished: bool = False):
+    def _snapshot(self, finished: bool = False) -> dict:
+        """What a snapshot of this Loop holds (every rank: what differs by rank is found by one collective)."""
         state = self.state
         values = {
-            name: _to_host(_unwrapped(v).state_dict() if hasattr(v, "state_dict") else v) for name, v in state.items()
+            name: to_host(self.strategy.unwrap(v).state_dict() if hasattr(v, "state_dict") else v)
+            for name, v in state.items()
         }
         for name, value in values.items():  # what torch.load(weights_only=True) can read back, before any write
-            _check_plain(name, value, f"the loop's state at step {state.step}")
-        shared, per_rank = split_by_rank(self.ctx, values, self._replicated())
-        trainer = {
+            check_plain(name, value, f"the loop's state at step {state.step}")
+        # The modules the strategy keeps equal on every rank (DDP with broadcast_buffers) are not hashed
+        kept = {id(self.strategy.unwrap(m)) for m in self._models if self.strategy.replicated(m)}
+        replicated = frozenset(name for name, v in state.items() if id(self.strategy.unwrap(v)) in kept)
+        shared, per_rank = split_by_rank(self.ctx, values, replicated)
+        return {
             "loop": {"step": state.step, "epoch": state.epoch, "best": self._best, "finished": finished},
             "state": shared,
             "per_rank": sorted(per_rank),
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "scaler": self.amp.scaler.state_dict() if self.amp.scaling else None,
             "loaders": [loader.state_dict() for loader in self._loaders],
             "rank_state": {
                 "metrics": self._acc.state() if self._acc is not None else [],
@@ -616,14 +509,6 @@ class Loop:
                 "state": per_rank,
             },
         }
-        path = self.ckpt.save(trainer, state.step)
-        self._last_saved = state.step
-        return path
-
-    def _replicated(self) -> frozenset:
-        """Names of modules DDP keeps equal on every rank (wrap() with broadcast_buffers): not hashed at snapshots."""
-        kept = {id(_unwrapped(m)) for m in self._models if isinstance(m, DDP) and m.broadcast_buffers}
-        return frozenset(name for name, v in self.state.items() if id(_unwrapped(v)) in kept)
 
     def _names(self) -> tuple[str, ...]:
         return self._acc.names if self._acc is not None else ()
@@ -639,50 +524,19 @@ class Loop:
         """Add to this interval's metrics, on the device (no host sync): a tensor or number is one value
         (its mean is over the calls), a ``(sum, count)`` pair adds both. Reduced over ranks, exactly,
         every ``log_every`` steps."""
-        names = self._names()
-        if not set(values) <= set(names):  # a new name: a wider accumulator, carrying what was added so far
-            grown = Accumulator(tuple(sorted(set(names) | set(values))), self.ctx.device)
-            if self._acc is not None:
-                k, totals = len(names), self._acc.local()  # on the device: no host sync
-                grown.add(
-                    [
-                        (totals[names.index(n)], totals[k + names.index(n)]) if n in names else (0, 0)
-                        for n in grown.names
-                    ]
-                )
-            self._acc = grown
-        pairs = []
-        for name in self._acc.names:
-            if name not in values:
-                pairs.append((0, 0))
-                continue
-            v = values[name]
-            if isinstance(v, tuple):
-                pairs.append((v[0].detach() if isinstance(v[0], torch.Tensor) else v[0], v[1]))
-            elif isinstance(v, torch.Tensor):
-                v = v.detach()
-                pairs.append((v if v.ndim == 0 else v.sum(), 1 if v.ndim == 0 else v.numel()))
-            else:
-                pairs.append((v, 1))
-        self._acc.add(pairs)
+        self._acc = add_named(self._acc, values, self.ctx.device)
 
     def reduce(self, **values: Any) -> dict[str, float]:
         """Now, over every rank (one all-reduce and a host copy): each value's mean, a ``(sum, count)``
         pair's sum/count. Every rank, with the same names."""
-        names = tuple(sorted(values))
-        pairs = [values[n] if isinstance(values[n], tuple) else (values[n], 1) for n in names]
-        dev = self.ctx.device
-        local = torch.stack([_f64(p[0], dev) for p in pairs] + [_f64(p[1], dev) for p in pairs]) if pairs else None
-        none = torch.zeros(0, dtype=torch.float64, device=dev)
-        totals, _ = framed_sums(self.ctx, "reduce", names, none if local is None else local, none)
-        if totals is None:
+        reduced = reduce_means(self.ctx, values)
+        if reduced is None:
             raise ConfigError(
-                f"loop.reduce() was given different names on different ranks (this rank: {', '.join(names) or 'none'}):"
-                f" pass the same names on every rank"
+                f"loop.reduce() was given different names on different ranks (this rank: "
+                f"{', '.join(sorted(values)) or 'none'}): pass the same names on every rank"
             )
-        return _means(names, totals)
+        return reduced
 
-    @torch.no_grad()
     def evaluate(
         self,
         model: nn.Module,
@@ -704,30 +558,18 @@ class Loop:
                 f"Loop.evaluate(): {len(dataset)} samples for {self.ctx.world_size} ranks; each rank needs one"
             )
         share = Subset(dataset, range(self.ctx.rank, len(dataset), self.ctx.world_size))
-        raw = _unwrapped(model)
-        was_training = raw.training
-        raw.eval()
-        acc = None
-        try:
-            for batch in DataLoader(share, batch_size=bs, shuffle=False, **collate):
-                batch = tree_map(lambda t: t.to(self.ctx.device, non_blocking=True), batch)
-                with self.autocast():
-                    out = fn(raw, batch)
-                n = leading_size(batch)
-                pairs = {k: v if isinstance(v, tuple) else (_f64(v, self.ctx.device) * n, n) for k, v in out.items()}
-                if acc is None:
-                    acc = Accumulator(tuple(sorted(pairs)), self.ctx.device)
-                if set(pairs) != set(acc.names):
-                    raise ConfigError(
-                        f"Loop.evaluate(): fn returned {sorted(pairs)} for one batch and {list(acc.names)} for the "
-                        f"first: return the same names for every batch"
-                    )
-                acc.add([pairs[name] for name in acc.names])
-        finally:
-            raw.train(was_training)
-        local = acc.local().tolist()
-        k = len(acc.names)
-        return self.reduce(**{n: (local[i], local[k + i]) for i, n in enumerate(acc.names)})
+        dev = self.ctx.device
+
+        def measure(model, batch):
+            out, n = fn(model, batch), leading_size(batch)
+            return {k: v if isinstance(v, tuple) else (as_f64(v, dev) * n, n) for k, v in out.items()}
+
+        batches = (
+            tree_map(lambda t: t.to(dev, non_blocking=True), b)
+            for b in DataLoader(share, batch_size=bs, shuffle=False, **collate)
+        )
+        names, totals, _ = evaluate_split(self.strategy.unwrap(model), batches, measure, self.ctx, self.amp)
+        return means(names, totals[:-1])
 
     def best(self, metric: str, value: float, mode: str = "min") -> bool:
         """Keep the best weights by ``metric``: when ``value`` beats the best so far (``mode`` min or
@@ -744,13 +586,8 @@ class Loop:
         if not better:
             return False
         self._best[metric] = {"value": v, "step": self.state.step}
-        weights = {
-            name: _to_host(_unwrapped(obj).state_dict())
-            for name, obj in self.state.items()
-            if isinstance(_unwrapped(obj), nn.Module)
-        }
-        blob = {"metric": metric, "value": v, "step": self.state.step, "weights": weights}
-        on_rank0(self.ctx, lambda: atomic_write(self.files.root / "best.pt", torch_bytes(blob)), "writing best.pt")
+        modules = {name: m for name, obj in self.state.items() if isinstance(m := self.strategy.unwrap(obj), nn.Module)}
+        self.session.write_best(modules, metric, v, self.state.step)
         return True
 
     @property
@@ -794,111 +631,9 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
-def _caller_function(frame) -> Callable | Script:
-    """What is running ``frame`` (what the run identity reads): a function, rebuilt from its code, globals
-    and closure; or a script's top level (``<module>``: nanoGPT's train.py), its code and the settings it
-    has set by this line, copied now (``identity.script_at``)."""
-    code = frame.f_code
-    if code.co_name == "<module>":
-        return script_at(frame)
-    cells = tuple(types.CellType(frame.f_locals.get(name)) for name in code.co_freevars)
-    return types.FunctionType(code, frame.f_globals, code.co_name, None, cells or None)
-
-
 def _exit_now(code: int) -> None:
     """End the process with ``code`` from an ``atexit`` handler, where an exception would be printed as a
     traceback and leave the status the script's (0): its output flushed first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _adopted_context(device: str) -> DistContext:
-    """The process group already made (by ``ddpkit.launch`` or the user): this rank's place in it."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get(env.LOCAL_RANK, rank))
-    local_world = int(os.environ.get(env.LOCAL_WORLD_SIZE, world))
-    backend = str(dist.get_backend())
-    # The group's backend says where its ranks run: gloo on the CPU (unless device="cuda" asks for CUDA tensors
-    # over gloo, every rank on its current device), NCCL on the rank's GPU.
-    if backend == "nccl":
-        where = torch.device("cuda", local_rank)
-    elif device == "cuda" and resolve_device_type(device) == "cuda":
-        where = torch.device("cuda", torch.cuda.current_device())
-    else:
-        where = torch.device("cpu")
-    return DistContext(rank, local_rank, world, local_world, where, backend)
-
-
-def _unwrapped(obj: Any) -> Any:
-    """A module out of its DDP and torch.compile wrappers (its state_dict has no ``module.`` prefix)."""
-    while True:
-        if isinstance(obj, DDP):
-            obj = obj.module
-        elif hasattr(obj, "_orig_mod") and isinstance(obj, nn.Module):
-            obj = obj._orig_mod
-        else:
-            return obj
-
-
-def _check_plain(name: str, value: Any, where: str = "Loop.resume()") -> None:
-    """Raise unless ``value`` is what ``torch.load(weights_only=True)`` reads back; ``where`` names the call (a
-    value given to resume(), or one the loop put into its state later, found when a snapshot is due)."""
-    if type(value) in PLAIN or isinstance(value, torch.Tensor):  # exact types: numpy's float64 is a float too,
-        return  # and torch.load(weights_only=True) refuses it
-    if type(value) in (list, tuple):
-        for v in value:
-            _check_plain(name, v, where)
-        return
-    if type(value) in (dict, collections.OrderedDict):
-        for k, v in value.items():
-            _check_plain(name, k, where)
-            _check_plain(name, v, where)
-        return
-    raise ConfigError(
-        f"{where}: {name!r} holds {type(value).__module__}.{type(value).__qualname__}, which a snapshot "
-        f"cannot hold: pass an object with state_dict(), or plain values (numbers, strings, tensors, lists, "
-        f"dicts); convert numpy values with float() or torch.as_tensor()"
-    )
-
-
-def _misfit(target: Any, saved: Any) -> str:
-    """How a snapshot's ``saved`` state fails to fit ``target`` as resume() names it ("" if it loads): a
-    module's tensors by name and shape, an optimizer's parameter groups by size. Found before anything is
-    loaded, where ``load_state_dict`` would fail half-way with a traceback per rank."""
-    target = _unwrapped(target)
-    if isinstance(target, nn.Module):
-        if not isinstance(saved, dict):
-            return "the snapshot holds no module weights there"
-        tensors = lambda sd: {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # noqa: E731 - not extra state
-        return weights_mismatch(tensors(target.state_dict()), tensors(saved))
-    if isinstance(target, torch.optim.Optimizer):
-        groups = saved.get("param_groups") if isinstance(saved, dict) else None
-        if not isinstance(groups, list):
-            return "the snapshot holds no optimizer state there"
-        mine = [len(g["params"]) for g in target.param_groups]
-        theirs = [len(g.get("params", ())) for g in groups]
-        return "" if mine == theirs else f"parameters per group {theirs} in the snapshot, {mine} here"
-    return ""
-
-
-def _f64(x: Any, device: torch.device) -> torch.Tensor:
-    """``x`` (a tensor or a number) as a 0-d float64 tensor on ``device``, detached."""
-    return torch.as_tensor(
-        x.detach() if isinstance(x, torch.Tensor) else x, dtype=torch.float64, device=device
-    ).reshape(())
-
-
-def _to_host(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_host(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_host(v) for v in tree)
-    return tree
-
-
-def _means(names: tuple[str, ...], totals: list[float]) -> dict[str, float | None]:
-    k = len(names)
-    return {n: (totals[i] / totals[k + i] if totals[k + i] else None) for i, n in enumerate(names)}

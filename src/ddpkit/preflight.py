@@ -41,7 +41,7 @@ from .run.rundir import HorizonRefused, check_run_dir, unproven
 from .train.flops import step_flops
 from .train.graph import blockers
 from .train.optim import lr_depends_on_total
-from .train.task import Classification, Task
+from .train.task import Classification, Task, resolve_task
 
 
 @dataclass(frozen=True)
@@ -476,6 +476,21 @@ def trial_step(model: nn.Module, splits: DataSplits, task: Task, cfg: TrainConfi
 def _needs_the_workers(exc: Exception, model: nn.Module) -> bool:
     """An error of a step that runs only inside the workers: it asks for the process group."""
     return "process group" in str(exc) or any("SyncBatchNorm" in type(m).__name__ for m in model.modules())
+
+
+def task_for(cfg: TrainConfig, splits: DataSplits | None, loss_fn=None, metrics=None) -> Task:
+    """The task a run of ``splits`` trains (``train/task.py``'s ``resolve_task``): the user's loss, a model's
+    own loss for dict samples, or classification with the classes the data holds (the test labels too: a class
+    seen only there would fail at evaluation). For ``Trainer`` and the tools built on it alike."""
+    sample, classes, least = None, None, None
+    if splits is not None:
+        data = splits.train if splits.train is not None else splits.test
+        sample = first_items(data, 1)[0] if data is not None and len(data) else None
+        classes = splits.meta.classes if splits.meta else None
+        if classes is None:
+            found = [n for n in (infer_classes(splits.train), infer_classes(splits.test)) if n is not None]
+            least = max(found) if found else None
+    return resolve_task(cfg, loss_fn, metrics, sample, classes, least)
 
 
 def infer_classes(data: Dataset | None) -> int | None:

@@ -35,7 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from .config import TrainConfig
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
-from .data.stream import check_stream, first_items
+from .data.stream import check_stream
 from .data.types import infer_meta
 from .errors import ConfigError, DataError, article
 from .identity import (
@@ -52,9 +52,9 @@ from .importpath import is_import_path, resolve
 from .models import own_model
 from .preflight import (
     available_memory_bytes,
-    infer_classes,
     move_to_cpu,
     preflight,
+    task_for,
 )
 from .ranks import env
 from .ranks.failures import stop_exits_with_its_status
@@ -64,7 +64,7 @@ from .run.display import format_record, summary_fields
 from .run.paths import RunFiles
 from .run.rundir import matched_on, owning_run_dir, record_teardown
 from .train.optim import check_owned
-from .train.task import Task, resolve_task
+from .train.task import Task
 from .train.workers import Job, eval_worker, train_worker
 
 
@@ -171,16 +171,7 @@ class Trainer:
         self.config = dataclasses.replace(cfg, task=self._task(cfg).identity)
 
     def _task(self, cfg: TrainConfig) -> Task:
-        sample = None
-        if self.splits is not None:
-            data = self.splits.train if self.splits.train is not None else self.splits.test
-            sample = first_items(data, 1)[0] if data is not None and len(data) else None
-        classes = self.splits.meta.classes if self.splits is not None and self.splits.meta else None
-        least = None
-        if self.splits is not None and classes is None:  # test labels too: a class seen only there fails at evaluation
-            found = [n for n in (infer_classes(self.splits.train), infer_classes(self.splits.test)) if n is not None]
-            least = max(found) if found else None
-        return resolve_task(cfg, self.loss_fn, self.metrics, sample, classes, least)
+        return task_for(cfg, self.splits, self.loss_fn, self.metrics)
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> FitResult:

@@ -273,7 +273,7 @@ def _peeking(run_dir: str, stop_at: int | None) -> list:
             for (x,) in loader:
                 state["seen"] = state["seen"] + [x.tolist()]
                 if loop.state.step + 1 == stop_at:
-                    loop._stop.received = "SIGTERM"
+                    loop.session.signal.received = "SIGTERM"
                 loop.step()
         return state["seen"] + [torch.rand(1).item()]  # and where the rank's torch stream ended
 
@@ -329,7 +329,7 @@ def test_with_no_records_a_stop_is_still_read(tmp_path):
             loop.resume()
             for step in loop.steps(200):
                 if step == 10:
-                    loop._stop.received = "SIGTERM"
+                    loop.session.signal.received = "SIGTERM"
 
 
 def test_best_skips_a_nan_and_evaluate_takes_plain_numbers(tmp_path):
@@ -482,7 +482,7 @@ for step in loop.steps(int(sys.argv[1])):
     opt.step()
     opt.zero_grad()
     if os.environ.get("STOP_AT") == str(step):
-        loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+        loop.session.signal.received = "SIGTERM"  # what the handler records on a real signal
 print("at", loop.state.step, flush=True)
 """
 

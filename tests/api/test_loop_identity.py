@@ -13,7 +13,8 @@ import torch
 
 import ddpkit
 from ddpkit.errors import RunDirError
-from ddpkit.loop import LoopConfig, _RunKey
+from ddpkit.loop import LoopConfig
+from ddpkit.run.runkey import CodeKey
 
 # A nanoGPT-style train.py: settings at the top, overrides by exec (its configurator), then values that differ
 # between runs and ranks (the environment, the clock, a world-size-dependent batch), then the Loop.
@@ -141,7 +142,8 @@ def test_the_environment_a_loop_reads_is_listed_not_compared(tmp_path, monkeypat
 
 def test_a_snapshot_whose_code_was_not_read_is_matched_on_the_rest():
     """A snapshot of an older ddpkit's Loop made at a script's top level holds no code parts: it resumes, as then."""
-    key = _RunKey(LoopConfig(), {"name": "train.py", "parts": {"code train.py": "ab"}, "unproven": []})
+    code = {"name": "train.py", "parts": {"code train.py": "ab"}, "unproven": []}
+    key = CodeKey(LoopConfig(), code, LoopConfig.HASHED)
     older = {**key.to_dict(), "code": {"parts": {}, "unproven": ["the code that made the Loop (not a function)"]}}
     assert key.differing_keys(older) == []
     other = {**key.to_dict(), "code": {"parts": {"code train.py": "cd"}, "unproven": []}}

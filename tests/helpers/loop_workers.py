@@ -57,7 +57,7 @@ def loader_resumes(_ctx, run_dir: str, workers: int, stop_after: int | None) -> 
             for batch in loader:
                 seen.append(batch.tolist())
                 if stop_after is not None and loop.state.step + 1 == stop_after:
-                    loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+                    loop.session.signal.received = "SIGTERM"  # what the handler records on a real signal
                 loop.step()
         return seen
 
@@ -100,7 +100,7 @@ def best_kept(_ctx, run_dir: str, values: list, stop_at: int | None) -> dict:
                 model.module.weight.add_(1.0)  # so the best weights tell which step they came from
             loop.best("val", values[step], mode="min")
             if stop_at == step:
-                loop._stop.received = "SIGTERM"
+                loop.session.signal.received = "SIGTERM"
         return loop.best_so_far
 
 
@@ -156,7 +156,7 @@ def global_batch_regression(_ctx, run_dir: str, stop_at: int | None) -> dict:
                 loss.backward()
                 opt.step()
                 if stop_at is not None and loop.state.step + 1 == stop_at:
-                    loop._stop.received = "SIGTERM"
+                    loop.session.signal.received = "SIGTERM"
                 loop.step()
         return {k: v.clone() for k, v in getattr(model, "module", model).state_dict().items()}  # DDP or not
 
@@ -196,7 +196,7 @@ def per_rank_state(_ctx, run_dir: str, stop_at: int | None) -> dict:
             cursor.at += 1
             state["X"] = torch.randn(8, 4, dtype=torch.float64)  # the next batch, fetched before the step ends
             if stop_at is not None and step + 1 == stop_at:
-                loop._stop.received = "SIGTERM"  # what the handler records on a real signal
+                loop.session.signal.received = "SIGTERM"  # what the handler records on a real signal
         weights = {k: v.clone() for k, v in model.module.state_dict().items()}
         ranks = [None] * loop.world_size  # every rank's own values, to rank 0's return
         torch.distributed.all_gather_object(ranks, {"cursor": cursor.at, "h": state["h"], "X": state["X"]})

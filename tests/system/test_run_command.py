@@ -136,7 +136,7 @@ def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishe
         "name": "__main__",
     }
     stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
-    assert [r["reason"] for r in stopped] == ["SIGTERM"]
+    assert [(r["reason"], r["signal"]) for r in stopped] == [("signal", "SIGTERM")]  # the engine's record too
     step = stopped[0]["step"]
     assert (run / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 200
 
@@ -214,6 +214,6 @@ def test_a_loop_under_torchrun_stops_and_saves_when_its_agent_is_killed(tmp_path
     finally:
         _end(proc, pids)
     stopped = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "stopped"]
-    assert [r["reason"] for r in stopped] == ["the loss of its launcher"], out.read_text()[-3000:]
+    assert [r["signal"] for r in stopped] == ["the loss of its launcher"], out.read_text()[-3000:]
     assert (run / "checkpoints" / f"snapshot-{stopped[0]['step']:09d}.pt").exists()
     assert out.read_text().count("stopped on the loss of its launcher at step") == 1, out.read_text()[-3000:]

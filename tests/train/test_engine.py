@@ -235,7 +235,7 @@ def _run_to_the_end(tmp_path, kill_after_snapshot_at: int | None = None):
     with distributed("cpu") as ctx:
         engine = float64_engine(ctx, tmp_path, log_every=4, save_every_steps=6)
         if kill_after_snapshot_at is not None:
-            save = engine.ckpt.save
+            save = engine.session.ckpt.save
 
             def save_then_die(state, step):
                 path = save(state, step)
@@ -243,7 +243,7 @@ def _run_to_the_end(tmp_path, kill_after_snapshot_at: int | None = None):
                     raise _Killed
                 return path
 
-            engine.ckpt.save = save_then_die
+            engine.session.ckpt.save = save_then_die
             with pytest.raises(_Killed):
                 engine.fit()
         else:

@@ -56,7 +56,7 @@ def run(tmp_path, name: str, *, model="resnet9", kill_after_snapshot_at=None, ta
             net = net.double()
         engine = Engine(cfg, ctx, net, load_dataset(cfg), task or Classification(0.1, False, 10), static_graph=True)
         if kill_after_snapshot_at is not None:
-            save = engine.ckpt.save
+            save = engine.session.ckpt.save
 
             def save_then_die(state, step):
                 path = save(state, step)
@@ -64,7 +64,7 @@ def run(tmp_path, name: str, *, model="resnet9", kill_after_snapshot_at=None, ta
                     raise KeyboardInterrupt
                 return path
 
-            engine.ckpt.save = save_then_die
+            engine.session.ckpt.save = save_then_die
             with pytest.raises(KeyboardInterrupt):
                 engine.fit()
             return None

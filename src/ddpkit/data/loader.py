@@ -643,3 +643,25 @@ class EvalSource:
 def _device_of(data: TensorData) -> torch.device:
     leaves = tensor_leaves(data.tree)
     return leaves[0].device if leaves else torch.device("cpu")
+
+
+def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
+    """This rank's train and eval batch sources (the engine's, and what ``ddpkit check`` counts)."""
+    per_rank_batch = cfg.batch_size // ctx.world_size
+    train_src = make_train_source(splits, cfg, ctx, per_rank_batch // cfg.grad_accum, group=cfg.grad_accum)
+    return train_src, eval_source(splits.test, splits, cfg, ctx, getattr(train_src, "on_device", False))
+
+
+def eval_source(data, splits: DataSplits, cfg: TrainConfig, ctx: DistContext, on_device: bool) -> EvalSource:
+    """The test split's batches, or the validation split's: each sample once over the ranks."""
+    if on_device and isinstance(data, ImageData):  # the training images are on the device: these too
+        data = ImageData(data.images.to(ctx.device), data.labels.to(ctx.device))
+    return EvalSource(
+        data,
+        Preprocess.for_config(splits.meta, ctx.device, cfg),
+        cfg,
+        ctx,
+        max(256, cfg.batch_size // ctx.world_size),
+        splits.collate_fn,
+        splits.worker_init_fn,
+    )

@@ -261,6 +261,24 @@ def distributed(
 _GROUPS_MADE = [0]
 
 
+def adopt(device: str = "auto") -> DistContext:
+    """This rank's place in a process group made already (by ``ddpkit.launch``, or the user's own
+    ``init_process_group``), which its owner sets up and tears down. The group's backend says where its
+    ranks run: NCCL on the rank's GPU; gloo on the CPU, unless ``device="cuda"`` asks for CUDA tensors over
+    gloo (every rank on its current device)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get(env.LOCAL_RANK, rank))
+    local_world = int(os.environ.get(env.LOCAL_WORLD_SIZE, world))
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        where = torch.device("cuda", local_rank)
+    elif device == "cuda" and resolve_device_type(device) == "cuda":
+        where = torch.device("cuda", torch.cuda.current_device())
+    else:
+        where = torch.device("cpu")
+    return DistContext(rank, local_rank, world, local_world, where, backend)
+
+
 def _group_store(ctx: DistContext, timeout: timedelta):
     """The env:// rendezvous's store (torchrun's agent store, or rank 0's TCPStore), as ``init_process_group``
     would make it, under a prefix of this group's own.

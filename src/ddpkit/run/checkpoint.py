@@ -1,6 +1,6 @@
 """Snapshots: everything needed to continue a run exactly, written by global rank 0.
 
-    ckpt = Checkpointer(run_dir, ctx, cfg, keep=3)
+    ckpt = Checkpointer(run_dir, ctx, key, keep=3)   # key: a TrainConfig, or a Loop's (run/runkey.py)
     state = ckpt.load_latest()          # every rank; None when there is nothing to resume
     ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
     trainer_state = ckpt.restore(snap)  # every rank: what save() was given; then ckpt.restore_rng(snap, seed)
@@ -27,20 +27,22 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import TrainConfig
 from ..errors import ConfigError, RunDirError, article
 from ..files import atomic_write, torch_bytes
 from ..ranks.context import DistContext, on_rank0
 from ..version import __version__
 from .checksums import checksums, first_difference
 from .paths import RunFiles
+
+if TYPE_CHECKING:
+    from .runkey import RunKey
 
 FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
 _NAME = re.compile(r"snapshot-(\d+)\.pt$")
@@ -176,27 +178,21 @@ class Checkpointer:
         self,
         run_dir: str | Path,
         ctx: DistContext,
-        cfg: TrainConfig,
+        key: RunKey,
         keep: int = 2,
-        every_steps: int = 0,
         new_run: str = "pass a new --run-dir",
     ):
+        """``key``: what a snapshot is matched on (``run/runkey.py``: a ``TrainConfig``, or a Loop's key).
+        When a snapshot is due is the session's to decide (``train/session.py``), not the checkpointer's."""
         self.new_run = new_run  # how the user starts a new run, in their interface's words (CLI, Trainer, Loop)
         self.dir = RunFiles(run_dir).checkpoints
-        self.ctx, self.cfg, self.keep, self.every_steps = ctx, cfg, max(1, keep), every_steps
+        self.ctx, self.key, self.keep = ctx, key, max(1, keep)
         self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
 
     def snapshots(self) -> list[Path]:
         """Snapshot files by name, newest first (``.tmp`` leftovers of killed saves are ignored)."""
         found = [(int(m.group(1)), p) for p in self.dir.glob("snapshot-*.pt") if (m := _NAME.search(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
-
-    def maybe_save(self, global_step: int, state: Callable[[], dict], epoch_end: bool = False) -> Path | None:
-        """Save if a snapshot is due: at every epoch's end, and every ``--save-every-steps`` steps within
-        one. Call on every rank with the same arguments; ``state`` is called only when one is due."""
-        if not (epoch_end or (self.every_steps and global_step % self.every_steps == 0)):
-            return None
-        return self.save(state(), global_step)
 
     def save(self, trainer_state: dict, global_step: int) -> Path:
         """Call on every rank. Gathers per-rank state, then rank 0 writes; every rank learns whether it did."""
@@ -214,8 +210,8 @@ class Checkpointer:
                 stale.unlink(missing_ok=True)
             snapshot = {
                 "format": FORMAT,
-                "config": self.cfg.to_dict(),
-                "config_hash": self.cfg.hash(),
+                "config": self.key.to_dict(),
+                "config_hash": self.key.hash(),
                 "world_size": self.ctx.world_size,
                 "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
                 "global_step": global_step,
@@ -243,6 +239,7 @@ class Checkpointer:
         state["rank_states"] = [r.get("rank_state") for r in ranks]
         state["rank_state"] = ranks[self.ctx.rank].get("rank_state") if same else None
         state["same_world"] = same
+        state["world_size"], state["global_step"] = snap["world_size"], snap["global_step"]
         return state
 
     def restore_rng(self, snap: dict, seed: int) -> None:
@@ -356,19 +353,15 @@ class Checkpointer:
                 f"{snap['format']}, this one reads {FORMAT}); {self.new_run}"
             )
         # By key, not by hash alone: a snapshot from before a key was recorded matches on the rest
-        keys = self.cfg.differing_keys(snap["config"]) if snap["config_hash"] != self.cfg.hash() else []
+        keys = self.key.differing_keys(snap["config"]) if snap["config_hash"] != self.key.hash() else []
         if keys:
             raise RunDirError(
                 f"snapshot {path} was made with a different config (differs in: {', '.join(keys)}); "
                 f"{self.new_run} to start a new run"
             )
-        if snap["world_size"] != self.ctx.world_size and self.cfg.join:
-            # Under --join the last, uneven batch of an epoch is averaged per rank (each rank's
-            # mean, then DDP's mean over ranks), so its gradient depends on the world size.
-            raise RunDirError(
-                f"snapshot {path} was made at world size {snap['world_size']} with --join, this run has "
-                f"{self.ctx.world_size}; a --join run resumes only at the world size it was made with"
-            )
+        refused = self.key.world_change(snap["world_size"], self.ctx.world_size)
+        if snap["world_size"] != self.ctx.world_size and refused:
+            raise RunDirError(f"snapshot {path} was made at world size {snap['world_size']} {refused}")
 
 
 def _step(path: Path) -> int:

@@ -441,18 +441,6 @@ def _steps_done(files: RunFiles) -> int:
         return max(steps, default=0)
 
 
-def write_best(run_dir: Path, model: nn.Module, ctx: DistContext, best) -> None:
-    """``--keep-best``: the unwrapped model's weights at the new best, with its metric, value and step (the
-    layout a Loop's best.pt has: ``torch.load(path)["weights"]["model"]`` loads with ``load_state_dict``)."""
-
-    def write():
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        blob = {"metric": best.metric, "value": best.value, "step": best.step, "weights": {"model": weights}}
-        atomic_write(RunFiles(run_dir).best, torch_bytes(blob))
-
-    on_rank0(ctx, write, "writing best.pt")
-
-
 # ---------------------------------------------------------------------- a finished run's model
 def load_trained_model(cfg: TrainConfig, meta: Meta, run_dir: str | Path) -> nn.Module:
     """The registry model of a finished CLI run with its model.pt loaded, on the CPU (``ddpkit eval``,

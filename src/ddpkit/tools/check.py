@@ -59,6 +59,7 @@ from ..config import TrainConfig
 from ..data import DataSplits, load_dataset
 from ..data.batch import tensor_leaves, tree_map
 from ..data.draws import seed_generators
+from ..data.loader import make_sources
 from ..device import resolve_device_type
 from ..errors import (
     ConfigError,
@@ -70,12 +71,11 @@ from ..errors import (
 )
 from ..importpath import generators_kept
 from ..models import model_for
-from ..preflight import sample_batch
+from ..preflight import sample_batch, task_for
 from ..ranks.context import distributed
 from ..ranks.launcher import LaunchSpec, run_workers
 from ..run.checkpoint import read_weights
 from ..run.paths import RunFiles
-from ..train.engine import make_sources
 from ..train.workers import Job
 from ..trainer import Trainer, as_objects
 
@@ -289,7 +289,7 @@ def check(
             "BatchNorm without SyncBN: each rank normalises over its own B/N samples, so the N-process run "
             "is expected to differ from 1 process; --sync-bn makes them equal"
         )
-    task = probe._task(probe.config)
+    task = task_for(probe.config, probe.splits, probe.loss_fn, probe.metrics)
     batch = sample_batch(splits)  # two samples, as training sees them
     device = resolve_device_type(base.device)
     if dtype is None:
@@ -647,7 +647,9 @@ def data_coverage(trainer, nproc: int) -> dict:
     if splits is None:
         splits = load_dataset(cfg)
     return run_workers(
-        coverage_worker, (Job(cfg, trainer._task(cfg), None, splits),), LaunchSpec.from_config(cfg, resumable=False)
+        coverage_worker,
+        (Job(cfg, task_for(cfg, trainer.splits, trainer.loss_fn, trainer.metrics), None, splits),),
+        LaunchSpec.from_config(cfg, resumable=False),
     )
 
 

@@ -1,4 +1,6 @@
-"""The DDP wrap: the model placed, converted and wrapped as the config asks, in one function.
+"""DDP, the first strategy (``train/strategy.py``): every rank holds the whole model, and DDP all-reduces
+its gradients. :class:`DDPStrategy` answers the strategy's questions; :func:`wrap` prepares a model as the
+config asks, in one function (the engine's).
 
     raw, ddp, model = wrap(model, cfg, ctx, static_graph=True)
     # raw: the module itself (its state_dict is what model.pt holds); ddp: the DDP wrapper or None;
@@ -11,6 +13,8 @@ channels-last, then DDP (with a communication hook), then torch.compile around t
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,12 +23,83 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import TrainConfig
 from ..models import to_channels_last, uses_conv
 from ..ranks.context import DistContext
+from .optim import optimizer_state
 from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
 SYNC_BUFFERS = (
     "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
 )
+
+
+class DDPStrategy:
+    """Data parallel with a whole replica per rank (torch's ``DistributedDataParallel``)."""
+
+    name = "ddp"
+
+    def wrap(
+        self,
+        raw: nn.Module,
+        ctx: DistContext,
+        *,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        sync_buffers: bool = True,
+        comm_hook: str = "none",
+    ) -> DDP:
+        return make_ddp(
+            raw,
+            ctx,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            sync_buffers=sync_buffers,
+            comm_hook=comm_hook,
+        )
+
+    @staticmethod
+    def unwrap(model: Any) -> Any:
+        while True:
+            if isinstance(model, DDP):
+                model = model.module
+            elif hasattr(model, "_orig_mod") and isinstance(model, nn.Module):  # torch.compile's wrapper
+                model = model._orig_mod
+            else:
+                return model
+
+    def no_sync(self, model: nn.Module, enabled: bool = True):
+        model = model._orig_mod if hasattr(model, "_orig_mod") else model
+        return model.no_sync() if enabled and isinstance(model, DDP) else nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+        # After DDP's all-reduce every rank holds the same whole gradient: its own norm is the global one.
+        return nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm, foreach=foreach)
+
+    def replicated(self, model: nn.Module) -> bool:
+        # Gradients all-reduced from the same start, and buffers broadcast from rank 0 at every forward
+        return isinstance(model, DDP) and bool(model.broadcast_buffers)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
+        return optimizer_state(optimizer, ctx)
+
+    def refused_with(self, **flags: Any) -> str:
+        return ""  # DDP is what every flag was built on
+
+    @staticmethod
+    def share_optimizer_state(optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
+        """Every rank's optimizer state made global rank 0's (after an uneven ``--join`` epoch, where a rank
+        that ran fewer steps skipped their updates). (state tensor, its device copy) pairs: NCCL broadcasts
+        device tensors only, and some state lives on the CPU (Adam's step count); a tensor already on the
+        device is its own copy."""
+        pairs = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in sorted(state):
+                    if torch.is_tensor(state[key]):
+                        pairs.append((state[key], state[key].to(ctx.device)))
+        ctx.broadcast_many([on_device for _, on_device in pairs])
+        for kept, on_device in pairs:
+            kept.copy_(on_device)
 
 
 def wrap(
@@ -45,7 +120,7 @@ def wrap(
     # bucket copies, buffer broadcasts) took 20-37% of the MNIST ConvNet's step on an H100
     # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
     if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
-        ddp = make_ddp(
+        ddp = DDPStrategy().wrap(
             raw,
             ctx,
             static_graph=static_graph,

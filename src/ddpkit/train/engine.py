@@ -23,61 +23,36 @@ import torch
 from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
-from ..data import DataSplits, ImageData
+from ..data import DataSplits
 from ..data.draws import seed_rank
-from ..data.loader import EvalSource, Preprocess, make_train_source
-from ..errors import DataError, NonFiniteLoss, RunDirError, Stopped
+from ..data.loader import EvalSource, eval_source, make_sources
+from ..errors import DataError, NonFiniteLoss, RunDirError
 from ..models import uses_conv
 from ..ranks import env, hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
-from ..run.checkpoint import Checkpointer, read_weights, weights_mismatch
+from ..run.checkpoint import read_weights
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import training_plots
 from ..run.recorder import MetricLogger
-from ..run.rundir import unproven, write_best, write_config, write_model, write_summary
-from .ddp import ddp_timers, wrap
+from ..run.rundir import unproven, write_config, write_model, write_summary
+from .ddp import DDPStrategy, ddp_timers, wrap
 from .evaluate import evaluate
 from .flops import peak_flops
 from .graph import GraphedSteps, decide
-from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb, sync_interval
+from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
 from .optim import (
     EMA,
-    autocast,
     build_optimizer,
-    build_scaler,
     build_schedule,
     changes,
     lr_policy,
-    optimizer_state,
     user_optimizer,
     user_schedule,
 )
 from .selection import from_state, to_state, watches
-from .signals import StopSignal
+from .session import RESUME, Amp, Session, misfit
 from .task import Classification, Task
-
-
-def make_sources(splits: DataSplits, cfg: TrainConfig, ctx: DistContext):
-    """This rank's train and eval batch sources (the engine's, and what ``ddpkit check`` counts)."""
-    per_rank_batch = cfg.batch_size // ctx.world_size
-    train_src = make_train_source(splits, cfg, ctx, per_rank_batch // cfg.grad_accum, group=cfg.grad_accum)
-    return train_src, eval_source(splits.test, splits, cfg, ctx, getattr(train_src, "on_device", False))
-
-
-def eval_source(data, splits: DataSplits, cfg: TrainConfig, ctx: DistContext, on_device: bool) -> EvalSource:
-    """The test split's batches, or the validation split's: each sample once over the ranks."""
-    if on_device and isinstance(data, ImageData):
-        data = ImageData(data.images.to(ctx.device), data.labels.to(ctx.device))
-    return EvalSource(
-        data,
-        Preprocess.for_config(splits.meta, ctx.device, cfg),
-        cfg,
-        ctx,
-        max(256, cfg.batch_size // ctx.world_size),
-        splits.collate_fn,
-        splits.worker_init_fn,
-    )
 
 
 @dataclass
@@ -151,6 +126,7 @@ class Engine:
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
         self.find_unused = cfg.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
         static = static_graph and self.accum == 1 and cfg.grad_sync
+        self.strategy = DDPStrategy()  # what depends on how the model is spread over the ranks (train/strategy.py)
         self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static, bool(self.find_unused))
         torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
         seed_rank(cfg.seed, ctx.rank)  # numpy's and Python's too: per rank, the same at every rerun
@@ -186,14 +162,14 @@ class Engine:
         self.flops_per_step = flops_per_sample * self.per_rank_batch if flops_per_sample else None
         self.peak, self.peak_name = peak_flops(ctx.device, cfg)
         self.flops_note = flops_note
-        self.scaler = build_scaler(cfg, ctx.device)
+        self.amp = Amp(cfg.amp, ctx.device)
+        self.scaler = self.amp.scaler
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
-        self.autocast = autocast(cfg, ctx.device)
+        self.autocast = self.amp.autocast()  # made once, entered at every micro-step
         extra = ("grad_norm",) if cfg.clip_grad_norm else ()  # per optimizer step, count 1
         self.acc = Accumulator(task.names + extra, ctx.device)
         self._no_metrics = [(0.0, 0.0)] * len(task.names)  # free: host numbers
         self._no_norm = [(0.0, 0.0)] * len(extra)
-        self.ckpt = Checkpointer(cfg.run_dir, ctx, cfg, keep=cfg.keep_snapshots, every_steps=cfg.save_every_steps)
         self.log = MetricLogger(
             ctx,
             cfg.run_dir,
@@ -204,6 +180,9 @@ class Engine:
             config=cfg.to_dict(),
             metric_names=task.names,
         )
+        self.session = Session(
+            ctx, cfg.run_dir, cfg, self.log, keep=cfg.keep_snapshots, every_steps=cfg.save_every_steps
+        )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
         self.interval, self._t_last = Interval(totals=[0.0] * (2 * len(self.acc.names))), time.perf_counter()
         self._resumed_interval: Interval | None = None  # the snapshot's, for the first epoch after a resume
@@ -212,7 +191,6 @@ class Engine:
         self.final_train: dict = {}
         self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
         self._last_eval: tuple | None = None  # (global step, result, local sums) of the newest evaluation
-        self._stop = StopSignal()
         self._nan_warned = False
         self.graph_decision = decide(cfg, ctx, self)
         if self.graph_decision.use and ctx.device.type == "cuda":  # the fused kernels read a tensor lr as float32
@@ -232,7 +210,11 @@ class Engine:
 
     def state_dict(self) -> dict:
         state = {
-            key: None if part is None else optimizer_state(part, self.ctx) if key == "optimizer" else part.state_dict()
+            key: None
+            if part is None
+            else self.strategy.optimizer_state(part, self.ctx)
+            if key == "optimizer"
+            else part.state_dict()
             for key, part in self._stateful().items()
         }
         if self.graph is not None:  # its lrs are device tensors; a snapshot keeps plain floats
@@ -263,6 +245,8 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """What :meth:`state_dict` returned, as ``Checkpointer.restore`` gives it back (the RNG streams are
         ``Checkpointer.restore_rng``'s, after this)."""
+        if self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent found a snapshot
+            raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
         for key, part in self._stateful().items():
             if part is not None:
                 part.load_state_dict(state[key])
@@ -295,11 +279,10 @@ class Engine:
         """Raise unless ``snap`` can be loaded into this run as it is: checked before anything is
         changed, so a damaged or foreign snapshot is skipped for the one before it."""
         state = snap["trainer"]
-        problem = weights_mismatch(self.raw.state_dict(), state["model"])
+        problem = misfit(self.raw, state["model"])
         if problem:
             raise ValueError(f"its model weights are not this model's: {problem}")
-        groups = state["optimizer"]["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.opt.param_groups]:
+        if misfit(self.opt, state["optimizer"]):
             raise ValueError("its optimizer state is for other parameters")
         for key in ("scheduler", "scaler", "position", "timing", "final_train"):
             if key not in state:
@@ -314,12 +297,8 @@ class Engine:
     def fit(self) -> dict:
         ok = False
         try:  # from here the --log loggers may be open and the bar running: both are closed however it ends
-            snap = self.ckpt.load_latest(self._fits, warn=self.log.print)
-            if snap is not None and self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent
-                raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
+            snap = self.session.resume(self.load_state_dict, self.cfg.seed, self._fits, warn=self.log.print)
             if snap is not None:
-                self.load_state_dict(self.ckpt.restore(snap))
-                self.ckpt.restore_rng(snap, self.cfg.seed)  # last: nothing loaded before moves the streams
                 if snap["world_size"] != self.ctx.world_size:
                     self.log.print(self._elastic_line(snap["world_size"]))
                 self._check_position()
@@ -330,13 +309,10 @@ class Engine:
             if self.graph_decision.use:
                 self.graph = GraphedSteps(self)
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
-            on_rank0(self.ctx, lambda: self.log.begin(self.pos.global_step, self.pos.epoch))
-            write_config(self.cfg, self.ctx, self.identity)
-            self.log.log(
-                "start",
-                world_size=self.ctx.world_size,
-                backend=self.ctx.backend,
-                device=str(self.ctx.device),
+            self.session.begin(
+                self.pos.global_step,
+                self.pos.epoch,
+                lambda: write_config(self.cfg, self.ctx, self.identity),
                 data_path=self.train_src.path,
                 data=self.data_note,
                 task=self.task.identity,
@@ -356,7 +332,7 @@ class Engine:
                 flops_per_step=self.flops_per_step,  # one rank's, forward and backward (train/flops.py)
                 mfu_peak=self.peak_name if self.flops_per_step else self.flops_note,
             )
-            with self._stop:
+            with self.session.signal:
                 cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self._stopped_early)
                 if snap is not None and cut_short:
                     self._end_cut_epoch()  # killed after the snapshot of a cut-short epoch, before that epoch's end
@@ -439,14 +415,14 @@ class Engine:
                     self._log_interval()
                 if last:
                     break
-                self.ckpt.maybe_save(self.pos.global_step, self._checked_state)  # the epoch's last: after eval
+                self.session.save_if_due(self.pos.global_step, self._checked_state)  # the epoch's last: after eval
         if cfg.join:
             self._rejoin()
         # An epoch cut short by --max-steps or --early-stop: the run's last snapshot is taken where it stopped,
         # mid-epoch, so that a longer horizon goes on with this epoch's next step, as a run started with it does.
         partial = self.pos.step_in_epoch < self.steps_per_epoch and not cfg.join
         if partial:
-            self.ckpt.save(self._checked_state(), self.pos.global_step)
+            self.session.save(self._checked_state, self.pos.global_step)
         # The epoch's last step always logs, and that all-reduce synced the device: reuse its totals.
         epoch_time = time.perf_counter() - self._epoch_t0
         self.timing.epoch_elapsed_s = 0.0
@@ -483,18 +459,7 @@ class Engine:
         self.pos.step_in_epoch += missing
         self.pos.global_step += missing
         if not isinstance(self.opt, ZeroRedundancyOptimizer):  # ZeRO's own join hook keeps its shards
-            # (state tensor, its device copy): NCCL broadcasts device tensors only, and some state lives
-            # on the CPU (Adam's step count); a tensor already on the device is its own copy
-            pairs = []
-            for group in self.opt.param_groups:
-                for p in group["params"]:
-                    state = self.opt.state.get(p, {})
-                    for key in sorted(state):
-                        if torch.is_tensor(state[key]):
-                            pairs.append((state[key], state[key].to(self.ctx.device)))
-            self.ctx.broadcast_many([on_device for _, on_device in pairs])
-            for kept, on_device in pairs:
-                kept.copy_(on_device)
+            self.strategy.share_optimizer_state(self.opt, self.ctx)
         self._log_interval()
 
     def _step(self, micro: tuple) -> None:
@@ -505,14 +470,14 @@ class Engine:
             # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads
             # (unless grad_sync is off: ddpkit bench's compute-only timing).
             skip = self.ddp is not None and (i < k - 1 or not self.cfg.grad_sync)
-            with self.ddp.no_sync() if skip else nullcontext():
+            with self.strategy.no_sync(self.ddp, skip) if skip else nullcontext():
                 with self.autocast:
                     loss, outputs = self.task.loss(self.model, batch)
                 self.scaler.scale(loss / k if k > 1 else loss).backward()
             self.acc.add(self.task.measure(loss, outputs, batch) + self._no_norm)
         if self.cfg.clip_grad_norm:
             self.scaler.unscale_(self.opt)  # clip the true gradients, not the fp16-scaled ones
-            norm = nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.clip_grad_norm, foreach=True)
+            norm = self.strategy.clip_grad_norm_(self.raw, self.cfg.clip_grad_norm, foreach=True)
             self.acc.add(self._no_metrics + [(norm, 1)])
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -547,13 +512,7 @@ class Engine:
         """At log intervals and snapshots only (``sync_interval``, one all-reduce): this epoch's metric
         totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
-        synced = sync_interval(
-            self.ctx,
-            self.acc,
-            stop=self._stop.received is not None,
-            log_error=self.log.error,  # rank 0 could not append to metrics.jsonl
-            weights=list(self.raw.parameters()) if check_weights else None,
-        )
+        synced = self.session.sync(self.acc, list(self.raw.parameters()) if check_weights else None)
         return synced.totals, synced.stop, synced.bad_weights
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
@@ -567,7 +526,7 @@ class Engine:
                 self.log.print(f"ddpkit: warning: {msg}; training on (--on-nan warn)")
                 self._nan_warned = True
             return
-        last = self.ckpt.snapshots()
+        last = self.session.ckpt.snapshots()
         self.log.log("stopped", reason="non-finite", step=self.pos.global_step)
         raise NonFiniteLoss(
             f"{msg}. Stopped without saving it: the last good snapshot is "
@@ -612,18 +571,9 @@ class Engine:
         if self.watch.check(means.get("loss"), self.pos.global_step):
             self.log.print(f"ddpkit: warning: {self._divergence(means['loss'])}")
         if stop:
-            path = self.ckpt.save(self._checked_state(), self.pos.global_step)
-            name = self._stop.received or "SIGTERM"  # a rank told through the flag stops as for SIGTERM
-            self.log.log("stopped", reason="signal", signal=name, step=self.pos.global_step)
-            again = (
-                "a --comm-hook powersgd run cannot resume (see docs/fault-tolerance.md)"
-                if self.cfg.comm_hook == "powersgd"
-                else "run the same command again to resume from it"
-            )
-            raise Stopped(
-                f"stopped on {name} at step {self.pos.global_step} (epoch {self.pos.epoch}); saved {path}; {again}",
-                name,
-            )
+            powersgd = "a --comm-hook powersgd run cannot resume (see docs/fault-tolerance.md)"
+            again = powersgd if self.cfg.comm_hook == "powersgd" else RESUME
+            self.session.stop(self.pos.global_step, self.pos.epoch, self._checked_state, again)
 
     def _check_position(self) -> None:
         """A snapshot's position must be where its step is. ddpkit before 0.4 took a --max-steps run's last
@@ -687,7 +637,7 @@ class Engine:
         self.pos.step_in_epoch = 0
         self.acc.reset()
         if not partial:  # (a partial epoch's snapshot was taken mid-epoch, before this)
-            self.ckpt.maybe_save(self.pos.global_step, self._checked_state, epoch_end=True)
+            self.session.save_if_due(self.pos.global_step, self._checked_state, epoch_end=True)
 
     def _evaluate(self, source: EvalSource | None = None, prefix: str = "test_") -> tuple[dict, torch.Tensor]:
         hangwatch.idle()  # no steps until the next epoch's first: its collectives are still watched
@@ -711,7 +661,8 @@ class Engine:
         result, _ = self._evaluate(self.val_src, "val_")
         self._last_val = (step, result)
         if select and self.best is not None and self.best.update(result, step):
-            write_best(self.cfg.run_dir, self.ema.module if self.ema is not None else self.raw, self.ctx, self.best)
+            model = self.ema.module if self.ema is not None else self.raw
+            self.session.write_best({"model": model}, self.best.metric, self.best.value, self.best.step)
         if select and self.stopper is not None:
             self.stopper.update(result, step)
         self.log.log("eval", epoch=self.pos.epoch, step=step, **result)

@@ -1,12 +1,15 @@
-"""Exact distributed evaluation, for any task.
+"""Exact distributed evaluation: one function for every face (the engine's tasks, ``Loop.evaluate``).
 
-Every rank evaluates its own slice of the test set (every world_size-th sample, no
-padding), the task turns each batch into (sum, count) per metric, and the sums, counts
-and sample count are all-reduced: each test sample is counted exactly once at any
-world size, and every mean is the mean over the whole test set.
+Every rank evaluates its own slice of a split (every world_size-th sample, no padding), ``measure`` turns
+each batch into (sum, count) per metric, and the sums, counts and the sample count are added over the
+ranks in one all-reduce (``metrics.framed_sums``, which also refuses ranks that measured other names, or
+that are in another collective): each sample is counted exactly once at any world size, and every mean
+is the mean over the whole split.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -14,31 +17,70 @@ from torch import nn
 from ..config import TrainConfig
 from ..data.batch import leading_size
 from ..data.loader import EvalSource
+from ..errors import ConfigError
 from ..ranks.context import DistContext
-from .metrics import Accumulator
-from .optim import autocast
+from .metrics import Accumulator, framed_sums, means
+from .session import Amp
 from .task import Task
 
 
 @torch.no_grad()
+def evaluate_split(
+    model: nn.Module,
+    batches: Iterable[Any],
+    measure: Callable[[nn.Module, Any], dict],
+    ctx: DistContext,
+    amp: Amp,
+    names: tuple[str, ...] | None = None,
+) -> tuple[tuple[str, ...], list[float], torch.Tensor]:
+    """``(names, totals, local)``: ``totals`` [sums..., counts..., samples] over every rank, ``local`` this
+    rank's own on the device. ``measure(model, batch)`` gives {name: (sum, count)} under ``amp``'s
+    autocast, with ``names`` (or the first batch's, sorted) at every batch. ``model`` runs in eval mode
+    and unwrapped (DDP's forward hooks are for training only). Every rank."""
+    was_training = model.training
+    model.eval()
+    acc = Accumulator(names, ctx.device) if names is not None else None
+    samples = 0
+    try:
+        for batch in batches:
+            with amp.autocast():
+                pairs = measure(model, batch)
+            if acc is None:
+                acc = Accumulator(tuple(sorted(pairs)), ctx.device)
+            if set(pairs) != set(acc.names):
+                raise ConfigError(
+                    f"the evaluation measured {sorted(pairs)} for one batch and {list(acc.names)} for the first: "
+                    f"return the same names for every batch"
+                )
+            acc.add([pairs[name] for name in acc.names])
+            samples += leading_size(batch)
+    finally:
+        model.train(was_training)
+    names = acc.names if acc is not None else ()
+    sums = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
+    count = torch.tensor([float(samples)], dtype=torch.float64, device=ctx.device)
+    totals, (total_samples,) = framed_sums(ctx, "reduce", names, sums, count)  # the count travels as a flag
+    if totals is None:
+        raise ConfigError(
+            f"the ranks' evaluations measured different names (this rank: {', '.join(names) or 'none'}): "
+            f"measure the same names on every rank"
+        )
+    totals, local = [*totals, total_samples], torch.cat([sums, count])
+    return names, totals, local
+
+
 def evaluate(
     model: nn.Module, source: EvalSource, task: Task, cfg: TrainConfig, ctx: DistContext, prefix: str = "test_"
 ) -> tuple[dict, torch.Tensor]:
-    """({test_<metric>: mean, test_samples: n} over the whole test set (``prefix`` "val_": the validation
-    split), this rank's own [sums..., counts..., samples] on the device). Every rank must call it.
-
-    ``model`` must be the unwrapped module: DDP's forward hooks are for training only.
-    """
-    was_training = model.training
-    model.eval()
-    acc = Accumulator(task.names, ctx.device)
-    samples = 0
-    for b in source.batches():
-        with autocast(cfg, ctx.device):
-            acc.add(task.evaluate(model, b))
-        samples += leading_size(b)
-    model.train(was_training)
-    local = torch.cat([acc.local(), torch.tensor([float(samples)], dtype=torch.float64, device=ctx.device)])
-    totals = ctx.all_reduce(local.clone()).tolist()
-    # An empty test set is refused before launch (trainer.preflight); here its means are None.
-    return {**acc.means(totals[:-1], prefix), f"{prefix}samples": int(totals[-1])}, local
+    """A task's evaluation of a built-in source: ({<prefix><metric>: mean, <prefix>samples: n} over the whole
+    split (``prefix`` "val_": the validation split), this rank's [sums..., counts..., samples] on the device).
+    An empty test set is refused before launch (trainer.preflight); here its means are None."""
+    names, totals, local = evaluate_split(
+        model,
+        source.batches(),
+        lambda m, b: dict(zip(task.names, task.evaluate(m, b))),
+        ctx,
+        Amp(cfg.amp, ctx.device),
+        task.names,
+    )
+    return {**means(names, totals[:-1], prefix), f"{prefix}samples": int(totals[-1])}, local

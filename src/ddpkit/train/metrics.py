@@ -201,6 +201,53 @@ def means(names: tuple[str, ...], totals: list[float], prefix: str = "") -> dict
     return {prefix + name: (totals[i] / totals[k + i] if totals[k + i] else None) for i, name in enumerate(names)}
 
 
+def add_named(acc: Accumulator | None, values: dict, device: torch.device) -> Accumulator:
+    """``values`` added to ``acc`` by name, on the device (no host sync): a tensor or number is one value (its
+    mean is over the calls; a tensor with elements adds each), a ``(sum, count)`` pair adds both. A new name
+    makes a wider accumulator, carrying what was added so far; the one returned is the one to keep."""
+    names = acc.names if acc is not None else ()
+    if not set(values) <= set(names):
+        wider = Accumulator(tuple(sorted(set(names) | set(values))), device)
+        if acc is not None:
+            k, totals = len(names), acc.local()  # on the device: no host sync
+            at = {n: i for i, n in enumerate(names)}
+            wider.add([(totals[at[n]], totals[k + at[n]]) if n in at else (0, 0) for n in wider.names])
+        acc = wider
+    pairs = []
+    for name in acc.names:
+        v = values.get(name)
+        if name not in values:
+            pairs.append((0, 0))
+        elif isinstance(v, tuple):
+            pairs.append((v[0].detach() if isinstance(v[0], torch.Tensor) else v[0], v[1]))
+        elif isinstance(v, torch.Tensor):
+            v = v.detach()
+            pairs.append((v if v.ndim == 0 else v.sum(), 1 if v.ndim == 0 else v.numel()))
+        else:
+            pairs.append((v, 1))
+    acc.add(pairs)
+    return acc
+
+
+def reduce_means(ctx: DistContext, values: dict) -> dict[str, float | None] | None:
+    """Each value's mean over every rank now, a ``(sum, count)`` pair's sum/count (one all-reduce and a host
+    copy); None where the ranks passed different names."""
+    names = tuple(sorted(values))
+    pairs = [values[n] if isinstance(values[n], tuple) else (values[n], 1) for n in names]
+    dev = ctx.device
+    none = torch.zeros(0, dtype=torch.float64, device=dev)
+    local = torch.stack([as_f64(p[0], dev) for p in pairs] + [as_f64(p[1], dev) for p in pairs]) if pairs else none
+    totals, _ = framed_sums(ctx, "reduce", names, local, none)
+    return None if totals is None else means(names, totals)
+
+
+def as_f64(x, device: torch.device) -> torch.Tensor:
+    """``x`` (a tensor or a number) as a 0-d float64 tensor on ``device``, detached."""
+    return torch.as_tensor(
+        x.detach() if isinstance(x, torch.Tensor) else x, dtype=torch.float64, device=device
+    ).reshape(())
+
+
 def peak_memory_mb(ctx: DistContext) -> float:
     """Peak over ranks: CUDA max allocated, or the process's peak RSS on CPU (MiB). A collective."""
     if ctx.device.type == "cuda":

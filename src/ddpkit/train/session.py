@@ -1,0 +1,226 @@
+"""The protocol between a training loop and the parts, written once: ``Trainer``'s engine and ``ddpkit.Loop``
+are two faces over it.
+
+    session = Session(ctx, run_dir, key, log, keep=2, every_steps=100)
+    with session.signal:                                   # SIGTERM, SIGUSR1, Ctrl-C: a stop at a safe point
+        snap = session.resume(load, seed, fits)            # the state, the loaders, then the RNG streams
+        session.begin(step, epoch, write_record, **start)  # the records of steps run again dropped; "start"
+        ...each step...
+        synced = session.sync(acc)                         # a safe point's one collective
+        if synced.stop:
+            session.stop(step, epoch, state)               # save, record, and raise Stopped
+        session.save_if_due(step, state)                   # every ``every_steps``, and at epoch ends
+        session.write_best({"model": model}, metric, value, step)   # best.pt
+
+What a face adds is its own: the engine's built-in recipe (sources, optimizer and schedule, the step,
+``--cuda-graph``, ``--join``), the Loop's user-facing calls. What the session decides is decided here alone:
+when a snapshot is due and that a step is saved once, that a stop saves, records and raises (the one
+``raise Stopped`` in ddpkit), the one ``best.pt`` writer, the restore order, and autocast with its scaler
+(:class:`Amp`). Every method is called on every rank: the collectives are inside, and what only global
+rank 0 writes, it writes inside the method that decides it (``ranks.context.on_rank0``).
+
+A snapshot's own parts are checked here too, before anything is loaded (:func:`misfit`), and held to what
+``torch.load(weights_only=True)`` reads back (:func:`check_plain`).
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, Stopped
+from ..files import atomic_write, torch_bytes
+from ..ranks.context import DistContext, on_rank0
+from ..run.checkpoint import Checkpointer, weights_mismatch
+from ..run.paths import RunFiles
+from ..run.recorder import MetricLogger
+from ..run.runkey import RunKey
+from .metrics import Accumulator, Synced, sync_interval
+from .optim import NoAutocast
+from .signals import StopSignal
+
+RESUME = "run the same command again to resume from it"
+PLAIN = (int, float, bool, str, type(None))  # what a snapshot holds besides tensors (torch.load weights_only)
+AMP_DTYPES = {None: None, "none": None, "off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Session:
+    """One rank's side of a run: its snapshots, stop signals, records and best weights. See the module docstring."""
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        run_dir: str | Path,
+        key: RunKey,
+        log: MetricLogger,
+        *,
+        keep: int = 2,
+        every_steps: int = 0,
+        new_run: str = "pass a new --run-dir",
+    ):
+        self.ctx, self.log, self.every_steps = ctx, log, every_steps
+        self.files = RunFiles(run_dir)
+        self.ckpt = Checkpointer(run_dir, ctx, key, keep=keep, new_run=new_run)
+        self.signal = StopSignal()  # entered by the face, around its steps
+        self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot_due(self, step: int, epoch_end: bool = False) -> bool:
+        """A snapshot is due at every epoch's end and every ``every_steps`` steps, once per step."""
+        due = epoch_end or bool(self.every_steps and step % self.every_steps == 0)
+        return due and step != self.last_saved
+
+    def save(self, state: dict | Callable[[], dict], step: int) -> Path:
+        """Snapshot ``state`` (or what the callable returns) at ``step``: every rank; rank 0 writes."""
+        path = self.ckpt.save(state() if callable(state) else state, step)
+        self.last_saved = step
+        return path
+
+    def save_if_due(self, step: int, state: Callable[[], dict], epoch_end: bool = False) -> Path | None:
+        return self.save(state, step) if self.snapshot_due(step, epoch_end) else None
+
+    def resume(
+        self, load: Callable[[dict], None], seed: int, fits: Callable[[dict], None] = lambda snap: None, warn=print
+    ) -> dict | None:
+        """The newest snapshot that fits, loaded in the one order that keeps a resume bitwise: ``load`` gets
+        what ``Checkpointer.restore`` gives back (the state, then it sets the loaders' positions), and the RNG
+        streams come last, so nothing a ``load_state_dict`` draws moves them. None: nothing to resume."""
+        snap = self.ckpt.load_latest(fits, warn=warn)
+        if snap is None:
+            return None
+        load(self.ckpt.restore(snap))
+        self.ckpt.restore_rng(snap, seed)
+        self.last_saved = snap["global_step"]
+        return snap
+
+    # ------------------------------------------------------------------ the safe point
+    def sync(self, acc: Accumulator | None, weights: list[torch.Tensor] | None = None) -> Synced:
+        """The safe point's one collective (``metrics.sync_interval``): the metric totals, the stop flag of
+        every rank, and (``weights`` given) whether any rank holds a non-finite weight."""
+        return sync_interval(
+            self.ctx, acc, stop=self.signal.received is not None, log_error=self.log.error, weights=weights
+        )
+
+    def stop(self, step: int, epoch: int, state: Callable[[], dict], again: str = RESUME) -> NoReturn:
+        """Every rank, once the all-reduced flag says a rank was signalled: the snapshot (unless this step's
+        is saved already), the ``stopped`` record, and :class:`ddpkit.errors.Stopped` with the signal's exit
+        status. A rank told only through the flag stops as for SIGTERM."""
+        path = self.save(state, step) if step != self.last_saved else self.ckpt.snapshots()[0]
+        name = self.signal.received or "SIGTERM"
+        self.log.log("stopped", reason="signal", signal=name, step=step)
+        raise Stopped(f"stopped on {name} at step {step} (epoch {epoch}); saved {path}; {again}", name)
+
+    # ------------------------------------------------------------------ the run record
+    def begin(self, step: int, epoch: int, write_record: Callable[[], None], **start: Any) -> None:
+        """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
+        config written (``write_record``, which writes on rank 0 itself), and the ``start`` record."""
+        on_rank0(self.ctx, lambda: self.log.begin(step, epoch), "rewinding metrics.jsonl")
+        write_record()
+        ctx = self.ctx
+        self.log.log("start", world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device), **start)
+
+    # ------------------------------------------------------------------ best.pt
+    def write_best(self, modules: dict[str, nn.Module], metric: str, value: float, step: int) -> None:
+        """The one ``best.pt`` writer, for ``--keep-best`` and ``Loop.best`` alike: each module's weights (the
+        unwrapped module's ``state_dict``) by name, with the metric, its value and the step. Rank 0 writes;
+        ``torch.load(path)["weights"]["model"]`` loads with ``load_state_dict``."""
+
+        def write():
+            weights = {name: to_host(m.state_dict()) for name, m in modules.items()}
+            blob = {"metric": metric, "value": value, "step": step, "weights": weights}
+            atomic_write(self.files.best, torch_bytes(blob))
+
+        on_rank0(self.ctx, write, "writing best.pt")
+
+
+class Amp:
+    """Autocast and its grad scaler, for ``--amp`` / ``Loop(amp=...)``: ``none`` or ``off``, ``bf16``,
+    ``fp16``. Only fp16 scales the loss: bf16 has float32's exponent range. The scaler always exists
+    (disabled, it passes everything through), so a face calls it the same way at every setting.
+
+    The two names of "no autocast" differ inside an autocast of the caller's: ``--amp none`` promises
+    float32 and turns it off; ``Loop(amp="off")`` adds nothing and leaves the user's own as it is."""
+
+    def __init__(self, amp: str | None, device: torch.device):
+        if amp not in AMP_DTYPES:
+            raise ConfigError(f"amp {amp!r}: choose none, bf16 or fp16")
+        self.name, self.dtype, self.device_type = amp, AMP_DTYPES[amp], device.type
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype is torch.float16)
+
+    def autocast(self):
+        """The context a forward runs in. Amp off: :class:`optim.NoAutocast`, not a disabled
+        ``torch.autocast`` (which costs host time at every entry, BENCHMARKS.md)."""
+        if self.dtype is None:
+            return nullcontext() if self.name == "off" else NoAutocast(self.device_type)
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    @property
+    def scaling(self) -> bool:
+        return self.scaler.is_enabled()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping: the true gradients, not the fp16-scaled ones."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+# ---------------------------------------------------------------------- a snapshot's parts
+def misfit(target: Any, saved: Any) -> str:
+    """How a snapshot's ``saved`` state fails to fit ``target`` ("" if it loads): a module's tensors by name
+    and shape, an optimizer's parameter groups by size. Found before anything is loaded, where
+    ``load_state_dict`` would fail half-way with a traceback per rank. ``target`` is unwrapped already."""
+    if isinstance(target, nn.Module):
+        if not isinstance(saved, dict):
+            return "the snapshot holds no module weights there"
+        tensors = lambda sd: {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # noqa: E731 - not extra state
+        return weights_mismatch(tensors(target.state_dict()), tensors(saved))
+    if isinstance(target, torch.optim.Optimizer):
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list):
+            return "the snapshot holds no optimizer state there"
+        mine = [len(g["params"]) for g in target.param_groups]
+        theirs = [len(g.get("params", ())) for g in groups]
+        return "" if mine == theirs else f"parameters per group {theirs} in the snapshot, {mine} here"
+    return ""
+
+
+def check_plain(name: str, value: Any, where: str) -> None:
+    """Raise unless ``value`` is what ``torch.load(weights_only=True)`` reads back; ``where`` names the call."""
+    if type(value) in PLAIN or isinstance(value, torch.Tensor):  # exact types: numpy's float64 is a float too,
+        return  # and torch.load(weights_only=True) refuses it
+    if type(value) in (list, tuple):
+        for v in value:
+            check_plain(name, v, where)
+        return
+    if type(value) in (dict, collections.OrderedDict):
+        for k, v in value.items():
+            check_plain(name, k, where)
+            check_plain(name, v, where)
+        return
+    raise ConfigError(
+        f"{where}: {name!r} holds {type(value).__module__}.{type(value).__qualname__}, which a snapshot "
+        f"cannot hold: pass an object with state_dict(), or plain values (numbers, strings, tensors, lists, "
+        f"dicts); convert numpy values with float() or torch.as_tensor()"
+    )
+
+
+def to_host(tree: Any) -> Any:
+    """``tree`` with every tensor detached and on the CPU (what a snapshot or best.pt holds)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_host(v) for v in tree)
+    return tree

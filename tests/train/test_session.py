@@ -1,0 +1,157 @@
+"""The run session (train/session.py): the protocol between a loop and the parts, written once.
+
+Both faces, the engine (``Trainer``, the CLI) and ``ddpkit.Loop``, reach snapshots, stops, records, best.pt,
+evaluation and autocast through it. These tests hold them to that: each face is run in this process at
+world 1 (a real gloo group of one), and the session's functions are spied on, not replaced.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import float64_engine
+
+import ddpkit
+from ddpkit.errors import Stopped
+from ddpkit.ranks.context import DistContext, distributed
+from ddpkit.train import evaluate as evaluate_module
+from ddpkit.train.session import Amp, Session, misfit
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "ddpkit"
+
+
+def _spy(monkeypatch, owner, name) -> list:
+    calls = []
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def _loop_keeping_best(run_dir: str) -> None:
+    with ddpkit.Loop(run_dir, device="cpu", log_every=0) as loop:
+        model = loop.wrap(torch.nn.Linear(2, 1))
+        loop.resume(model=model)
+        for step in loop.steps(3):
+            loop.best("val_loss", 3.0 - step)
+
+
+def test_both_faces_write_best_pt_through_the_one_writer(tmp_path, monkeypatch):
+    """``--keep-best`` in the engine and ``Loop.best`` write best.pt through ``Session.write_best`` alone, in
+    one layout: ``torch.load(path)["weights"]["model"]`` loads into the model."""
+    calls = _spy(monkeypatch, Session, "write_best")
+    with distributed("cpu") as ctx:
+        engine = float64_engine(ctx, tmp_path / "engine", val_fraction=0.25, keep_best="val_loss", eval_every_steps=2)
+        engine.fit()
+    engine_calls = len(calls)
+    assert engine_calls >= 1
+    _loop_keeping_best(str(tmp_path / "loop"))
+    assert len(calls) - engine_calls == 3  # a new best at every step: 3.0, 2.0, 1.0
+    for face in ("engine", "loop"):
+        blob = torch.load(tmp_path / face / "best.pt", weights_only=True)
+        assert set(blob) == {"metric", "value", "step", "weights"} and set(blob["weights"]) == {"model"}
+    assert torch.load(tmp_path / "loop" / "best.pt", weights_only=True)["value"] == 1.0
+    engine.raw.load_state_dict(torch.load(tmp_path / "engine" / "best.pt", weights_only=True)["weights"]["model"])
+
+
+def test_both_faces_evaluate_through_the_one_function(tmp_path, monkeypatch):
+    """The engine's test and validation evaluations and ``Loop.evaluate`` run ``evaluate_split``; its exact
+    means are the means over the whole split."""
+    from ddpkit import loop as loop_module
+
+    assert loop_module.evaluate_split is evaluate_module.evaluate_split  # the same function, imported by name
+    calls = _spy(monkeypatch, evaluate_module, "evaluate_split")
+    monkeypatch.setattr(loop_module, "evaluate_split", evaluate_module.evaluate_split)  # the spy, there too
+    with distributed("cpu") as ctx:
+        float64_engine(ctx, tmp_path / "engine", val_fraction=0.25).fit()
+    assert len(calls) >= 2  # the validation split at the epoch's end, the test set at the run's end
+    seen = len(calls)
+    data = torch.arange(10.0).reshape(10, 1)
+    with ddpkit.Loop(str(tmp_path / "loop"), device="cpu", log_every=0) as loop:
+        identity = torch.nn.Linear(1, 1)
+        with torch.no_grad():
+            identity.weight.fill_(1.0), identity.bias.zero_()
+        model = loop.wrap(identity)
+        loop.resume(model=model)
+        result = loop.evaluate(
+            model, torch.utils.data.TensorDataset(data), lambda m, b: {"x": m(b[0]).mean()}, batch_size=3
+        )
+    assert len(calls) == seen + 1
+    assert result == {"x": 4.5}  # batches of 3, 3, 3 and 1: weighted by size, not a mean of batch means
+
+
+def test_there_is_one_raise_stopped_and_it_is_the_sessions():
+    """A stop saves, records and raises in one place: a grep of the package finds one ``raise Stopped``."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(call, ast.Name) and call.id == "Stopped":
+                    found.append(path.relative_to(SRC).as_posix())
+    assert found == ["train/session.py"]
+
+
+@pytest.mark.parametrize("face", ["engine", "loop"])
+def test_a_stop_at_a_step_already_saved_names_that_snapshot_and_saves_no_other(tmp_path, face):
+    """Both faces stop through ``Session.stop``: a snapshot, the record, Stopped. A stop at a step whose
+    snapshot was just written (the Loop's save_every_steps) writes it once."""
+    run_dir = tmp_path / face
+    if face == "loop":
+        with pytest.raises(Stopped, match="stopped on SIGTERM at step 2 .*snapshot-000000002.pt"):
+            with ddpkit.Loop(str(run_dir), device="cpu", log_every=2, save_every_steps=2) as loop:
+                model = loop.wrap(torch.nn.Linear(2, 1))
+                loop.resume(model=model)
+                for step in loop.steps(4):
+                    if step == 1:
+                        loop.session.signal.received = "SIGTERM"
+    else:
+        with distributed("cpu") as ctx, pytest.raises(Stopped, match="stopped on SIGTERM at step 4"):
+            engine = float64_engine(ctx, run_dir, log_every=4)
+            engine.session.signal.received = "SIGTERM"
+            engine.fit()
+    from clirun import read_jsonl
+
+    stopped = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"]
+    assert [(r["reason"], r["signal"]) for r in stopped] == [("signal", "SIGTERM")]
+    assert len(list((run_dir / "checkpoints").glob("snapshot-*.pt"))) == 1
+
+
+def test_a_snapshot_is_due_at_epoch_ends_and_every_n_steps_once_per_step(tmp_path):
+    ctx = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    session = Session(ctx, tmp_path, None, None, every_steps=3)
+    assert [s for s in range(1, 10) if session.snapshot_due(s)] == [3, 6, 9]
+    assert session.snapshot_due(4, epoch_end=True)
+    session.last_saved = 6
+    assert not session.snapshot_due(6) and not session.snapshot_due(6, epoch_end=True)
+
+
+def test_amp_none_promises_float32_inside_a_callers_autocast_and_a_loops_off_leaves_it():
+    """``--amp none`` turns off an autocast the caller has on (float32, as promised); ``Loop(amp="off")``
+    adds nothing to the user's own."""
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Amp("none", torch.device("cpu")).autocast():
+            assert (a @ b).dtype == torch.float32
+        with Amp("off", torch.device("cpu")).autocast():
+            assert (a @ b).dtype == torch.bfloat16
+        with Amp("bf16", torch.device("cpu")).autocast():
+            assert (a @ b).dtype == torch.bfloat16
+    assert not Amp("bf16", torch.device("cpu")).scaling and Amp("fp16", torch.device("cpu")).scaling
+
+
+def test_the_one_validator_names_what_does_not_fit():
+    model, other = torch.nn.Linear(2, 3), torch.nn.Linear(2, 4)
+    assert misfit(model, model.state_dict()) == ""
+    assert "other shapes ['bias', 'weight']" in misfit(model, other.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert misfit(opt, opt.state_dict()) == ""
+    two = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    assert misfit(opt, two.state_dict()) == "parameters per group [1, 1] in the snapshot, [2] here"
