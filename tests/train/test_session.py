@@ -155,3 +155,16 @@ def test_the_one_validator_names_what_does_not_fit():
     assert misfit(opt, opt.state_dict()) == ""
     two = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
     assert misfit(opt, two.state_dict()) == "parameters per group [1, 1] in the snapshot, [2] here"
+
+
+def test_only_the_ddp_strategy_knows_ddp():
+    """The strategy seam holds: no module but ``train/ddp.py`` names torch's DistributedDataParallel (the
+    engine, Loop, the checkpointer and the tools ask the strategy), so a second strategy is one file beside it."""
+    naming = []
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        if "DistributedDataParallel" in names:
+            naming.append(path.relative_to(SRC).as_posix())
+    assert naming == ["train/ddp.py"]
