@@ -106,6 +106,10 @@ def test_a_subset_reads_by_sample_and_a_batched_getitems_by_batch():
             torch.stack(read_samples(Batched(8), [0, 2], sample_key, (*batch_key, j))) for j in (0, 0, 1)
         )
     assert torch.equal(once, again) and not torch.equal(once[:, 1:], other[:, 1:])
+    # what the engine says follows each rank's batches at another world size
+    assert not LoaderSource(Draws(16), None, cfg(), ctx(), 4).draws_by_batch
+    assert LoaderSource(Draws(16), None, cfg(), ctx(), 4, collate_fn=drawing_collate).draws_by_batch
+    assert LoaderSource(Batched(16), None, cfg(), ctx(), 4).draws_by_batch
 
 
 def test_the_seeds_the_golden_runs_pin_keep_their_formulas():

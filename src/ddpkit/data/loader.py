@@ -46,7 +46,7 @@ from ..errors import ConfigError, DataError, DdpkitError
 from ..ranks.context import DistContext, cpu_threads
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
-from .draws import KeyedBatches, SeededFetch, as_is
+from .draws import KeyedBatches, SeededFetch, as_is, batched_reader
 from .seeds import (
     PrivateGenerators,
     eval_keys,
@@ -346,6 +346,13 @@ class LoaderSource(_Source):
     @property
     def used(self) -> int:
         return len(self.sampler) if self.uneven else self.steps_per_epoch * self.batch
+
+    @property
+    def draws_by_batch(self) -> bool:
+        """Whether what reading draws may follow each rank's batches, so change at another world size: a
+        ``collate_fn`` of the user's, or a dataset's own batched ``__getitems__`` (``data/seeds.py``). Draws
+        in ``__getitem__`` are keyed by sample: the same at any world size."""
+        return self.collate_fn is not None or batched_reader(self.data) is not None
 
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """The DistributedSampler's indices for ``epoch`` that the DataLoader's steps use."""
