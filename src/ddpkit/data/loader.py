@@ -421,7 +421,7 @@ class StreamSource:
             num_workers=self.workers,
             pin_memory=ctx.device.type == "cuda",
             # new workers each epoch, seeded for it (a resumed epoch's are the same), never the rank's generator
-            generator=torch.Generator(),
+            generator=loader_generator(cfg.seed, ctx.rank),  # seeded again as each epoch starts
             multiprocessing_context=WORKER_START if self.workers else None,
             worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if self.workers else None,
             **kwargs,

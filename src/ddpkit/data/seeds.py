@@ -191,6 +191,12 @@ class PrivateGenerators:
                 self.states = _states()
 
 
+def discarded_generator() -> torch.Generator:
+    """A generator whose draws nothing uses: a DataLoader given one draws its workers' base seed from it,
+    not from the rank's own stream (where ddpkit makes that draw itself, :func:`plain_loader_draw`)."""
+    return torch.Generator()
+
+
 def plain_loader_draw() -> None:
     """The one number a plain DataLoader draws from the rank's torch generator as a pass starts (its
     workers' base seed, ``torch.utils.data.dataloader._BaseDataLoaderIter``): made where ddpkit's loader

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -43,7 +42,7 @@ from ..ranks.context import DistContext
 from .batch import to_device
 from .draws import KeyedBatches
 from .loader import seeded_loader, unwrapped
-from .seeds import plain_loader_draw, train_keys
+from .seeds import discarded_generator, plain_loader_draw, train_keys
 
 
 class ShardedLoader:
@@ -93,7 +92,7 @@ class ShardedLoader:
             # Its base-seed draw is made by __iter__ (see the module docstring), not by a generator here.
             kwargs = {"collate_fn": collate_fn} if collate_fn is not None else {}
             self.loader = DataLoader(
-                dataset, batch_sampler=self.batches, pin_memory=pin_memory, generator=torch.Generator(), **kwargs
+                dataset, batch_sampler=self.batches, pin_memory=pin_memory, generator=discarded_generator(), **kwargs
             )
 
     @classmethod
