@@ -34,9 +34,10 @@ augmentation's and the elastic reseed's (SeedSequence already, in their own word
 by this version draws what it drew before).
 
 Cost. A sample read through :func:`seed_sample` seeds torch's CPU generator, numpy's and Python's:
-about 40-50 µs per sample on the 2-core CI machine under load (SeedSequence ~18 µs, numpy's legacy seed
-from 128 bits ~14 µs, Python's ~5 µs, torch's ~1.4 µs), in the DataLoader worker that reads it; small
-beside decoding an image, and the price of draws that do not depend on which rank or worker reads.
+50 µs per sample measured on a shared 2-core machine at load 3 (SeedSequence 18 µs, numpy's legacy seed
+from 128 bits 14 µs, Python's 5 µs, torch's 1.4 µs), 60-110 µs at load 8-10; paid in the DataLoader
+worker that reads the sample (in the rank at ``--num-workers 0``). Small beside decoding an image, and
+the price of draws that do not depend on which rank or worker reads.
 
 Not here: ``importpath.seeded`` (``--dataset``/``--model`` functions called with the three generators
 seeded with ``--seed``, and ``generators_kept``) sits below the data layer, which may not be imported
