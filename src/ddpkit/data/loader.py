@@ -522,9 +522,8 @@ def seeded_loader(
 ) -> DataLoader:
     """A DataLoader whose every item is one of ``batches``, each sample read under its own seeds and the
     batch collated under the batch's (``data/draws.py``); its ``generator``, not the rank's, seeds the
-    workers when they start, and
-    the user's ``worker_init_fn`` runs in each worker after ddpkit's own start-up. The one such loader,
-    for ``Trainer``'s loader path and ``Loop.data()``'s workers alike."""
+    workers when they start, and the user's ``worker_init_fn`` runs in each worker after ddpkit's own
+    start-up. The one such loader, for ``Trainer``'s loader path and ``Loop.data()``'s workers alike."""
     return DataLoader(
         SeededFetch(data, collate_fn),
         batch_size=None,  # each item is a whole batch: SeededFetch batches and collates
