@@ -707,7 +707,7 @@ def check_timeout_s(value: float, name: str = "--timeout-s") -> None:
 
 
 # --seed's largest value: what an int64 holds. torch.manual_seed takes up to 2**64-1, but ddpkit adds the
-# epoch to it (data/loader.py), and numpy's SeedSequence (run/checkpoint.py reseed) takes no negative seed.
+# epoch to it (data/loader.py), and numpy's SeedSequence (data/seeds.py reseed) takes no negative seed.
 SEED_MAX = 2**63 - 1
 
 
@@ -842,7 +842,7 @@ class LoopConfig:
 
     run_dir: str = "runs/loop"
     device: str = "auto"  # auto (cuda when there is a GPU), cpu, cuda
-    seed: int = 0  # the reseed at another world size, and the per-batch draws of DataLoader workers
+    seed: int = 0  # the reseed at another world size, and the per-sample and per-batch draws of DataLoader workers
     amp: str = "off"  # off, bf16, fp16 (fp16 adds a GradScaler, used by backward/optimizer_step)
     sync_bn: bool = False  # every BatchNorm made synchronised across ranks by wrap()
     deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic

@@ -331,7 +331,10 @@ class Loop:
                 raise ConfigError("Loop.data(dataset) needs batch_size= (each rank's), or pass a DataLoader")
             loader = ShardedLoader(data, self.ctx, batch_size=batch_size, to_device=to_device, **settings)
         if loader.num_workers:
-            self._said("DataLoader workers draw per batch, seeded from (seed, epoch, rank, batch)")
+            self._said(
+                "DataLoader workers draw per sample, seeded from (seed, epoch, sample), and collate per batch, "
+                "from (seed, epoch, rank, batch)"
+            )
         if len(self._pending_loaders) > len(self._loaders):  # made after resume(): its position is waiting
             loader.load_state_dict(self._pending_loaders[len(self._loaders)])
         self._loaders.append(loader)

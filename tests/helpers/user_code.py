@@ -382,6 +382,24 @@ def augmenting_data(n: int = 96, seed: int = 0):
     return Augmenting(n, seed), Augmenting(n // 2, seed + 1)
 
 
+class WindowClassifier(nn.Module):
+    """A classifier of :class:`Augmenting`'s 4-feature windows with no draw of its own and nothing coupling a
+    batch's samples (no BatchNorm, no dropout): what it computes does not depend on the world size."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def noisy_collate(samples):
+    """(x, y) collated, with noise from torch's global generator added to x: a collate_fn that draws."""
+    x, y = torch.utils.data.default_collate(samples)
+    return x + 0.1 * torch.randn(x.shape, dtype=x.dtype), y
+
+
 class DrawingMLP(nn.Module):
     """Dropout, and a numpy and a Python draw in the training forward: the rank's own streams.
 

@@ -72,7 +72,7 @@ def test_random_draws_resume_bitwise_after_sigterm_and_sigkill(tmp_path, uninter
     assert "rank 1 was killed (SIGKILL)" in finished.stderr, finished.stderr
 
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
-    assert all("each batch read under its own seeds (seed, epoch, rank, batch)" in r["data"] for r in records)
+    assert all("each sample read under its own seeds (seed, epoch, sample)" in r["data"] for r in records)
     starts = [r["resumed_at_step"] for r in records]
     assert len(starts) == 3 and starts[0] is None, starts
     assert all(step % STEPS_PER_EPOCH for step in starts[1:]), starts  # both resumes mid-epoch

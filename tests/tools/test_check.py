@@ -317,18 +317,29 @@ def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
 
 @pytest.mark.multiprocess
 def test_check_is_inconclusive_on_data_that_draws_random_numbers_as_it_is_read():
-    """Each rank fetches its batches under seeds of their own (data/draws.py), which the seeds run does
-    not reach. Without the data probe the noise run (each batch's samples in another order, each drawn
-    anew) measured the draws as rounding, and the check PASSED a random dataset whose 2 processes drew
-    other numbers than 1 (14% apart)."""
-    from user_code import NoisyData, drawing_collate
+    """Each rank collates its batches under seeds of their own (seed, epoch, rank, batch: data/seeds.py),
+    which the seeds run does not reach. Without the data probe the noise run (each batch's samples in
+    another order, each drawn anew) measured the draws as rounding, and the check PASSED a random dataset
+    whose 2 processes drew other numbers than 1 (14% apart). Draws in ``__getitem__`` are keyed by sample
+    now, the same at any world size (the check passes on them: tests/data/test_seeds_world.py); a
+    ``collate_fn``'s stay the batch's."""
+    from user_code import NoisyData, PlainData, drawing_collate, noisy_collate
 
     from ddpkit.data import DataSplits
     from ddpkit.tools.check import data_draws
 
-    report = check(RegressionMLP(), NoisyData(128), config=TrainConfig(**TINY), nproc=2, steps=3, loss_fn=mse)
+    report = check(
+        RegressionMLP(),
+        PlainData(128, 0),
+        config=TrainConfig(**TINY),
+        nproc=2,
+        steps=3,
+        loss_fn=mse,
+        collate_fn=noisy_collate,
+    )
     assert report.verdict == "INCONCLUSIVE", report.text()
-    assert "reading the training data draws random numbers" in report.text()
+    assert "reading the training data draws random numbers in its collate_fn" in report.text()
     plain = regression_data(16, 0)
     assert data_draws(DataSplits(plain, plain, None)) is None
     assert data_draws(DataSplits(plain, plain, None, lambda s: drawing_collate([x for x, _ in s]))) is not None
+    assert data_draws(DataSplits(NoisyData(16), NoisyData(16), None)) is None  # keyed by sample

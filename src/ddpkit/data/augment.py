@@ -11,9 +11,10 @@ code runs on CPU and CUDA tensors; there is no Python loop over samples and no P
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .seeds import augment_generator
 
 CROP_PAD = 4  # pixels of zero padding for random crops, as in the CIFAR seeds
 
@@ -21,8 +22,7 @@ CROP_PAD = 4  # pixels of zero padding for random crops, as in the CIFAR seeds
 def epoch_params(n: int, seed: int, epoch: int, augment: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Crop offsets [n, 2] (int64, 0..2*pad) and flip flags [n] (bool) for every sample of an
     ``n``-sample dataset in ``epoch``, by sample index."""
-    mixed = int(np.random.SeedSequence([seed, epoch, 0xA06]).generate_state(1)[0])
-    gen = torch.Generator().manual_seed(mixed)
+    gen = augment_generator(seed, epoch)
     pad = CROP_PAD if augment == "crop-flip" else 0
     offsets = torch.randint(0, 2 * pad + 1, (n, 2), generator=gen)
     flips = (

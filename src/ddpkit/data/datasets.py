@@ -25,6 +25,7 @@ from .cifar import LAYOUTS as CIFAR_LAYOUTS
 from .cifar import read_cifar_split
 from .folder import load_imagefolder
 from .idx import read_idx_pair
+from .seeds import holdout_generator, synthetic_generator
 from .types import DataSplits, ImageData, Meta, TensorData, infer_meta
 
 MNIST_DIR = Path(__file__).parent / "mnist"
@@ -95,7 +96,7 @@ def load_cifar100(cfg: TrainConfig, download: bool) -> DataSplits:
 def load_synthetic(cfg: TrainConfig, download: bool) -> DataSplits:
     """Random uint8 images and labels, for benchmarks; the same for every rank and seed."""
     c, h, w = cfg.synthetic_shape_tuple
-    gen = torch.Generator().manual_seed(1234)
+    gen = synthetic_generator()
 
     def split(n: int) -> ImageData:
         return ImageData(
@@ -165,7 +166,7 @@ def hold_out(splits: DataSplits, cfg: TrainConfig) -> DataSplits:
             f"--val-fraction {cfg.val_fraction} of {n} training samples holds out {k}: it must leave at least "
             f"one sample on each side"
         )
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
+    order = torch.randperm(n, generator=holdout_generator(cfg.seed))
     val, train = order[:k].sort().values, order[k:].sort().values
     return replace(splits, train=_subset(splits.train, train), val=_subset(splits.train, val))
 

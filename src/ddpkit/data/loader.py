@@ -7,9 +7,10 @@
   current step on CUDA.
 * :class:`LoaderSource` is the classic DataLoader + DistributedSampler (``loader``), for
   datasets that do not fit in memory (imagefolder), the user's own Dataset, and any dataset
-  given with a ``collate_fn`` (only a DataLoader calls it). Each of its batches is read and
-  collated under generators seeded for that batch alone (``data/draws.py``), so what the dataset
-  draws at random is the same after a resume and at any number of workers.
+  given with a ``collate_fn`` (only a DataLoader calls it). Each of its samples is read under
+  generators seeded for that sample alone, and each batch collated under the batch's
+  (``data/draws.py``, ``data/seeds.py``), so what the dataset draws at random is the same after a
+  resume, at any number of workers, and (in ``__getitem__``) at any world size.
 
 Both follow DistributedSampler(shuffle=True, drop_last=True) semantics: each epoch's
 permutation comes from (seed, epoch), every rank takes every world_size-th index, and
@@ -45,8 +46,17 @@ from ..errors import ConfigError, DataError, DdpkitError
 from ..ranks.context import DistContext, cpu_threads
 from .augment import CROP_PAD, Normalize, crop_flip, epoch_params
 from .batch import tensor_leaves, to_device, tree_map
-from .draws import EVAL, LOADER, TRAIN, KeyedBatches, SeededFetch, as_is, seed_of
-from .stream import STREAM, PrivateGenerators, Shard
+from .draws import KeyedBatches, SeededFetch, as_is, batched_reader
+from .seeds import (
+    PrivateGenerators,
+    eval_keys,
+    loader_generator,
+    order_generator,
+    seed_loader_epoch,
+    stream_key,
+    train_keys,
+)
+from .stream import Shard
 from .types import DataSplits, ImageData, Meta, TensorData
 
 
@@ -59,7 +69,7 @@ def epoch_order(
     ``shuffle_block`` B > 1 (one micro-batch of every rank, in samples) reorders the samples of every
     whole block of B in the epoch's permutation among themselves (``shuffle_in_batch``, ddpkit check's
     noise run): each micro-batch holds the same samples, in another order."""
-    gen = torch.Generator().manual_seed(seed + epoch)
+    gen = order_generator(seed, epoch)
     perm = torch.randperm(n, generator=gen)
     if shuffle_block > 1:
         perm = shuffled_within(perm, shuffle_block, gen)
@@ -327,7 +337,8 @@ class LoaderSource(_Source):
                 )
             )
             self.max_steps_per_epoch = self.steps_per_epoch
-        # The epoch's batches from a step on, each keyed (seed, epoch, rank, batch) for its random draws
+        # The epoch's batches from a step on, each keyed for its random draws: its samples by (seed, epoch,
+        # sample), its collate by (seed, epoch, rank, batch)
         self.positioned = KeyedBatches(self.sampler, self.batch, drop_last=not self.uneven)
         # Built once: with workers, they start once per run, not once per epoch.
         self.loader = _dataloader(data, self.positioned, cfg, ctx, collate_fn, worker_init_fn)
@@ -336,6 +347,13 @@ class LoaderSource(_Source):
     def used(self) -> int:
         return len(self.sampler) if self.uneven else self.steps_per_epoch * self.batch
 
+    @property
+    def draws_by_batch(self) -> bool:
+        """Whether what reading draws may follow each rank's batches, so change at another world size: a
+        ``collate_fn`` of the user's, or a dataset's own batched ``__getitems__`` (``data/seeds.py``). Draws
+        in ``__getitem__`` are keyed by sample: the same at any world size."""
+        return self.collate_fn is not None or batched_reader(self.data) is not None
+
     def epoch_indices(self, epoch: int) -> torch.Tensor:
         """The DistributedSampler's indices for ``epoch`` that the DataLoader's steps use."""
         self.sampler.set_epoch(epoch)
@@ -343,9 +361,10 @@ class LoaderSource(_Source):
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.sampler.set_epoch(epoch)
-        self.positioned.start, self.positioned.key = start_step, (self.cfg.seed, epoch, self.ctx.rank, TRAIN)
+        self.positioned.start = start_step
+        self.positioned.key, self.positioned.samples = train_keys(self.cfg.seed, epoch, self.ctx.rank)
         # what a worker started now is seeded from, never the rank's own generator (draws/docstring)
-        self.loader.generator.manual_seed(seed_of((self.cfg.seed, epoch, self.ctx.rank, LOADER)))
+        seed_loader_epoch(self.loader.generator, self.cfg.seed, epoch, self.ctx.rank)
         offsets, flips = self._params(epoch)
         for step, batch in enumerate(unwrapped(self.loader), start=start_step):
             if step >= self.steps_per_epoch:
@@ -402,7 +421,7 @@ class StreamSource:
             num_workers=self.workers,
             pin_memory=ctx.device.type == "cuda",
             # new workers each epoch, seeded for it (a resumed epoch's are the same), never the rank's generator
-            generator=torch.Generator(),
+            generator=loader_generator(cfg.seed, ctx.rank),  # seeded again as each epoch starts
             multiprocessing_context=WORKER_START if self.workers else None,
             worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if self.workers else None,
             **kwargs,
@@ -414,8 +433,8 @@ class StreamSource:
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator:
         self.shard.epoch, self.shard.start = epoch, start_step  # before iter(): the workers start with them
-        self.loader.generator.manual_seed(seed_of((self.cfg.seed, epoch, self.ctx.rank, LOADER)))
-        own = None if self.workers else PrivateGenerators((self.cfg.seed, epoch, self.ctx.rank, 0, STREAM))
+        seed_loader_epoch(self.loader.generator, self.cfg.seed, epoch, self.ctx.rank)
+        own = None if self.workers else PrivateGenerators(stream_key(self.cfg.seed, epoch, self.ctx.rank, 0))
         it = iter(unwrapped(self.loader))
         for step in range(start_step, self.steps_per_epoch):
             try:
@@ -472,7 +491,7 @@ def _worker_start(worker_id: int, user_init=None) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # every thread: only the waiter takes it
         threading.Thread(target=_obey_rank, args=(os.getppid(),), daemon=True, name="ddpkit-sigterm").start()
     if user_init is not None:
-        user_init(worker_id)  # what it seeds is reseeded per batch at each read (data/draws.py)
+        user_init(worker_id)  # what it seeds is reseeded per sample and batch at each read (data/draws.py)
 
 
 def _obey_rank(rank_pid: int) -> None:
@@ -501,10 +520,10 @@ def seeded_loader(
     collate_fn=None,
     worker_init_fn=None,
 ) -> DataLoader:
-    """A DataLoader whose every item is one of ``batches``, fetched and collated under that batch's own
-    seeds (``data/draws.py``); its ``generator``, not the rank's, seeds the workers when they start, and
-    the user's ``worker_init_fn`` runs in each worker after ddpkit's own start-up. The one such loader,
-    for ``Trainer``'s loader path and ``Loop.data()``'s workers alike."""
+    """A DataLoader whose every item is one of ``batches``, each sample read under its own seeds and the
+    batch collated under the batch's (``data/draws.py``); its ``generator``, not the rank's, seeds the
+    workers when they start, and the user's ``worker_init_fn`` runs in each worker after ddpkit's own
+    start-up. The one such loader, for ``Trainer``'s loader path and ``Loop.data()``'s workers alike."""
     return DataLoader(
         SeededFetch(data, collate_fn),
         batch_size=None,  # each item is a whole batch: SeededFetch batches and collates
@@ -514,7 +533,7 @@ def seeded_loader(
         persistent_workers=workers > 0,  # started once, not at every epoch
         prefetch_factor=4 if workers else None,  # batches in flight per worker
         collate_fn=as_is,
-        generator=torch.Generator().manual_seed(seed_of((seed, rank, LOADER))),
+        generator=loader_generator(seed, rank),
         multiprocessing_context=WORKER_START if workers else None,
         worker_init_fn=functools.partial(_worker_start, user_init=worker_init_fn) if workers else None,
     )
@@ -621,7 +640,8 @@ class EvalSource:
             # the same tensor unless a user's labels live on another device than their images
             self._label_index = self.index.to(data.labels.device if isinstance(data, ImageData) else where)
         else:
-            keyed = KeyedBatches(list(self.indices), batch, drop_last=False, key=(cfg.seed, ctx.rank, EVAL))
+            key, samples = eval_keys(cfg.seed, ctx.rank)
+            keyed = KeyedBatches(list(self.indices), batch, drop_last=False, key=key, samples=samples)
             self.loader = _dataloader(data, keyed, cfg, ctx, collate_fn, worker_init_fn)
 
     def batches(self) -> Iterator:

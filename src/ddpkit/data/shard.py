@@ -17,16 +17,16 @@ generators, as they do in a plain DataLoader; the snapshot saves those generator
 exact. A plain DataLoader also draws one number from the rank's torch generator each time a pass
 starts (its workers' base seed); this loader draws it too, at the start of each epoch only, so the
 rank's stream is the plain loop's, and a mid-epoch resume does not draw it twice. With workers,
-each batch is fetched under generators seeded for that batch alone, from (seed, epoch, rank, batch)
-(:mod:`ddpkit.data.draws`), the only way its draws are the same after a resume; the ``[start]``
-line says so.
+each sample is read under generators seeded for that sample alone, from (seed, epoch, sample index),
+and each batch collated under the batch's, from (seed, epoch, rank, batch) (:mod:`ddpkit.data.draws`,
+:mod:`ddpkit.data.seeds`), the only way its draws are the same after a resume; the ``[start]`` line
+says so.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -40,8 +40,9 @@ from torch.utils.data import (
 from ..errors import ConfigError, article
 from ..ranks.context import DistContext
 from .batch import to_device
-from .draws import TRAIN, KeyedBatches
+from .draws import KeyedBatches
 from .loader import seeded_loader, unwrapped
+from .seeds import discarded_generator, plain_loader_draw, train_keys
 
 
 class ShardedLoader:
@@ -82,7 +83,7 @@ class ShardedLoader:
         self.batches = KeyedBatches(self.sampler, batch_size, drop_last)
         self.epoch, self.batch = 0, 0
         self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
-        if num_workers:  # each batch fetched and collated under its own seeds, in whichever worker reads it
+        if num_workers:  # each sample read, and each batch collated, under its own seeds, in whichever worker
             self.loader = seeded_loader(
                 dataset, self.batches, seed, ctx.rank, num_workers, pin_memory, collate_fn, worker_init_fn
             )
@@ -91,7 +92,7 @@ class ShardedLoader:
             # Its base-seed draw is made by __iter__ (see the module docstring), not by a generator here.
             kwargs = {"collate_fn": collate_fn} if collate_fn is not None else {}
             self.loader = DataLoader(
-                dataset, batch_sampler=self.batches, pin_memory=pin_memory, generator=torch.Generator(), **kwargs
+                dataset, batch_sampler=self.batches, pin_memory=pin_memory, generator=discarded_generator(), **kwargs
             )
 
     @classmethod
@@ -143,10 +144,11 @@ class ShardedLoader:
         if start == 0:
             # The plain DataLoader's draw of its workers' base seed, from the rank's torch generator
             # (torch.utils.data.dataloader._BaseDataLoaderIter): the same stream as the plain loop's.
-            torch.empty((), dtype=torch.int64).random_()
+            plain_loader_draw()
         self.sampler.set_epoch(self.epoch)
         self.batch = start
-        self.batches.start, self.batches.key = start, (self.seed, self.epoch, self.ctx.rank, TRAIN)
+        self.batches.start = start
+        self.batches.key, self.batches.samples = train_keys(self.seed, self.epoch, self.ctx.rank)
         for batch in unwrapped(self.loader):
             self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
             yield to_device(batch, self.ctx.device) if self.to_device else batch

@@ -30,17 +30,12 @@ index: ``test_data`` (and ``val_data``) stay map-style.
 
 from __future__ import annotations
 
-import random
 from typing import Iterator
 
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import DataError
-from .draws import generators_set_aside, seed_generators
-
-STREAM = 0x57EA  # tags the stream's seeds apart from every other use of the run's seed
+from .seeds import seed_generators, stream_key
 
 # The shard being read in this process: (index, count), whether the dataset asked for it, the shard's items
 # already trained on this epoch, whether the dataset asked for that
@@ -84,7 +79,7 @@ class Shard(IterableDataset):
         index, count = self.rank * self.workers + worker, self.world * self.workers
         done = len(range(worker, self.start, self.workers)) * self.batch  # this shard's items trained on already
         if info is not None:  # a worker: its generators are the shard's (the rank's are set aside: StreamSource)
-            seed_generators((self.seed, self.epoch, self.rank, worker, STREAM))
+            seed_generators(stream_key(self.seed, self.epoch, self.rank, worker))
         if hasattr(self.data, "set_epoch"):
             self.data.set_epoch(self.epoch)
         _shard[:] = [(index, count), False, done, False]
@@ -102,34 +97,6 @@ class Shard(IterableDataset):
                 yield item
         finally:
             _shard[:] = [None, False, 0, False]
-
-
-class PrivateGenerators:
-    """torch's (CPU), numpy's and Python's global generators for one stream, seeded from ``key``, swapped in
-    around each read (:meth:`read`) and out again: the rank's own streams are not moved by the data's draws."""
-
-    def __init__(self, key: tuple[int, ...]):
-        with generators_set_aside():
-            seed_generators(key)
-            self.states = _states()
-
-    def read(self, it: Iterator):
-        with generators_set_aside():
-            _restore(self.states)
-            try:
-                return next(it)
-            finally:
-                self.states = _states()
-
-
-def _states():
-    return torch.default_generator.get_state(), np.random.get_state(), random.getstate()
-
-
-def _restore(states) -> None:
-    torch.default_generator.set_state(states[0])
-    np.random.set_state(states[1])
-    random.setstate(states[2])
 
 
 def first_items(data, n: int) -> list:

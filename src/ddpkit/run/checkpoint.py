@@ -24,16 +24,15 @@ index in every receiver; so it must hold CPU tensors and plain numbers only.
 from __future__ import annotations
 
 import os
-import random
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.seeds import reseed, rng_state, set_rng_state  # every seed and generator state is data/seeds.py's
 from ..errors import ConfigError, RunDirError, article
 from ..files import atomic_write, torch_bytes
 from ..ranks.context import DistContext, on_rank0
@@ -47,49 +46,6 @@ if TYPE_CHECKING:
 FORMAT = 2  # 2: per-rank metric sums as floats, final_train metrics (ddpkit 0.2)
 _NAME = re.compile(r"snapshot-(\d+)\.pt$")
 NEWEST = "newest"  # checkpoints/newest: the step of the newest snapshot written, to say when it has gone
-
-
-def rng_state(device: torch.device) -> dict:
-    """This process's RNGs as tensors and ints (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-        "numpy_gauss": [int(np_state[3]), float(np_state[4])],
-        "python": [py_version, list(py_internal), py_gauss],
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    np.random.set_state(
-        (
-            "MT19937",
-            state["numpy_keys"].numpy().astype(np.uint32),
-            state["numpy_pos"],
-            state["numpy_gauss"][0],
-            state["numpy_gauss"][1],
-        )
-    )
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
-def reseed(seed: int, global_step: int, rank: int) -> None:
-    """Fresh random streams for ``rank`` after a resume at another world size, where the saved
-    per-rank streams cannot be continued (there is no rank 2 to take over from a world of 2).
-    A function of (seed, step, rank): distinct per rank, the same on every rerun."""
-    mixed = int(np.random.SeedSequence([seed, global_step, rank, 0xE1A5]).generate_state(1, np.uint64)[0])
-    torch.manual_seed(mixed)  # also every CUDA device's generator
-    np.random.seed(mixed % 2**32)
-    random.seed(mixed)
 
 
 def check_host_only(tree, what: str) -> None:

@@ -54,12 +54,15 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset, default_collate
 
 from ..config import TrainConfig
-from ..data import DataSplits, load_dataset
+from ..data import DataSplits, ImageData, TensorData, load_dataset
 from ..data.batch import tensor_leaves, tree_map
-from ..data.draws import seed_generators
+from ..data.draws import batched_reader, read_samples
 from ..data.loader import make_sources
+from ..data.seeds import seed_all, seed_batch, seed_generators, seed_weights, train_keys
+from ..data.stream import first_items
 from ..device import resolve_device_type
 from ..errors import (
     ConfigError,
@@ -273,7 +276,7 @@ def check(
     splits = probe.splits if probe.splits is not None else load_dataset(probe.config.resolved())
     if model is None:  # the registry model, built here so that every run starts from the same weights
         cfg = probe.config.resolved()
-        torch.manual_seed(cfg.seed)
+        seed_weights(cfg.seed)
         model = model_for(cfg, splits.meta)
     model = without_randomness(copy.deepcopy(model), notes)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -390,22 +393,55 @@ def check(
 
 
 def data_draws(splits: DataSplits) -> str | None:
-    """What makes the training data random, if reading it draws random numbers (in ``__getitem__`` or the
-    ``collate_fn``): its first samples read twice, with torch's, numpy's and Python's generators seeded
-    apart. Each rank fetches its batches under seeds of their own (seed, epoch, rank, batch:
-    ``data/draws.py``), which no seeds run reaches, so N processes draw other numbers than 1 and the
-    weights cannot be compared. None: both reads were the same."""
-    reads = []
+    """What makes the training data differ between 1 and N processes, if reading it draws random numbers
+    that are not keyed by sample: its first samples read twice as the DataLoader path reads them, then
+    collated twice, with torch's, numpy's and Python's generators seeded apart around each. A map-style
+    dataset's ``__getitem__`` draws under each sample's own seeds (seed, epoch, sample: ``data/seeds.py``),
+    the same at any world size, so those reads agree; a ``collate_fn`` (or a dataset's own batched
+    ``__getitems__``) draws under the batch's (seed, epoch, rank, batch), and N processes cut other batches
+    than 1; an IterableDataset's draws follow its shards, and a generator the dataset keeps itself is
+    reached by no seed. None: both reads, and both collates, were the same."""
+    data = splits.train
+    if isinstance(data, (ImageData, TensorData)) and splits.collate_fn is None:
+        return None  # indexed in memory: augmented (if at all) by sample index, never through a DataLoader
+    stream = isinstance(data, IterableDataset)
+    n = 4 if stream else min(4, len(data))
+    batch_key, sample_key = train_keys(0, 0, 0)
+    reads, collated = [], []
     with generators_kept():
-        for seed in (1, 2):
-            seed_generators((seed,))
-            reads.append(tensor_leaves(sample_batch(splits, 4)))
-    if len(reads[0]) == len(reads[1]) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(*reads)):
-        return None
-    return (
-        "reading the training data draws random numbers (its __getitem__ or collate_fn): each rank draws "
-        "its own for its batches, so N processes train on other numbers than 1"
-    )
+        for other in (1, 2):  # the batch's key differs between the reads, as between 1 and N processes
+            seed_generators((other,))
+            reads.append(
+                first_items(data, n) if stream else read_samples(data, range(n), sample_key, (*batch_key, other))
+            )
+        for other in (1, 2):
+            seed_batch((*batch_key, other))
+            collated.append((splits.collate_fn or default_collate)(reads[0]))
+    if not _same(reads[0], reads[1]):
+        why = (
+            "an IterableDataset's follow its shards"
+            if stream
+            else "the dataset's own __getitems__ reads a batch at once, under each rank's batch's seeds"
+            if batched_reader(data) is not None
+            else "from a generator the dataset keeps itself, which ddpkit does not seed"
+        )
+        return (
+            f"reading the training data draws random numbers not keyed by sample ({why}): N processes train on "
+            f"other numbers than 1"
+        )
+    if not _same(collated[0], collated[1]):
+        return (
+            "reading the training data draws random numbers in its collate_fn, each rank's for its own batch "
+            "(seed, epoch, rank, batch): N processes, which cut the global batch into other batches, train on "
+            "other numbers than 1"
+        )
+    return None
+
+
+def _same(a, b) -> bool:
+    """Whether two reads of the data hold the same tensors (the same structure, shapes and values)."""
+    ta, tb = tensor_leaves(a), tensor_leaves(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
 
 
 def without_randomness(model: nn.Module, notes: list[str]) -> nn.Module:
@@ -490,9 +526,7 @@ def randomness_probe(model: nn.Module, task, batch, dtype: str) -> Randomness | 
             probe = copy.deepcopy(model).train()
             if dtype == "float64":
                 probe = probe.double()
-            torch.manual_seed(seed)  # restored by generators_kept, as numpy's and Python's
-            np.random.seed(seed)
-            random.seed(seed)
+            seed_all(seed)  # restored by generators_kept
             hooks = [_watch(name, m, draws, states) for name, m in probe.named_modules()] if seed == 1 else []
             try:
                 loss, _ = task.loss(probe, batch)
@@ -605,9 +639,7 @@ class OtherDraws:
     def __call__(self, module, args):
         if module.training and not self.done:  # eval-mode forwards before training are followed by its seeding
             self.done = True
-            torch.manual_seed(self.SEED)
-            np.random.seed(self.SEED)
-            random.seed(self.SEED)
+            seed_all(self.SEED)
 
 
 def runs_in_float64(model: nn.Module, task, batch) -> bool:

@@ -24,8 +24,8 @@ from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits
-from ..data.draws import seed_rank
 from ..data.loader import EvalSource, eval_source, make_sources
+from ..data.seeds import seed_rank
 from ..errors import DataError, NonFiniteLoss, RunDirError
 from ..models import uses_conv
 from ..ranks import env, hangwatch
@@ -119,7 +119,10 @@ class Engine:
         )
         self.data_note = splits.note
         if self.train_src.path == "dataloader":  # what ddpkit does to the draws of your __getitem__ and collate_fn
-            seeds = "each batch read under its own seeds (seed, epoch, rank, batch)"
+            seeds = (
+                "each sample read under its own seeds (seed, epoch, sample), "
+                "each batch collated under its own (seed, epoch, rank, batch)"
+            )
             self.data_note = f"{self.data_note}; {seeds}" if self.data_note else seeds
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
@@ -128,8 +131,7 @@ class Engine:
         static = static_graph and self.accum == 1 and cfg.grad_sync
         self.strategy = DDPStrategy()  # what depends on how the model is spread over the ranks (train/strategy.py)
         self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static, bool(self.find_unused))
-        torch.manual_seed(cfg.seed + 1 + ctx.rank)  # same init everywhere, different dropout per rank
-        seed_rank(cfg.seed, ctx.rank)  # numpy's and Python's too: per rank, the same at every rerun
+        seed_rank(cfg.seed, ctx.rank)  # torch's (dropout), numpy's and Python's: per rank, every rerun alike
         self.opt = (
             user_optimizer(optimizer, self.raw)
             if optimizer is not None
@@ -356,8 +358,9 @@ class Engine:
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
         ]
         caveats = ["each rank's random stream (dropout) starts afresh"]
-        if self.train_src.path == "dataloader":  # each batch's seeds are keyed by rank (data/draws.py)
-            caveats.append("random draws in your dataset's __getitem__ or collate_fn follow each rank's new batches")
+        # a collate_fn's draws are keyed by rank and batch (data/seeds.py); __getitem__'s by sample: the same
+        if self.train_src.path == "dataloader" and self.train_src.draws_by_batch:
+            caveats.append("random draws in your collate_fn (or __getitems__) follow each rank's new batches")
         if plain_bn and not self.cfg.sync_bn:
             caveats.append(
                 "BatchNorm without --sync-bn normalises each rank's share of the batch, now "

@@ -18,6 +18,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..data import DataSplits, load_dataset
 from ..data.loader import EvalSource, Preprocess
+from ..data.seeds import seed_weights
 from ..errors import AlreadyReported, ConfigError, DataError, TaskError
 from ..models import model_for
 from ..ranks import env
@@ -87,7 +88,7 @@ def same_identity(cfg: TrainConfig, ctx: DistContext) -> None:
 def _train(job: Job, ctx: DistContext) -> dict:
     cfg = job.cfg
     splits = job.splits or load_dataset(cfg, download=False)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    seed_weights(cfg.seed)  # identical initial weights on every rank
     # One deep copy of model, optimizer and scheduler together keeps the optimizer pointing at
     # this copy's parameters. Without a copy, spawned ranks on a node would share the
     # tensors torch.multiprocessing put in shared memory, and an in-process run would
