@@ -67,6 +67,7 @@ from .run.runkey import CodeKey
 from .train.evaluate import evaluate_split
 from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
 from .train.session import Amp, Session, check_plain, misfit, to_host
+from .train.signals import StopSignal
 from .train.strategy import strategy_for
 from .train.syncbn import convert_sync_batchnorm
 
@@ -144,6 +145,7 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
+            stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
             self.key = CodeKey(cfg, self._identity(), LoopConfig.HASHED, cfg.check_code)
             self.log_writer = MetricLogger(self.ctx, cfg.run_dir, 0, progress=False, config=self.key.to_dict())
@@ -156,8 +158,8 @@ class Loop:
                 keep=cfg.keep_snapshots,
                 every_steps=cfg.save_every_steps,
                 new_run="pass another run_dir to Loop",
+                signal=stop,
             )
-            self._stack.enter_context(self.session.signal)
             self.files = self.session.files
             on_rank0(self.ctx, lambda: self.files.checkpoints.mkdir(parents=True, exist_ok=True), "making the run dir")
             hangwatch.report_to(cfg.run_dir)

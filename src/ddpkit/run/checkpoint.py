@@ -159,7 +159,7 @@ class Checkpointer:
             dist.all_gather_object(gathered, per_rank)  # a collective: outside any rank-0 branch
         else:
             gathered = [per_rank]
-        path = self.dir / f"snapshot-{global_step:09d}.pt"
+        path = self.path_of(global_step)
 
         def write():
             for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
@@ -183,6 +183,10 @@ class Checkpointer:
         # also the barrier: nobody moves on (or reads) before the file is complete
         on_rank0(self.ctx, write, f"saving {path.name}")
         return path
+
+    def path_of(self, global_step: int) -> Path:
+        """The snapshot file of ``global_step`` (named alike on every rank, whether it sees the run dir or not)."""
+        return self.dir / f"snapshot-{global_step:09d}.pt"
 
     def restore(self, snap: dict) -> dict:
         """What :meth:`save` was given on this rank, from a snapshot :meth:`load_latest` chose: the global

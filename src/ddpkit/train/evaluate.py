@@ -59,13 +59,14 @@ def evaluate_split(
     names = acc.names if acc is not None else ()
     sums = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
     count = torch.tensor([float(samples)], dtype=torch.float64, device=ctx.device)
-    totals, (total_samples,) = framed_sums(ctx, "reduce", names, sums, count)  # the count travels as a flag
+    local = torch.cat([sums, count])  # before the all-reduce: past FRAME names it sums ``sums`` in place
+    totals, (total_samples,) = framed_sums(ctx, "evaluate", names, sums, count)  # the count travels as a flag
     if totals is None:
         raise ConfigError(
             f"the ranks' evaluations measured different names (this rank: {', '.join(names) or 'none'}): "
             f"measure the same names on every rank"
         )
-    totals, local = [*totals, total_samples], torch.cat([sums, count])
+    totals = [*totals, total_samples]
     return names, totals, local
 
 

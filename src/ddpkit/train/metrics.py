@@ -114,8 +114,12 @@ class Synced:
 FRAME = 32  # metric names in the first all-reduce: 2 * 32 float64 (512 bytes) beside the header
 HEAD = 7  # which call (and its square), the names' hash, their count (each with its square), past FRAME or not
 FLAGS = 3  # flag slots in every frame (a safe point's stop, bad weights, failed write; reduce() sends zeros)
-_CALLS = {"safe point": 1.0, "reduce": 2.0}  # which collective a rank is in (a safe point, loop.reduce/evaluate)
-_WHERE = {"safe point": "a safe point (loop.step(), a log interval)", "reduce": "loop.reduce() or loop.evaluate()"}
+_CALLS = {"safe point": 1.0, "reduce": 2.0, "evaluate": 3.0}  # which collective a rank is in
+_WHERE = {
+    "safe point": "a safe point (loop.step(), a log interval)",
+    "reduce": "loop.reduce()",
+    "evaluate": "an evaluation (loop.evaluate(), or Trainer's of a split)",
+}
 
 
 def _agree(total: float, total_square: float, world_size: int) -> bool:

@@ -62,11 +62,13 @@ class Session:
         keep: int = 2,
         every_steps: int = 0,
         new_run: str = "pass a new --run-dir",
+        signal: StopSignal | None = None,
     ):
         self.ctx, self.log, self.every_steps = ctx, log, every_steps
         self.files = RunFiles(run_dir)
         self.ckpt = Checkpointer(run_dir, ctx, key, keep=keep, new_run=new_run)
-        self.signal = StopSignal()  # entered by the face, around its steps
+        # Entered by the face around its steps; a face may enter its own earlier (Loop: before anything else)
+        self.signal = signal if signal is not None else StopSignal()
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
 
     # ------------------------------------------------------------------ snapshots
@@ -110,7 +112,7 @@ class Session:
         """Every rank, once the all-reduced flag says a rank was signalled: the snapshot (unless this step's
         is saved already), the ``stopped`` record, and :class:`ddpkit.errors.Stopped` with the signal's exit
         status. A rank told only through the flag stops as for SIGTERM."""
-        path = self.save(state, step) if step != self.last_saved else self.ckpt.snapshots()[0]
+        path = self.save(state, step) if step != self.last_saved else self.ckpt.path_of(step)
         name = self.signal.received or "SIGTERM"
         self.log.log("stopped", reason="signal", signal=name, step=step)
         raise Stopped(f"stopped on {name} at step {step} (epoch {epoch}); saved {path}; {again}", name)
@@ -119,7 +121,7 @@ class Session:
     def begin(self, step: int, epoch: int, write_record: Callable[[], None], **start: Any) -> None:
         """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
         config written (``write_record``, which writes on rank 0 itself), and the ``start`` record."""
-        on_rank0(self.ctx, lambda: self.log.begin(step, epoch), "rewinding metrics.jsonl")
+        on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
         write_record()
         ctx = self.ctx
         self.log.log("start", world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device), **start)
