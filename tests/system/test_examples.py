@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from clirun import ROOT, cli_env
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -94,10 +96,14 @@ GAN_RUN = ("--steps", "600", "--save-every", "100")  # the example's defaults, s
 
 @pytest.fixture(scope="module")
 def gan_uninterrupted(tmp_path_factory):
-    """One uninterrupted GAN run, shared by the tests below: its output and rank 0's final weights."""
-    where = tmp_path_factory.mktemp("gan")
-    out = run_example("gan", where, *GAN_RUN, "--save-weights", "final.pt")
-    return out, torch.load(where / "final.pt")
+    """One uninterrupted GAN run, shared by the tests below on any worker (once per pytest run:
+    tests/helpers/once.py): its output and rank 0's final weights."""
+
+    def make(where: Path) -> None:
+        (where / "stdout.txt").write_text(run_example("gan", where, *GAN_RUN, "--save-weights", "final.pt"))
+
+    where = once(tmp_path_factory, "gan", make)
+    return (where / "stdout.txt").read_text(), torch.load(where / "final.pt")
 
 
 def test_gan_trains_both_models_and_gets_near_the_ring(gan_uninterrupted):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import ROOT, WAIT_S, cli_env, read_jsonl, worker_pids
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -96,11 +97,13 @@ def assert_bitwise_equal(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """Run A: the same run as the kill test's, never interrupted."""
-    run_dir = tmp_path_factory.mktemp("a") / "run"
-    proc = run(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1))
-    assert proc.returncode == 0, proc.stderr
-    return run_dir
+    """Run A: the same run as the kill test's, never interrupted (once per pytest run: tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        proc = run(spec(where / "run", "slow", seconds=0.03, save_every_steps=5, log_every=1))
+        assert proc.returncode == 0, proc.stderr
+
+    return once(tmp_path_factory, "fault-tolerance-a", make) / "run"
 
 
 def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(tmp_path, uninterrupted):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from once import once
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,16 +55,17 @@ def changed_lines(old: str, new: str) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The token file, and the uninterrupted plain and ported runs: computed once for this module's tests."""
-    root = tmp_path_factory.mktemp("gpt")
-    tokens = root / "tokens.bin"
-    np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tokens)
-    return (
-        root,
-        tokens,
-        torchrun("gpt_plain.py", root / "plain", tokens),
-        torchrun("gpt_ported.py", root / "ported", tokens),
-    )
+    """The token file, and the uninterrupted plain and ported runs: computed once per pytest run, for this
+    module's tests on any worker (tests/helpers/once.py)."""
+
+    def make(root):
+        tokens = root / "tokens.bin"
+        np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tokens)
+        torchrun("gpt_plain.py", root / "plain", tokens)
+        torchrun("gpt_ported.py", root / "ported", tokens)
+
+    root = once(tmp_path_factory, "gpt-port", make)
+    return root, root / "tokens.bin", torch.load(root / "plain" / "out.pt"), torch.load(root / "ported" / "out.pt")
 
 
 def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(runs):

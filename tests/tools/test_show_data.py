@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from clirun import WAIT_S, cli_env, run_cli
 from matplotlib.image import imread
+from once import once
 from PIL import Image
 
 from ddpkit.cli import main
@@ -28,33 +30,36 @@ FOLDER_CLASSES = ["cat", "dog", "sea_urchin_with_a_very_long_name"]
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process."""
-    run_dir = tmp_path_factory.mktemp("run") / "mnist-mlp"
-    proc = run_cli(
-        "train",
-        "--dataset",
-        "mnist",
-        "--recipe",
-        "mnist",
-        "--model",
-        "mlp",
-        "--epochs",
-        "1",
-        "--limit-train",
-        "512",
-        "--limit-test",
-        "256",
-        "--nproc",
-        "1",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(run_dir),
-        "--quiet",
-        "--no-progress",
-    )
-    assert proc.returncode == 0, proc.stderr
-    return run_dir
+    """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process; once per pytest run,
+    for this module's tests on any worker (tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        proc = run_cli(
+            "train",
+            "--dataset",
+            "mnist",
+            "--recipe",
+            "mnist",
+            "--model",
+            "mlp",
+            "--epochs",
+            "1",
+            "--limit-train",
+            "512",
+            "--limit-test",
+            "256",
+            "--nproc",
+            "1",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(where / "mnist-mlp"),
+            "--quiet",
+            "--no-progress",
+        )
+        assert proc.returncode == 0, proc.stderr
+
+    return once(tmp_path_factory, "show-data-run", make) / "mnist-mlp"
 
 
 @pytest.fixture
