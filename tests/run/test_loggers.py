@@ -88,6 +88,7 @@ def _log_everything(tmp: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
     run_dir = logged_run
@@ -104,6 +105,7 @@ def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
     assert "epoch/peak_memory_mb" in tb and "summary/samples_per_s" in tb
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -120,6 +122,7 @@ def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     assert {m.name.tag for m in experiment.metric_infos} == {"epoch/test_loss", "epoch/test_accuracy"}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_csv_rows_are_the_jsonl_records(logged_run):
     run_dir = logged_run
@@ -136,6 +139,7 @@ def test_csv_rows_are_the_jsonl_records(logged_run):
                 assert row[key] == str(value), key
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_wandb_offline_makes_one_run_for_a_two_process_job(logged_run):
     run_dir = logged_run
@@ -145,6 +149,7 @@ def test_wandb_offline_makes_one_run_for_a_two_process_job(logged_run):
     assert runs[0].name.endswith(run_id) and list(runs[0].glob("*.wandb"))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plots_are_pngs_of_sensible_size(logged_run):
     run_dir = logged_run
@@ -156,6 +161,7 @@ def test_plots_are_pngs_of_sensible_size(logged_run):
         assert (run_dir / "plots" / name).stat().st_size > 10_000  # curves drawn, not an empty frame
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plot_command_overlays_runs_and_redraws_one(logged_run, tmp_path):
     import shutil

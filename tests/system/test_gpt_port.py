@@ -68,6 +68,7 @@ def runs(tmp_path_factory):
     return root, root / "tokens.bin", torch.load(root / "plain" / "out.pt"), torch.load(root / "ported" / "out.pt")
 
 
+@pytest.mark.slow
 def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(runs):
     tmp_path, tokens, plain, ported = runs
 
@@ -96,6 +97,7 @@ def test_port_changes_at_most_40_lines():
     assert 0 < n <= 40, n
 
 
+@pytest.mark.slow
 def test_the_port_stopped_and_killed_resumes_bitwise_with_each_ranks_prefetched_batch(runs, tmp_path):
     """SIGTERM at iteration 13 (saved at the next log interval, step 20), then SIGKILL at iteration 47 (nothing
     saved; the rerun resumes from the step-40 snapshot): the weights end bitwise the uninterrupted run's. Each

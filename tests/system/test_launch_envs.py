@@ -85,6 +85,7 @@ def slurm_node(node: int) -> dict:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kubeflow ddpkit", "kubeflow torchrun", "slurm per gpu", "slurm per node"])
 def test_each_cluster_launch_trains_like_ddpkits_own_launcher(tmp_path, reference, how):
     run_dir, port = tmp_path / "run", free_port()

@@ -65,6 +65,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return once(tmp_path_factory, "random-resume", make) / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_random_draws_resume_bitwise_after_sigterm_and_sigkill(tmp_path, uninterrupted, workers):
     run_dir = tmp_path / "run"

@@ -131,6 +131,7 @@ def test_tile_labels_mark_right_and_wrong():
     assert tiles[1] == [("\u2717 pred zero", True), ("true one", True)]  # wrong: bold, with the true class
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_predictions_count_right_as_the_model_does(trained_run, tmp_path):
     from ddpkit.config import TrainConfig
@@ -193,6 +194,7 @@ def test_refuses_to_overwrite_a_file_that_is_not_a_png(tmp_path):
         show_data("mnist", tmp_path / "grid.png", n=4, seed=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_custom_run_is_refused(trained_run, tmp_path):
     run = tmp_path / "custom"
@@ -204,6 +206,7 @@ def test_custom_run_is_refused(trained_run, tmp_path):
         show_data(None, tmp_path / "grid.png", predictions=run)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_errors_are_one_line(trained_run, tmp_path):
     """A dataset that is not the run's, and a run dir that does not exist: one line each, non-zero exit."""

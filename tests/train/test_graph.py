@@ -98,6 +98,7 @@ def eager(tmp_path_factory):
         graph.CAPTURE = graph.CudaCapture()
 
 
+@pytest.mark.slow
 def test_the_replayed_step_trains_the_same_bits_as_the_eager_one(tmp_path, eager):
     off = eager
     emulated = graph_emulation.install()
@@ -125,6 +126,7 @@ def test_auto_captures_the_builtin_step_at_world_one_and_says_so_on_the_start_li
     assert summary["cuda_graph"] == f"captured at step {graph.WARMUP_STEPS}"
 
 
+@pytest.mark.slow
 def test_a_failed_capture_is_one_line_and_the_run_goes_on_eagerly_with_the_same_bits(tmp_path, capsys, eager):
     off = eager
     why = "operation not permitted when stream is capturing"
@@ -231,6 +233,7 @@ def test_cuda_graph_on_without_a_gpu_is_refused_before_launch():
     assert str(err.value).startswith("--cuda-graph on cannot capture this run: the device is not CUDA")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_at_world_two_a_capture_failing_on_one_rank_drops_the_graph_on_every_rank(tmp_path):
     """Rank 1's capture fails, rank 0's works: both take the eager step from there (one all-reduce
