@@ -127,7 +127,7 @@ def workloads(args, work: Path, folder: Path) -> dict:
     return {
         "mnist_epoch": lambda d: (
             [py, "-m", "ddpkit", "train", *mnist, "--epochs", "1", "--run-dir", str(d)]
-            + (["--limit-train", "2000", "--limit-test", "500"] if args.tiny else [])
+            + (["--limit-train", "500", "--limit-test", "200"] if args.tiny else [])
         ),
         "one_step": lambda d: [
             py,

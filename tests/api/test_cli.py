@@ -22,6 +22,7 @@ def assert_one_line_error(proc, *fragments):
         assert fragment in errors[0], errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args,fragments",
@@ -39,6 +40,7 @@ def test_bad_flags(tmp_path, args, fragments):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_missing_dataset_offline_names_directory(tmp_path):
     proc = run_cli("train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--run-dir", str(tmp_path / "r"))
@@ -74,6 +76,7 @@ def test_corrupt_idx_names_the_file(tmp_path):
     assert_one_line_error(proc, str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("cli", ["ddpkit", "slow_rank0"])
 def test_under_torchrun_an_error_is_reported_once(tmp_path, cli):

@@ -239,6 +239,7 @@ def typed(name):
     return st.one_of(st.none(), TYPED[typ]) if optional else TYPED[typ]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(st.fixed_dictionaries({name: typed(name) for name in FIELDS}))
 def test_every_config_round_trips_through_toml(values):

@@ -13,6 +13,7 @@ from clirun import free_port
 from ddpkit import TrainConfig, Trainer
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_plain_ddp_loop_ported_with_default_settings_gives_its_losses_step_for_step(tmp_path):
     """Regression: the user's AdamW at a constant 1e-3 was driven by the default onecycle schedule
@@ -147,6 +148,7 @@ def test_a_diverging_run_says_so_in_one_line_and_in_its_summary(tmp_path, capsys
     assert result["diverged_at_step"] == 2 and "this run diverged at step 2" in out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_cnn_converges_on_an_image_folder_with_the_recipe_defaults(tmp_path, capsys):
     """Regression: `--model cnn` on an ImageFolder took the resnet recipe's lr 0.1 with a 100M-weight

@@ -222,6 +222,7 @@ def image_run(root, run_dir):
     return Trainer(cfg).fit()
 
 
+@pytest.mark.slow
 def test_images_added_or_removed_are_new_data(tmp_path, images, monkeypatch, capsys):
     """Regression: imagefolder:PATH was identified by its path: 40 images added gave the stale result,
     90 removed after a kill resumed on the new data and reported itself finished."""
@@ -262,6 +263,7 @@ def test_data_dir_files_and_init_from_weights_are_read_by_content(tmp_path):
 
 
 # ---------------------------------------------------------------- found in review: an identity that moved by itself
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_code_digest_is_the_same_under_every_hash_seed():
     """A set literal compiles to a frozenset constant whose repr order follows PYTHONHASHSEED: the same
@@ -549,6 +551,7 @@ def test_a_dataset_that_keeps_only_a_folder_path_is_not_matched_by_content(tmp_p
         fit(tmp_path / "r", train=identity_code.FolderData(str(folder)), reuse=True)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_what_is_read_now_is_the_same_in_every_process():
     """Library settings, class and private attributes, modules' constants, folders: the same identity under
@@ -622,6 +625,7 @@ def by_path(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+@pytest.mark.slow
 def test_show_data_refuses_a_model_or_data_its_import_path_no_longer_builds(by_path, tmp_path, monkeypatch, capsys):
     """Case 6: show-data --predictions rebuilt the model and data without comparing them with the run's."""
     import importlib
@@ -661,6 +665,7 @@ def test_show_data_refuses_a_model_or_data_its_import_path_no_longer_builds(by_p
     assert "fingerprinted by an older ddpkit; its model_digest cannot be compared" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_eval_refuses_a_model_its_import_path_no_longer_builds(by_path, tmp_path):
     """Case 6: `ddpkit eval` scored model.pt on a model whose forward had changed (test loss 1.831 for a run

@@ -135,6 +135,7 @@ def test_the_loader_reads_what_dataloader_with_distributedsampler_reads(tmp_path
     assert plain[0] != plain[1]  # and the epochs differ: set_epoch took effect
 
 
+@pytest.mark.slow
 @pytestmark_mp
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stopped_loop_resumes_its_loader_and_draws_exactly(tmp_path, workers):
@@ -162,6 +163,7 @@ def test_evaluate_counts_every_sample_once(tmp_path):
     assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_the_best_checkpoint_survives_a_stop(tmp_path):
     values = [5.0, 3.0, 4.0, 2.0, 6.0, 2.5]
@@ -198,6 +200,7 @@ def _torchrun(tmp_path, run_dir: str, out: str, nproc: int = 2, **env) -> subpro
     )
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_gpt_loop_killed_twice_finishes_bitwise_equal_and_resumes_at_another_world(tmp_path):
     np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
@@ -235,6 +238,7 @@ def test_a_branch_one_rank_skips_is_one_line_naming_the_loop_keyword(tmp_path):
         ddpkit.launch(lw.unused_branch, str(tmp_path / "r"), nproc=2, device="cpu")
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_world_1_resume_of_a_world_2_run_reads_the_same_global_batches(tmp_path):
     """Regression: at another world size the loader's position was converted as if each rank's batch were the
@@ -351,6 +355,7 @@ def test_the_loop_keeps_the_thread_count_the_process_has(tmp_path):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_deterministic_applies_in_a_group_the_loop_did_not_make(tmp_path):
     assert ddpkit.launch(lw.deterministic_inside, str(tmp_path / "r"), nproc=2, device="cpu") is True
@@ -362,6 +367,7 @@ def _same(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_what_resume_names_is_saved_per_rank_where_ranks_differ(tmp_path):
     """A prefetched batch, a hidden state and a cursor object, each different on every rank: a stopped run
@@ -457,6 +463,7 @@ def _a_script(tmp_path, body: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_ddpkit_error_in_a_plain_python_script_is_one_line_and_its_status(tmp_path):
     """Before: an 11-15-line traceback and exit 1 when the Loop made the group under plain python."""
@@ -487,6 +494,7 @@ print("at", loop.state.step, flush=True)
 """
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
     (tmp_path / "train.py").write_text(START_SCRIPT)
@@ -546,6 +554,7 @@ def test_a_deleted_newest_snapshot_is_said_when_an_older_one_is_resumed(tmp_path
     assert "is gone" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
     """Found in review: under ``ddpkit run`` the excepthook printed it, then the group's teardown at exit again
@@ -568,6 +577,7 @@ def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
 
 
 # ---------------------------------------------------------------- found in the last review: each failed before
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_module_named_unwrapped_is_still_known_replicated(tmp_path):
     """Before: model.module (or a compiled wrapper) was not matched to its DDP wrapper, hashed, and its
@@ -596,6 +606,7 @@ def test_a_module_with_extra_state_resumes(tmp_path):
     assert run().note == "kept"
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_bug_in_the_final_save_of_a_started_loop_is_a_failed_exit(tmp_path):
     """Before: the exception escaped the atexit handler ('Exception ignored') and the script exited 0."""
@@ -612,6 +623,7 @@ def test_a_bug_in_the_final_save_of_a_started_loop_is_a_failed_exit(tmp_path):
     assert proc.returncode == 1 and "RuntimeError: cannot" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytestmark_mp
 def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once_per_rank(tmp_path):
     """Before: the excepthook said it, then the group's teardown at exit said it again."""

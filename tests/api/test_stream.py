@@ -48,6 +48,7 @@ def weights(s: dict) -> dict:
     return torch.load(Path(s["run_dir"]) / "model.pt", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_sample_is_read_once_an_epoch_across_ranks_and_workers(tmp_path, workers):
     s = spec(tmp_path, "r", workers, seek=False)
@@ -58,6 +59,7 @@ def test_each_sample_is_read_once_an_epoch_across_ranks_and_workers(tmp_path, wo
     assert summary["steps"] == 12 and summary["data_path"] == "stream"
 
 
+@pytest.mark.slow
 def test_a_stream_read_whole_by_every_shard_is_still_split_exactly(tmp_path):
     """A dataset that does not ask for its shard: every rank reads it all, and keeps every 2nd row, its own."""
     s = spec(tmp_path, "r", 0, seek=True)  # (seek: its noise keyed by row, whoever reads it)
@@ -72,6 +74,7 @@ def test_a_stream_read_whole_by_every_shard_is_still_split_exactly(tmp_path):
     assert all(torch.equal(w[k], v[k]) for k in w)  # the same batches as a dataset reading its own shard
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers,seek", [(0, False), (2, True)])
 def test_a_sigkilled_stream_resumes_at_its_position_and_ends_bitwise(tmp_path, workers, seek):
     """SIGKILL after the step-3 snapshot of epoch 1 (step 9): the rerun resumes there. A dataset that seeks

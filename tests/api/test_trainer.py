@@ -34,6 +34,7 @@ from ddpkit.models import ConvNet
 SMALL = dict(batch_size=32, epochs=2, lr=0.05, progress=False, device="cpu", num_workers=0, log_every=5)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_rank_trains_its_own_copy_of_a_passed_model(tmp_path):
     """Regression: spawned workers got the model's tensors in shared memory, so both ranks
@@ -92,6 +93,7 @@ def TensorDatasetOfTokens():
     return torch.utils.data.TensorDataset(seqs.tokens[:, :-1], seqs.tokens[:, 1:])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(tmp_path):
     torch.manual_seed(0)
@@ -120,6 +122,7 @@ def test_a_regression_mlp_trains_on_two_processes_with_its_own_loss_and_metric(t
     assert {"train_loss", "train_mae", "test_loss", "test_mae"} <= set(epoch)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
     """Per-token loss reduces as (sum of token losses)/(token count) over all ranks, not as a mean of
@@ -153,6 +156,7 @@ def test_metrics_reduce_exactly_at_world_1_2_and_3(tmp_path):
         assert r["test_share"] == 1.0  # every sequence has at least one valid token: 101 of 101
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_grad_accumulation_and_two_ranks_match_one_rank_one_batch_in_float64(tmp_path):
     """Without BatchNorm, world 2 with 2 micro-batches of B/4 per rank is one step of B on the
@@ -187,6 +191,7 @@ def test_grad_accumulation_and_two_ranks_match_one_rank_one_batch_in_float64(tmp
     )  # and it did train
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dict_batches_train_through_the_models_own_loss_on_two_processes(tmp_path):
     """Regression: dict batches (as Hugging Face datasets give) failed with "'str' object has no attribute 'to'"."""
@@ -296,6 +301,7 @@ def test_each_run_of_one_process_is_timed_from_its_own_start(tmp_path, monkeypat
     assert runs[1]["startup_s"] < 30
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddpkit_eval_on_a_python_run_says_how_to_evaluate_it(tmp_path):
     """Regression: `ddpkit eval` on a custom run died with KeyError: 'custom:ImageData'."""
@@ -338,6 +344,7 @@ print("LAUNCH", launch(lambda ctx, k: (ctx.rank, ctx.world_size, k), 7, nproc=2)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_model_and_loss_defined_in_python_c_run_on_two_processes(tmp_path):
     """Regression: "Can't get attribute 'MLP' on <module '__main__'>". Workers are forked on CPU
@@ -508,6 +515,7 @@ Trainer(TrainConfig(nproc="1", max_restarts=1, device="cpu", batch_size=8, epoch
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback(tmp_path):
     script = tmp_path / "train.py"
@@ -524,6 +532,7 @@ def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
     """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's)."""

@@ -376,6 +376,7 @@ def test_no_collective_at_world_1_or_off_cuda(monkeypatch):
     assert choose_path(data(), path_cfg(), ctx(1, 2)) == "device"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_with_different_free_gpu_memory_choose_the_same_path():
     """Regression: each rank chose from its own free memory, so with another process on one GPU one rank

@@ -60,6 +60,7 @@ def metric_raising_at_step_3() -> dict:
     return dict(model=FaultyConvNet(), metrics={"fit": BreaksAtStep3()})  # one rank's error, filed by each
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "make,cls,fragment",

@@ -39,6 +39,7 @@ def hang(case: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedPr
     return proc, json.loads(reports[0].read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "case,expected",
@@ -80,6 +81,7 @@ def test_a_hang_is_reported_naming_the_rank_and_the_line_before_the_timeout(tmp_
     assert all(a["stack"] and a["recent"] for a in report["ranks"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_stopped_in_its_loss_is_named_while_the_other_waits_in_ddps_backward(tmp_path):
     """DDP's gradient all-reduce runs in C++, outside ddpkit's record: the step heartbeat raises the flag."""
@@ -91,6 +93,7 @@ def test_a_rank_stopped_in_its_loss_is_named_while_the_other_waits_in_ddps_backw
     assert re.match(r"rank [01] made no train step for \d+ s", report["why"]), report["why"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_late_in_its_own_loop_on_ddpkit_loop_is_named_with_its_line(tmp_path):
     """A user's own loop (ddpkit.Loop): its safe points are the heartbeat, its run dir holds the report."""
@@ -164,6 +167,7 @@ PAUSES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", PAUSES)
 def test_a_healthy_run_slower_than_the_threshold_reports_no_hang_and_exits_0(tmp_path, case):

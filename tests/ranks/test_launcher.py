@@ -123,6 +123,7 @@ def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, frag
     assert signal_failure({0: 1, 1: 2}, 30) is None  # ordinary exits keep their own reporting
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
     code = (
@@ -158,6 +159,7 @@ def user_script(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_result(user_script):
     proc = subprocess.run(
@@ -167,6 +169,7 @@ def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_r
     assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
     proc = subprocess.run(
@@ -265,6 +268,7 @@ print("RESULT", launch(lambda ctx: (torch.get_num_threads(), float((x @ x).sum()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_workers_forked_after_the_parent_used_openmp_run_one_thread_and_do_not_hang():
     """Regression: a child forked after its parent ran OpenMP regions hangs in its first parallel
@@ -318,6 +322,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "case,code,fragment",
@@ -374,6 +379,7 @@ sys.exit(run_reporting_errors(lambda: run_workers(sleep_then_return, (300, TermW
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("when", ["starting", "unpickled"])
 def test_a_sigterm_while_the_workers_start_reaches_them_and_ends_the_job_at_once(when, tmp_path):
@@ -403,6 +409,7 @@ def test_a_sigterm_while_the_workers_start_reaches_them_and_ends_the_job_at_once
 GUARD_PROBE = "from ddpkit.ranks.launcher import refuse_unguarded_main\n"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess  # starts interpreters (no process group)
 @pytest.mark.parametrize(
     "files,argv,refused",

@@ -37,6 +37,7 @@ def records(run_dir) -> list[tuple[str, int | None]]:
     return [(r["event"], r.get("step")) for r in map(json.loads, lines)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_loops_one_after_the_other_under_torchrun_both_train(tmp_path):
     """The Loop destroys the group it made on leaving its ``with``; a second Loop in the same script makes

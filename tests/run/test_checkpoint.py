@@ -197,6 +197,7 @@ def test_another_world_size_is_taken_but_not_for_a_join_run(tmp_path):
                 ckpt.load_latest()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_agree_on_the_snapshot_step_exactly_past_float32s_range(tmp_path):
     """float32 holds integers exactly only up to 2**24: 2**24 + 1 and 2**24 once compared as equal."""

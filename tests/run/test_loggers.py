@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from clirun import WAIT_S, cli_env, read_jsonl
+from once import once
 
 from ddpkit.config import parse_loggers
 from ddpkit.errors import ConfigError
@@ -34,8 +35,12 @@ def png_size(path: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
-    """One 2-process CLI run with every logger, wandb offline."""
-    tmp = tmp_path_factory.mktemp("logged")
+    """One 2-process CLI run with every logger, wandb offline: once per pytest run, for this module's tests on
+    any worker (tests/helpers/once.py)."""
+    return once(tmp_path_factory, "logged", _log_everything) / "run"
+
+
+def _log_everything(tmp: Path) -> None:
     env = cli_env(
         WANDB_MODE="offline",
         WANDB_SILENT="true",
@@ -81,12 +86,12 @@ def logged_run(tmp_path_factory):
         timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir, proc
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
-    run_dir, _ = logged_run
+    run_dir = logged_run
     records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if r["event"] == "step"]
     epochs = [r for r in records if r["event"] == "epoch"]
@@ -100,12 +105,13 @@ def test_tensorboard_has_every_logged_scalar_at_its_step(logged_run):
     assert "epoch/peak_memory_mb" in tb and "summary/samples_per_s" in tb
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    run_dir, _ = logged_run
+    run_dir = logged_run
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     content = acc.PluginTagToContent("hparams")
@@ -116,9 +122,10 @@ def test_tensorboard_records_the_config_as_hyperparameters(logged_run):
     assert {m.name.tag for m in experiment.metric_infos} == {"epoch/test_loss", "epoch/test_accuracy"}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_csv_rows_are_the_jsonl_records(logged_run):
-    run_dir, _ = logged_run
+    run_dir = logged_run
     records = read_jsonl(run_dir / "metrics.jsonl")
     with open(run_dir / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -132,18 +139,20 @@ def test_csv_rows_are_the_jsonl_records(logged_run):
                 assert row[key] == str(value), key
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_wandb_offline_makes_one_run_for_a_two_process_job(logged_run):
-    run_dir, _ = logged_run
+    run_dir = logged_run
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     run_id = (run_dir / "wandb-id").read_text().strip()
     assert runs[0].name.endswith(run_id) and list(runs[0].glob("*.wandb"))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plots_are_pngs_of_sensible_size(logged_run):
-    run_dir, _ = logged_run
+    run_dir = logged_run
     names = sorted(p.name for p in (run_dir / "plots").iterdir())
     assert names == ["accuracy.png", "loss.png", "throughput.png"]
     for name in names:
@@ -152,11 +161,15 @@ def test_plots_are_pngs_of_sensible_size(logged_run):
         assert (run_dir / "plots" / name).stat().st_size > 10_000  # curves drawn, not an empty frame
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plot_command_overlays_runs_and_redraws_one(logged_run, tmp_path):
+    import shutil
+
     from clirun import run_cli
 
-    run_dir, _ = logged_run
+    # a copy: the redraw below writes into RUN_DIR/plots, which the other worker's tests may be reading
+    run_dir = Path(shutil.copytree(logged_run, tmp_path / "run"))
     proc = run_cli("plot", str(run_dir), str(run_dir), "--out", str(tmp_path / "cmp"))
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["accuracy.png", "loss.png", "throughput.png"]

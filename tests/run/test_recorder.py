@@ -40,6 +40,7 @@ def test_other_ranks_never_touch_the_file(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"event": "step", "step": 99}]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_progress_bar_under_a_terminal_moves_every_step_and_keeps_the_tags(tmp_path):
     """Under a pseudo-terminal: the bar passes through step counts between log intervals (it only

@@ -142,6 +142,7 @@ def drawn_figures(monkeypatch) -> list:
     return figures
 
 
+@pytest.mark.slow
 def test_a_metric_named_throughput_keeps_its_own_file(tmp_path):
     """Regression: the samples/s panel was written over the user's metric ``throughput``."""
     write_run(tmp_path / "run", [json.dumps(step(n, throughput=0.5 * n, **{"top/1": 0.1})) for n in (4, 8)])

@@ -441,6 +441,7 @@ def test_a_bad_newest_snapshot_is_moved_aside_and_the_one_before_it_used(tmp_pat
     assert [p.name for p in ckpt.glob("snapshot-*.pt")] == ["snapshot-000000008.pt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.multiprocess)])
 def test_a_damaged_only_snapshot_is_one_line_and_nothing_changes(tmp_path, capsys, finished, nproc):
     """Issue 33: with no intact snapshot left, resuming is refused in one line (once, at any world size),
@@ -479,6 +480,7 @@ def in_namespace(script: str, timeout: float = 240) -> subprocess.CompletedProce
 PY = f"{sys.executable} -m ddpkit train {' '.join(TINY)}"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_read_only_run_dir_is_one_line_and_untouched(tmp_path, finished):
     mnt = tmp_path / "ro"
@@ -497,6 +499,7 @@ def test_a_read_only_run_dir_is_one_line_and_untouched(tmp_path, finished):
     check_one_line(2, "", proc.stdout.split("SAME", 1)[1], ["the filesystem is read-only"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_full_disk_during_a_snapshot_is_one_line_leaving_no_partial_file(tmp_path):
     """Regression: an ENOSPC traceback, and a partial .tmp left holding the space."""
@@ -577,6 +580,7 @@ def test_an_unreadable_image_is_named_once_before_launch(tmp_path, capsys, image
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_into(tmp_path, image_tree):
     """The same on the DataLoader path, where a worker meets it: one line, and no restart into it."""
@@ -698,6 +702,7 @@ def test_an_empty_test_set_is_an_error_not_accuracy_zero(tmp_path, capsys, image
     check_one_line(code, out, err, [f"imagefolder:{image_tree}"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "task,fragments",
@@ -725,6 +730,7 @@ def test_a_rank_that_never_arrives_is_one_line_naming_the_rendezvous(tmp_path, t
     check_one_line(proc.returncode, proc.stdout, proc.stderr, [*fragments, f":{port}"], exit_code=4)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
@@ -760,6 +766,7 @@ def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     """Regression: Ctrl-C took no snapshot, printed a KeyboardInterrupt traceback, and promised a snapshot."""
@@ -818,6 +825,7 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
     assert "stopped on SIGINT" in err and "error" not in err, err  # issue 33: a clean stop is no error
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_path, capsys):
     """Regression: workers outlived a SIGKILLed launcher by 1-3 s and once wrote one more snapshot."""
@@ -874,6 +882,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_p
         pass
 
 
+@pytest.mark.slow
 def test_any_unicode_run_dir_trains_resumes_and_evaluates(tmp_path, capsys):
     """Regression: an emoji in --run-dir was written to config.toml as a surrogate pair TOML rejects; the
     rerun the stop message recommends then refused, and `ddpkit eval` could not read the run."""
@@ -1013,6 +1022,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_parameters_unused_by_some_batches_name_ddpkits_flag_once(tmp_path):
     """Issue 33, case 15: DDP's 40-line error told the user to pass torch's keyword `find_unused_parameters=True`
@@ -1043,6 +1053,7 @@ run_reporting_errors(lambda: Trainer(cfg, model=torch.nn.Linear(2, 2), train_dat
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_script_without_the_main_guard_is_one_line_naming_its_line_before_launch(tmp_path):
     """Regression: each spawned worker imported the script, printed the reason once per rank, and the

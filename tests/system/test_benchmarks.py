@@ -11,6 +11,7 @@ from clirun import ROOT, cli_env
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
+@pytest.mark.slow
 def test_pipelines_harness_runs(tmp_path):
     out = tmp_path / "figures.json"
     proc = subprocess.run(
@@ -44,6 +45,7 @@ def test_pipelines_harness_runs(tmp_path):
     assert "(a) seed-style pipeline" in proc.stdout and "ratio" in proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     """benchmarks/gpu_acceptance.py --tiny: every procedure runs on CPU, CUDA-only checks are skipped,
     and the CPU kill-and-resume under --deterministic is bitwise exact."""
@@ -63,6 +65,7 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     assert "| check | target | measured | verdict |" in (tmp_path / "acceptance.md").read_text()
 
 
+@pytest.mark.slow
 def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
     """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here)."""
     out = tmp_path / "walltime.json"
@@ -87,6 +90,7 @@ def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
     assert "| 1-step run: wall |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_lazy_windows_benchmark_runs_in_both_modes_at_a_small_size(tmp_path):
     """benchmarks/lazy_windows.py with 3,000 windows: quick to read, so held in memory (the decision for a
     large one is tests/data/test_materialize.py's); it trains and reports. (Its "old" mode differs by one
@@ -109,6 +113,7 @@ def test_lazy_windows_benchmark_runs_in_both_modes_at_a_small_size(tmp_path):
         assert re.search(r"wall [\d.]+ startup_s [\d.]+ path in-memory", proc.stdout), proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):
     """benchmarks/host_cost.py --quick: every cut's row, old and new side by side, with the same results
     (its figures are not judged here)."""
@@ -132,6 +137,7 @@ def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):
     assert "| cut | what | old µs | new µs | new/old | saved µs |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_world_two_on_one_gpu_script_runs_its_cpu_mode(tmp_path):
     """benchmarks/world2_one_gpu.py --device cpu, its quickest check: two ranks with --sync-bn give
     step 1's loss of one rank with BatchNorm over the same global batch (the GPU run shares cuda:0)."""

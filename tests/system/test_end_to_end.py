@@ -42,6 +42,7 @@ def trained(tmp_path_factory):
     return run_dir, proc
 
 
+@pytest.mark.slow
 def test_two_process_gloo_train_writes_a_complete_run_dir(trained):
     run_dir, proc = trained
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -73,6 +74,7 @@ def test_two_process_gloo_train_writes_a_complete_run_dir(trained):
     assert "[optim]" in (run_dir / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_eval_recomputes_the_same_accuracy_with_another_world_size(trained):
     run_dir, _ = trained
     proc = run_cli("eval", str(run_dir), "--nproc", "3")
@@ -83,6 +85,7 @@ def test_eval_recomputes_the_same_accuracy_with_another_world_size(trained):
     assert result["test_accuracy"] == summary["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_overwrites_nothing(trained):
     run_dir, _ = trained
     before = (run_dir / "summary.json").read_text()
@@ -100,6 +103,7 @@ def test_rerunning_a_finished_run_overwrites_nothing(trained):
     assert (run_dir / "summary.json").read_text() == before and not (run_dir / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_a_different_config_is_refused_and_nothing_changes(trained):
     run_dir, _ = trained
     before = (run_dir / "config.toml").read_text()
@@ -112,6 +116,7 @@ def test_a_different_config_is_refused_and_nothing_changes(trained):
     assert (run_dir / "config.toml").read_text() == before
 
 
+@pytest.mark.slow
 def test_under_real_torchrun_with_sync_bn(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli(
@@ -134,6 +139,7 @@ def test_under_real_torchrun_with_sync_bn(tmp_path):
     assert proc.stdout.count("[summary]") == 1
 
 
+@pytest.mark.slow
 def test_a_stopped_run_continues_at_the_next_epoch(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "ddpkit", "train", *SMALL, "--nproc", "2", "--epochs", "3", "--run-dir", str(run_dir)]

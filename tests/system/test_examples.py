@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from clirun import ROOT, cli_env
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -36,6 +38,7 @@ def number(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 def test_toy_mlp_prints_per_rank_and_exact_global_accuracy(tmp_path):
     out = run_example("toy_mlp", tmp_path)
     assert re.search(r"rank 0: train accuracy [\d.]+ .* test accuracy 1\.00 \(1 of 2 test samples\)", out)
@@ -44,6 +47,7 @@ def test_toy_mlp_prints_per_rank_and_exact_global_accuracy(tmp_path):
     assert number(r"test accuracy ([\d.]+) over 2 test samples", out) == 1.0
 
 
+@pytest.mark.slow
 def test_regression_beats_the_mean_predictor_by_far(tmp_path):
     out = run_example("regression", tmp_path)
     mse, baseline = number(r"test MSE ([\d.]+)", out), number(r"training mean: ([\d.]+)", out)
@@ -51,6 +55,7 @@ def test_regression_beats_the_mean_predictor_by_far(tmp_path):
     assert 0 < number(r"test MAE ([\d.]+) over 1000 samples", out) < 0.3
 
 
+@pytest.mark.slow
 def test_char_gpt_ends_well_below_the_unigram_baseline_and_writes_text(tmp_path):
     out = run_example("char_gpt", tmp_path, "--amp", "none")  # fp32: the same maths on every CPU kind
     loss, unigram = number(r"test loss ([\d.]+) nats/char", out), number(r"unigram baseline ([\d.]+)", out)
@@ -59,12 +64,14 @@ def test_char_gpt_ends_well_below_the_unigram_baseline_and_writes_text(tmp_path)
     assert "grad_accum=2" in out  # two micro-batches per step
 
 
+@pytest.mark.slow
 def test_custom_images_learns_the_generated_image_folder(tmp_path):
     out = run_example("custom_images", tmp_path, str(tmp_path / "stripes"))
     assert sorted(p.name for p in (tmp_path / "stripes" / "train").iterdir()) == ["diagonal", "horizontal", "vertical"]
     assert number(r"test accuracy ([\d.]+) over 150 images", out) > 0.7
 
 
+@pytest.mark.slow
 def test_tutorial_trainer_trains_prints_its_epochs_and_resumes_by_rerunning(tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     whole.mkdir(), split.mkdir()
@@ -94,12 +101,17 @@ GAN_RUN = ("--steps", "600", "--save-every", "100")  # the example's defaults, s
 
 @pytest.fixture(scope="module")
 def gan_uninterrupted(tmp_path_factory):
-    """One uninterrupted GAN run, shared by the tests below: its output and rank 0's final weights."""
-    where = tmp_path_factory.mktemp("gan")
-    out = run_example("gan", where, *GAN_RUN, "--save-weights", "final.pt")
-    return out, torch.load(where / "final.pt")
+    """One uninterrupted GAN run, shared by the tests below on any worker (once per pytest run:
+    tests/helpers/once.py): its output and rank 0's final weights."""
+
+    def make(where: Path) -> None:
+        (where / "stdout.txt").write_text(run_example("gan", where, *GAN_RUN, "--save-weights", "final.pt"))
+
+    where = once(tmp_path_factory, "gan", make)
+    return (where / "stdout.txt").read_text(), torch.load(where / "final.pt")
 
 
+@pytest.mark.slow
 def test_gan_trains_both_models_and_gets_near_the_ring(gan_uninterrupted):
     out, weights = gan_uninterrupted
     assert len(re.findall(r"\[step\] step=\d+ epoch=0 loss_d=[\d.]+ loss_g=[\d.]+", out)) == 6  # log_every 100
@@ -112,6 +124,7 @@ def test_gan_trains_both_models_and_gets_near_the_ring(gan_uninterrupted):
     assert set(weights) == {"G", "D"} and weights["G"]["4.weight"].shape == (2, 32)
 
 
+@pytest.mark.slow
 def test_gan_sigkilled_mid_run_then_rerun_ends_with_the_uninterrupted_weights_bitwise(tmp_path, gan_uninterrupted):
     _, expected = gan_uninterrupted
     command = [sys.executable, str(ROOT / "examples" / "gan.py"), *GAN_RUN, "--save-weights", "final.pt"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import ROOT, WAIT_S, cli_env, read_jsonl, worker_pids
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -96,13 +97,16 @@ def assert_bitwise_equal(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """Run A: the same run as the kill test's, never interrupted."""
-    run_dir = tmp_path_factory.mktemp("a") / "run"
-    proc = run(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1))
-    assert proc.returncode == 0, proc.stderr
-    return run_dir
+    """Run A: the same run as the kill test's, never interrupted (once per pytest run: tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        proc = run(spec(where / "run", "slow", seconds=0.03, save_every_steps=5, log_every=1))
+        assert proc.returncode == 0, proc.stderr
+
+    return once(tmp_path_factory, "fault-tolerance-a", make) / "run"
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     proc = start(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1, max_restarts=2))
@@ -134,6 +138,7 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
     print(f"kill -> end of run: {time.monotonic() - killed_at:.1f} s")
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_named_in_one_line_not_the_rank_that_lost_it(tmp_path):
     """Regression: after rank 1 was SIGKILLed, the job's lines blamed the survivor ("rank 0: another rank
     left mid-collective ... its own output says why", though rank 1 printed nothing), beside torch's
@@ -154,6 +159,7 @@ def test_a_killed_worker_is_named_in_one_line_not_the_rank_that_lost_it(tmp_path
     assert len(lines) == 1 and lines[0].startswith("ddpkit: error: rank 1 was killed (SIGKILL)"), err
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_exact(tmp_path):
     """The snapshot write is SIGKILLed after half its bytes; resuming gives the uninterrupted model."""
     one = dict(nproc="1", save_every_steps=8, log_every=4)
@@ -190,6 +196,7 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     assert_bitwise_equal(run_dir / "model.pt", ref_dir / "model.pt")
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_a_snapshot_and_the_rerun_resumes_there(tmp_path):
     run_dir = tmp_path / "run"
     s = spec(run_dir, "slow", seconds=0.03, log_every=2)
@@ -217,6 +224,7 @@ def test_sigterm_to_the_launcher_saves_a_snapshot_and_the_rerun_resumes_there(tm
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(spec(run_dir, "slow", seconds=0.03, log_every=2, max_restarts=1))
@@ -234,6 +242,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     assert len(starts) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log_every,caught_by", [(2, "log interval"), (100, "pre-save check")])
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, log_every, caught_by):
     """NaN injected on rank 1 only at step 5; snapshots every 3 steps; logs every `log_every`."""
@@ -252,6 +261,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_snapshot(tmp_path, log
     assert len(starts) == 1  # not restarted into the same NaN
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
@@ -264,6 +274,7 @@ def test_a_stalled_rank_ends_the_job_with_the_timeout_named(tmp_path):
     assert elapsed < 5 + 12 + 30, elapsed  # timeout + the stall + process start, not a hang
 
 
+@pytest.mark.slow
 def test_a_killed_powersgd_run_is_refused_in_one_line_not_resumed_inexactly(tmp_path):
     """Regression: the PowerSGD hook's error feedback was not in snapshots, so a resumed run was
     neither exact nor refused (14 of 16 tensors differed from the uninterrupted run)."""
@@ -299,6 +310,7 @@ def stop_after(s: dict, run_dir: Path, pred) -> int:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "stopped"][-1]["step"]
 
 
+@pytest.mark.slow
 def test_a_run_resumes_at_another_world_size_2_1_2_with_the_same_samples_and_weights(tmp_path):
     """Elastic resume: 2 processes, then 1 (a node lost), then 2 again, against an uninterrupted
     run at 2. float64 makes the only difference, the order of float reductions, ~1e-16 per step."""
@@ -338,6 +350,7 @@ def test_a_run_resumes_at_another_world_size_2_1_2_with_the_same_samples_and_wei
         assert torch.allclose(a[name], tensor, rtol=1e-9, atol=1e-12), name
 
 
+@pytest.mark.slow
 def test_a_zero_run_is_resharded_when_it_resumes_at_another_world_size(tmp_path):
     """ZeRO's optimizer state is saved whole (gathered to rank 0) and each rank of the new world
     takes its own shard of it: a world-2 run continued at world 1 from step 25 ends where it did."""
@@ -358,6 +371,7 @@ def test_a_zero_run_is_resharded_when_it_resumes_at_another_world_size(tmp_path)
         assert torch.allclose(final[name], tensor, rtol=1e-9, atol=1e-12), name
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tmp_path):
     """Issue 35, item 6: fit() raised Stopped, but the script ended with a traceback and status 1, after
@@ -379,6 +393,7 @@ def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tm
     assert "Traceback" not in err and "death signal" not in err, err[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["plain", "launch"])
 def test_sigterm_to_a_script_with_its_own_loop_ends_it_with_143_and_one_line(tmp_path, how):

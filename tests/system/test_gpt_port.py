@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from once import once
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,18 +55,20 @@ def changed_lines(old: str, new: str) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The token file, and the uninterrupted plain and ported runs: computed once for this module's tests."""
-    root = tmp_path_factory.mktemp("gpt")
-    tokens = root / "tokens.bin"
-    np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tokens)
-    return (
-        root,
-        tokens,
-        torchrun("gpt_plain.py", root / "plain", tokens),
-        torchrun("gpt_ported.py", root / "ported", tokens),
-    )
+    """The token file, and the uninterrupted plain and ported runs: computed once per pytest run, for this
+    module's tests on any worker (tests/helpers/once.py)."""
+
+    def make(root):
+        tokens = root / "tokens.bin"
+        np.random.default_rng(0).integers(0, 32, 20000).astype(np.uint16).tofile(tokens)
+        torchrun("gpt_plain.py", root / "plain", tokens)
+        torchrun("gpt_ported.py", root / "ported", tokens)
+
+    root = once(tmp_path_factory, "gpt-port", make)
+    return root, root / "tokens.bin", torch.load(root / "plain" / "out.pt"), torch.load(root / "ported" / "out.pt")
 
 
+@pytest.mark.slow
 def test_ported_gpt_ends_with_plain_ddps_weights_and_best_val_bitwise(runs):
     tmp_path, tokens, plain, ported = runs
 
@@ -94,6 +97,7 @@ def test_port_changes_at_most_40_lines():
     assert 0 < n <= 40, n
 
 
+@pytest.mark.slow
 def test_the_port_stopped_and_killed_resumes_bitwise_with_each_ranks_prefetched_batch(runs, tmp_path):
     """SIGTERM at iteration 13 (saved at the next log interval, step 20), then SIGKILL at iteration 47 (nothing
     saved; the rerun resumes from the step-40 snapshot): the weights end bitwise the uninterrupted run's. Each

@@ -49,6 +49,7 @@ def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_raising_max_steps_on_a_finished_run_equals_a_run_started_with_it(tmp_path, capsys):
     """6 steps (the run stops in its second epoch), then --max-steps 14 on the same run dir: it goes on from

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.multiprocess  # starts processes
 SMALL = ["--device", "cpu", "--limit-train", "256", "--limit-test", "64", "--batch-size", "32", "--epochs", "1"]
 
 
+@pytest.mark.slow
 def test_the_trainjob_manifest_trains_one_world_across_its_nodes(tmp_path):
     job = yaml.safe_load((ROOT / "examples" / "kubernetes" / "trainjob.yaml").read_text())
     trainer = job["spec"]["trainer"]

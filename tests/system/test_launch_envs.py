@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import free_port, read_jsonl, run_nodes
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -31,10 +32,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "-m", "ddpkit"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    (proc,) = run_nodes([([*DDPKIT, *TRAIN, "--nproc", "2", "--run-dir", str(run_dir)], {})])
-    assert proc.returncode == 0, proc.stderr
-    return run_dir
+    """ddpkit's own launcher at world 2: once per pytest run, for the cases on any worker (tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        (proc,) = run_nodes([([*DDPKIT, *TRAIN, "--nproc", "2", "--run-dir", str(where / "run")], {})])
+        assert proc.returncode == 0, proc.stderr
+
+    return once(tmp_path_factory, "launch-envs-reference", make) / "run"
 
 
 def pet(node: int, port: int) -> dict:
@@ -81,6 +85,7 @@ def slurm_node(node: int) -> dict:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kubeflow ddpkit", "kubeflow torchrun", "slurm per gpu", "slurm per node"])
 def test_each_cluster_launch_trains_like_ddpkits_own_launcher(tmp_path, reference, how):
     run_dir, port = tmp_path / "run", free_port()

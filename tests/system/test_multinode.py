@@ -56,6 +56,7 @@ def check_two_node_run(run_dir, results) -> None:
     assert start[0]["per_rank_batch"] == 50
 
 
+@pytest.mark.slow
 def test_two_launches_on_loopback_form_one_world(tmp_path):
     run_dir = tmp_path / "run"  # one directory both "nodes" see, as a shared filesystem gives
     endpoint = f"127.0.0.1:{free_port()}"
@@ -63,6 +64,7 @@ def test_two_launches_on_loopback_form_one_world(tmp_path):
     check_two_node_run(run_dir, run_nodes([cmd, cmd]))
 
 
+@pytest.mark.slow
 def test_nnodes_without_an_endpoint_is_refused_before_launch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ddpkit", *TRAIN, "--run-dir", str(tmp_path / "r")],
@@ -112,6 +114,7 @@ def netns_pair():
         ip("netns", "del", b)
 
 
+@pytest.mark.slow
 def test_two_nodes_in_separate_network_namespaces(tmp_path, netns_pair):
     ns_a, ns_b = netns_pair
     run_dir = tmp_path / "run"

@@ -61,6 +61,7 @@ def read_jsonl_lenient(path: Path) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,to", [("2", "launcher"), ("2", "process group"), ("1", "launcher")])
 def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path, nproc, to):
     """``launcher``: the signal to ddpkit's launcher alone, which forwards it to its workers; ``process

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import cli_env, read_jsonl
+from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -55,12 +56,16 @@ def weights(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("random") / "run"
-    done = train(run_dir, workers=2)
-    assert done.returncode == 0, done.stderr
-    return run_dir
+    """Once per pytest run, shared by both parameters on any worker (tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        done = train(where / "run", workers=2)
+        assert done.returncode == 0, done.stderr
+
+    return once(tmp_path_factory, "random-resume", make) / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_random_draws_resume_bitwise_after_sigterm_and_sigkill(tmp_path, uninterrupted, workers):
     run_dir = tmp_path / "run"

@@ -24,6 +24,7 @@ def blobs(n: int, features: int = 2, classes: int = 3, seed: int = 0) -> TensorD
     return TensorDataset(x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long())
 
 
+@pytest.mark.slow
 def test_torchvision_resnet50_trains_at_world_2(tmp_path):
     """Regression: "ValueError: too many fds" (a 65-line traceback): its 320 tensors each went to the
     workers as a file descriptor, and a forkserver child takes at most 256."""
@@ -39,6 +40,7 @@ def test_torchvision_resnet50_trains_at_world_2(tmp_path):
     assert result["world_size"] == 2 and result["steps"] == 2
 
 
+@pytest.mark.slow
 def test_a_thousand_tensor_model_a_list_dataset_and_launch_arguments_reach_the_workers(tmp_path):
     result = Trainer(
         TrainConfig(**TWO, batch_size=20, run_dir=str(tmp_path / "r")),
@@ -115,6 +117,7 @@ def pictures(n=96, size=8):
 '''
 
 
+@pytest.mark.slow
 def test_a_model_and_data_named_by_import_path_train_evaluate_show_check_and_bench_from_the_cli(tmp_path):
     """Regression: --model took 5 names and --dataset 5 plus imagefolder:, so a model of your own could
     not be trained, evaluated, shown, checked or benchmarked from the CLI. The console script, run

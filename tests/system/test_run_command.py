@@ -106,6 +106,7 @@ def _end(proc: subprocess.Popen, pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     run = tmp_path / "run"
     proc = run_cli("run", "--nproc", "2", str(script), str(run), "50", "raise")
@@ -117,6 +118,7 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishes(tmp_path, script):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(run), "200"]
@@ -147,6 +149,7 @@ def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishe
     assert records[-1]["event"] == "end" and records[-1]["step"] == 200
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_no_worker_running(tmp_path, script):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(run), "100000"]
@@ -184,6 +187,7 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, scrip
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_loop_under_torchrun_stops_and_saves_when_its_agent_is_killed(tmp_path, script):
     """Before, a SIGKILLed torchrun left its workers training on to the end. Each rank's StopSignal notices its
     parent is gone and stops the run at its next log interval, with a snapshot."""

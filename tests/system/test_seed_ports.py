@@ -32,6 +32,7 @@ def torchrun(name: str, cwd) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("seed", SEEDS)
 def test_port_ends_with_plain_ddps_weights_bitwise(seed, tmp_path):

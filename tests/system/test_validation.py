@@ -196,6 +196,7 @@ def finish(spec: dict) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_gpt_script_on_trainer_keeps_its_best_and_patience_across_sigterm_and_sigkill(tmp_path):
     """Issue 35's done-when: evaluation every 3 steps on a held-out split, the best checkpoint, and an early

@@ -17,6 +17,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.tools.check import FLOOR
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "bench"
@@ -65,6 +66,7 @@ COMMON = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("hook", ["bf16", "fp16", "powersgd"])
 def test_each_comm_hook_trains(tmp_path, hook):
@@ -79,6 +81,7 @@ def test_each_comm_hook_trains(tmp_path, hook):
     assert result["test_loss"] < 3.0  # the targets' variance is ~14: it learned through compressed gradients
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_zero_matches_the_plain_optimizer_within_the_checks_tolerance(tmp_path):
     states = {}
@@ -134,6 +137,7 @@ BENCH_MLP = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_under_a_busy_loop_reports_the_load_and_marks_its_figures_invalid(tmp_path):
     """Under load the world-1 run's threads collapsed and bench printed 7.63x speedup, 381%
@@ -185,6 +189,7 @@ def test_bench_refuses_a_bad_number_in_one_line(flags, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("command", ["bench", "check"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(tmp_path, command):

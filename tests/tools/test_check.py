@@ -26,6 +26,7 @@ from ddpkit.train.task import UserLoss
 TINY = dict(device="cpu", limit_train=96, limit_test=40, batch_size=16, num_workers=0)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_cli_check_passes_on_the_convnet_in_float64(tmp_path):
     proc = run_cli(
@@ -60,6 +61,7 @@ def test_the_cli_check_passes_on_the_convnet_in_float64(tmp_path):
     assert "[step]" not in proc.stdout  # the runs themselves are quiet
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model,dataset,steps", [("mlp", "synthetic", 2), ("resnet9", "synthetic", 1)])
 def test_check_passes_on_registry_models(model, dataset, steps):
@@ -108,6 +110,7 @@ def test_check_fails_on_rank_dependent_noise_and_names_the_tensor():
     assert "DIVERGED" in report.text() and worst.name in report.text()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_check_fails_on_batchnorm_without_syncbn_and_passes_with_it():
     torch.manual_seed(0)
@@ -176,6 +179,7 @@ def tiny_check(tmp_path, model: str, *more: str):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_cli_check_fails_on_a_batch_centred_model_with_exit_1(tmp_path):
     proc = tiny_check(tmp_path, "batch_coupled:centred_net")
@@ -258,6 +262,7 @@ TABLE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
 def test_check_verdicts_on_a_table_of_models(case):
@@ -306,6 +311,7 @@ def test_the_probe_names_the_module_that_draws_and_restores_the_generators():
     assert randomness_probe(RegressionMLP(), UserLoss(mse), batch, "float64") is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
     proc = tiny_check(tmp_path, "random_models:noisy_net", "--model-args", '{"source": "torch.rand"}')
@@ -315,6 +321,7 @@ def test_the_cli_says_inconclusive_with_its_own_exit_code(tmp_path):
     assert "INCONCLUSIVE" in proc.stdout and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_check_is_inconclusive_on_data_that_draws_random_numbers_as_it_is_read():
     """Each rank collates its batches under seeds of their own (seed, epoch, rank, batch: data/seeds.py),

@@ -10,6 +10,7 @@ import pytest
 from clirun import WAIT_S, run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_doctor_reports_and_passes_on_this_machine():
     import torch

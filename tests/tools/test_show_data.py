@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from clirun import WAIT_S, cli_env, run_cli
 from matplotlib.image import imread
+from once import once
 from PIL import Image
 
 from ddpkit.cli import main
@@ -28,33 +30,36 @@ FOLDER_CLASSES = ["cat", "dog", "sea_urchin_with_a_very_long_name"]
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process."""
-    run_dir = tmp_path_factory.mktemp("run") / "mnist-mlp"
-    proc = run_cli(
-        "train",
-        "--dataset",
-        "mnist",
-        "--recipe",
-        "mnist",
-        "--model",
-        "mlp",
-        "--epochs",
-        "1",
-        "--limit-train",
-        "512",
-        "--limit-test",
-        "256",
-        "--nproc",
-        "1",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(run_dir),
-        "--quiet",
-        "--no-progress",
-    )
-    assert proc.returncode == 0, proc.stderr
-    return run_dir
+    """A tiny MLP trained on MNIST by the real CLI: 512 images, one epoch, one CPU process; once per pytest run,
+    for this module's tests on any worker (tests/helpers/once.py)."""
+
+    def make(where: Path) -> None:
+        proc = run_cli(
+            "train",
+            "--dataset",
+            "mnist",
+            "--recipe",
+            "mnist",
+            "--model",
+            "mlp",
+            "--epochs",
+            "1",
+            "--limit-train",
+            "512",
+            "--limit-test",
+            "256",
+            "--nproc",
+            "1",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(where / "mnist-mlp"),
+            "--quiet",
+            "--no-progress",
+        )
+        assert proc.returncode == 0, proc.stderr
+
+    return once(tmp_path_factory, "show-data-run", make) / "mnist-mlp"
 
 
 @pytest.fixture
@@ -126,6 +131,7 @@ def test_tile_labels_mark_right_and_wrong():
     assert tiles[1] == [("\u2717 pred zero", True), ("true one", True)]  # wrong: bold, with the true class
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_predictions_count_right_as_the_model_does(trained_run, tmp_path):
     from ddpkit.config import TrainConfig
@@ -188,6 +194,7 @@ def test_refuses_to_overwrite_a_file_that_is_not_a_png(tmp_path):
         show_data("mnist", tmp_path / "grid.png", n=4, seed=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_custom_run_is_refused(trained_run, tmp_path):
     run = tmp_path / "custom"
@@ -199,6 +206,7 @@ def test_custom_run_is_refused(trained_run, tmp_path):
         show_data(None, tmp_path / "grid.png", predictions=run)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_errors_are_one_line(trained_run, tmp_path):
     """A dataset that is not the run's, and a run dir that does not exist: one line each, non-zero exit."""

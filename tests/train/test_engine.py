@@ -61,6 +61,7 @@ def spy_host_syncs(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 1.0, "grad_accum": 2}, {"ddp": True}])
 def test_step_makes_no_host_sync(tmp_path, monkeypatch, options):
     with distributed("cpu") as ctx:
@@ -91,6 +92,7 @@ def test_the_per_rank_snapshot_state_is_plain_floats(engine):
     assert isinstance(acc, list) and all(type(v) is float for v in acc) and acc[0] > 0
 
 
+@pytest.mark.slow
 def test_world_one_leaves_ddp_off_and_trains_the_same_bits(tmp_path):
     """At world size 1 DDP has nothing to all-reduce and took 20-37% of a small step on an H100."""
     weights = {}
@@ -124,6 +126,7 @@ def test_ddp_skips_the_buffer_broadcast_only_when_every_buffer_is_batchnorms():
     assert not only_batchnorm_buffers(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(2, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bits(tmp_path):
     """World 2, BatchNorm: rank 0's running statistics do not depend on DDP's per-step broadcast."""
@@ -159,6 +162,7 @@ def test_without_the_buffer_broadcast_model_pt_and_every_figure_are_the_same_bit
     assert results["bn-only"].per_rank == results["broadcast"].per_rank
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_uneven_inputs_under_join_finish_without_a_hang_and_every_sample_is_used(tmp_path):
     """--join: 97 samples, 16 per rank-batch: rank 0 has 49 samples (4 batches), rank 1 48 (3).
@@ -251,6 +255,7 @@ def _run_to_the_end(tmp_path, kill_after_snapshot_at: int | None = None):
     return {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "step"}
 
 
+@pytest.mark.slow
 def test_the_first_step_record_after_a_resume_covers_the_whole_interval(tmp_path):
     """Regression: the step-8 record after a resume from step 6 held the mean of steps 7-8 only,
     where an uninterrupted run's holds steps 5-8; the snapshot now keeps the interval's start."""

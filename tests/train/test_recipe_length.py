@@ -121,6 +121,7 @@ def test_a_run_dir_written_before_the_rule_is_matched_on_the_rest_and_a_new_one_
     assert given.hash() != cfg.hash()  # --lr 0.1 is another run than the recipe's 0.1: short, they differ
 
 
+@pytest.mark.slow
 def test_fifteen_steps_on_2000_images_learn_mnist(tmp_path):
     """The issue's run, in-process (``--recipe auto``: the float32 recipe on the AVX2-only CPU conftest shows):
     11.7% before. Plain Adam at lr 1e-3 reaches 79.9-85.3% here and the recipe now 84.4-87.2% (seeds 0-4, sd

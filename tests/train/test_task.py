@@ -21,6 +21,7 @@ from ddpkit.train.task import Classification, ModelLoss, UserLoss, resolve_task
 GOLDEN_RUN = Path(__file__).parents[1] / "golden" / "default_task.py"  # writes default_task.json
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_default_task_reproduces_the_pre_refactor_engine_bitwise():
     """Same seed, same model.pt bytes and summary figures as the engine before the step contract
