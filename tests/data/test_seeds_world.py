@@ -14,7 +14,7 @@ from ddpkit import TrainConfig, Trainer
 from ddpkit.data import DataSplits
 from ddpkit.tools.check import check, data_draws
 
-pytestmark = pytest.mark.multiprocess  # every test here starts a world of 2
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # every test here starts a world of 2
 
 TINY = dict(device="cpu", limit_train=96, limit_test=40, batch_size=16, num_workers=0)
 
