@@ -37,24 +37,9 @@ class DDPStrategy:
 
     name = "ddp"
 
-    def wrap(
-        self,
-        raw: nn.Module,
-        ctx: DistContext,
-        *,
-        static_graph: bool = False,
-        find_unused_parameters: bool = False,
-        sync_buffers: bool = True,
-        comm_hook: str = "none",
-    ) -> DDP:
-        return make_ddp(
-            raw,
-            ctx,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            sync_buffers=sync_buffers,
-            comm_hook=comm_hook,
-        )
+    def wrap(self, raw: nn.Module, ctx: DistContext, **options: Any) -> DDP:
+        """:func:`make_ddp`'s wrapper; its options: static_graph, find_unused_parameters, sync_buffers, comm_hook."""
+        return make_ddp(raw, ctx, **options)
 
     @staticmethod
     def unwrap(model: Any) -> Any:
