@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from .config import TrainConfig, parse_loggers, watched_metric
 from .data import DataSplits, ImageData, TensorData, load_dataset
-from .data.batch import first_tensor, leading_size
+from .data.batch import first_tensor
 from .data.datasets import hold_out
 from .data.loader import Preprocess
 from .data.materialize import materialize
@@ -33,12 +33,11 @@ from .importpath import generators_kept, is_import_path, resolve
 from .models import model_for
 from .ranks import env
 from .ranks.context import cpu_cores
-from .ranks.launcher import LaunchSpec
+from .ranks.launcher import LaunchSpec, prestart_for
 from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
 from .run.paths import RunFiles
 from .run.rundir import HorizonRefused, check_run_dir, unproven
-from .train.flops import step_flops
 from .train.graph import blockers
 from .train.optim import lr_depends_on_total
 from .train.task import Classification, Task, resolve_task
@@ -62,9 +61,7 @@ class Plan:
     # DDP's find_unused_parameters: the user's ask, or what the trial step found (None: the config's, off)
     find_unused_parameters: Optional[bool] = None
     finished: Optional[dict] = None  # a finished run's summary, returned without training
-    # FLOPs of a training step per sample (forward and backward, counted once on a meta copy), or None and why
-    flops_per_sample: Optional[float] = None
-    flops_note: str = ""
+    sample: Any = None  # two training samples as a batch, on the CPU: each worker counts a step's FLOPs on it
 
 
 def preflight(
@@ -80,6 +77,7 @@ def preflight(
     ``fingerprints``: what the Trainer read of the objects passed in (by config field, as JSON)."""
     cfg = config.filled()
     spec = LaunchSpec.from_config(cfg)
+    prestart_for(spec)  # the workers' forkserver imports torch while the checks below run
     world = spec.world_size
     if cfg.ddp is False and world > 1:
         raise ConfigError(f"--no-ddp only makes sense with one process; this run has {world}")
@@ -151,9 +149,7 @@ def preflight(
     if cfg.init_from:
         check_weights_fit(model, cfg.init_from)
     check_one_batch(model, splits, task, cfg)
-    batch = sample_batch(splits)
-    flops, flops_note = step_flops(model, task, batch)
-    flops_per_sample = flops / leading_size(batch) if flops else None
+    batch = sample_batch(splits)  # the workers count a step's FLOPs on it (train/flops.py)
     find_unused = unused_parameters(model, splits, task, cfg, spec, own_model)
     if cfg.resume == "never" and Path(cfg.run_dir).exists() and any(Path(cfg.run_dir).iterdir()):
         raise RunDirError(
@@ -167,7 +163,7 @@ def preflight(
     cap = past_the_epochs(cfg, splits, world)
     if cap and finished is None and env.env_rank() == 0 and env.restart_count() == 0:
         print(f"ddpkit: {cap}")  # the launcher's, or global rank 0's under torchrun, before its first start
-    return Plan(cfg, spec, splits, task, identity, find_unused, finished, flops_per_sample, flops_note)
+    return Plan(cfg, spec, splits, task, identity, find_unused, finished, batch)
 
 
 def unused_parameters(

@@ -62,6 +62,7 @@ from .ranks.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguard
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
 from .run.paths import RunFiles
+from .run.plots import draw_run_plots, import_matplotlib
 from .run.rundir import matched_on, owning_run_dir, record_teardown
 from .train.optim import check_owned
 from .train.task import Task
@@ -212,15 +213,18 @@ class Trainer:
                 t0,
                 plan.identity,
                 plan.find_unused_parameters,
-                plan.flops_per_sample,
-                plan.flops_note,
+                plan.sample,
             )
             home = None if plan.spec.in_process else move_to_cpu(self.model)
             try:
                 with owning_run_dir(cfg, plan.spec) as owner:
+                    if owner and cfg.plots:  # the owner draws them after the run (run/plots.py)
+                        import_matplotlib()  # here, while the workers' forkserver still imports torch
                     summary = run_workers(train_worker, (job,), plan.spec)
                     if owner:
                         summary = record_teardown(cfg, summary)
+                        if cfg.plots:
+                            draw_run_plots(cfg.run_dir)
             finally:
                 if home is not None:
                     self.model.to(home)

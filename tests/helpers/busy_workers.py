@@ -5,7 +5,8 @@ when it imports this file:
 
 - ``step``: every rank sleeps in its loss at the same step (a step slower than the threshold everywhere);
 - ``save``: rank 0's first snapshot write sleeps (a slow disk) while rank 1 waits for it in a collective;
-- ``end``: rank 0's plots, after the last collective, take longer than the whole timeout.
+- ``end``: rank 0's end of the run after the last collective (its loggers' close: a slow TensorBoard or
+  W&B flush; its plots where no launcher draws them) takes longer than the whole timeout.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ if CASE == "save":
 
     _slowed(checkpoint, "atomic_write", PAUSE_S)  # only rank 0 writes snapshots
 elif CASE == "end":
-    from ddpkit.train import engine
+    from ddpkit.run.recorder import MetricLogger
 
-    _slowed(engine, "training_plots", END_PAUSE_S)  # only rank 0 draws
+    _close = MetricLogger.close
+
+    def _slow_close(self, ok: bool = True) -> None:  # rank 0's, after the run's last collective
+        if os.environ.get("RANK") == "0" and not getattr(self, "_paused", False):
+            self._paused = True
+            time.sleep(END_PAUSE_S)
+        _close(self, ok)
+
+    MetricLogger.close = _slow_close
 
 
 def train(run_dir: str):

@@ -163,7 +163,7 @@ BUSY = Path(__file__).parents[1] / "helpers" / "busy_workers.py"
 PAUSES = {
     "step": "every rank in one step slower than the threshold (no rank waits in a collective)",
     "save": "rank 0 writing a snapshot while rank 1 waits for it in a collective",
-    "end": "rank 0's plots, after the last collective, longer than the whole timeout",
+    "end": "rank 0's end of the run (its loggers' close), after the last collective, longer than the whole timeout",
 }
 
 

@@ -298,6 +298,11 @@ def owning_run_dir(cfg: TrainConfig, spec: LaunchSpec) -> Iterator[bool]:
             os.environ.pop(env.RUN_LOCKED, None)
 
 
+def launcher_owns(run_dir: str | Path) -> bool:
+    """Whether this job's launcher holds ``run_dir`` (:func:`owning_run_dir`), as its workers learn it."""
+    return os.environ.get(env.RUN_LOCKED) == str(Path(run_dir).resolve())
+
+
 def record_teardown(cfg: TrainConfig, summary: dict) -> dict:
     """Add ``teardown_s`` to summary.json: from rank 0 writing it to this launcher regaining control
     (process-group teardown, the agent's exit barrier, joining the workers). Written by the launcher,
@@ -312,7 +317,7 @@ def record_teardown(cfg: TrainConfig, summary: dict) -> dict:
 @contextmanager
 def rank0_owns(cfg: TrainConfig, ctx: DistContext) -> Iterator[None]:
     """Global rank 0 takes the lock when no launcher holds it; every rank learns whether it could."""
-    held = os.environ.get(env.RUN_LOCKED) == str(Path(cfg.run_dir).resolve())
+    held = launcher_owns(cfg.run_dir)
     with ExitStack() as stack:
         error = None
         if ctx.is_main and not held:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits
+from ..data.batch import leading_size
 from ..data.loader import EvalSource, eval_source, make_sources
 from ..data.seeds import seed_rank
 from ..errors import DataError, NonFiniteLoss, RunDirError
@@ -33,12 +34,12 @@ from ..ranks.context import DistContext, on_rank0, settle
 from ..run.checkpoint import read_weights
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
-from ..run.plots import training_plots
+from ..run.plots import draw_run_plots
 from ..run.recorder import MetricLogger
-from ..run.rundir import unproven, write_config, write_model, write_summary
+from ..run.rundir import launcher_owns, unproven, write_config, write_model, write_summary
 from .ddp import DDPStrategy, ddp_timers, wrap
 from .evaluate import evaluate
-from .flops import peak_flops
+from .flops import peak_flops, step_flops
 from .graph import GraphedSteps, decide
 from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
 from .optim import (
@@ -98,8 +99,7 @@ class Engine:
         t0: float | None = None,
         identity: dict | None = None,
         find_unused_parameters: bool | None = None,
-        flops_per_sample: float | None = None,
-        flops_note: str = "",
+        flops_sample=None,
     ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
         self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
@@ -129,6 +129,13 @@ class Engine:
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
         self.find_unused = cfg.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
         static = static_graph and self.accum == 1 and cfg.grad_sync
+        # MFU: a step's FLOPs on this rank (per sample of ``flops_sample``, times this rank's samples per optimizer
+        # step) against the device's dense peak for the run's dtype (train/flops.py). Counted here, not before
+        # launch: FlopCounterMode's first use imports torch._dynamo (~1.7 s in a fresh launcher), which a worker
+        # has imported already (DDP needs it; the forkserver preloads it), so here it costs ~0.02 s.
+        flops, self.flops_note = step_flops(model, task, flops_sample) if flops_sample is not None else (None, "")
+        self.flops_per_step = flops / leading_size(flops_sample) * self.per_rank_batch if flops else None
+        self.peak, self.peak_name = peak_flops(ctx.device, cfg)
         self.strategy = DDPStrategy()  # what depends on how the model is spread over the ranks (train/strategy.py)
         self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static, bool(self.find_unused))
         seed_rank(cfg.seed, ctx.rank)  # torch's (dropout), numpy's and Python's: per rank, every rerun alike
@@ -159,11 +166,6 @@ class Engine:
             if mine
         )
         self.changes = changes(cfg, uses_conv(self.raw))
-        # MFU: a step's FLOPs on this rank (preflight's count per sample, times this rank's samples per optimizer
-        # step) against the device's dense peak for the run's dtype (train/flops.py)
-        self.flops_per_step = flops_per_sample * self.per_rank_batch if flops_per_sample else None
-        self.peak, self.peak_name = peak_flops(ctx.device, cfg)
-        self.flops_note = flops_note
         self.amp = Amp(cfg.amp, ctx.device)
         self.scaler = self.amp.scaler
         self.ema = EMA(self.raw, cfg.ema) if cfg.ema else None
@@ -768,17 +770,6 @@ class Engine:
                 f"ddpkit: warning: this run diverged at step {self.watch.diverged_at_step} (its loss rose over "
                 f"{DIVERGED_RATIO:g}x its start); its figures are not those of a converged model"
             )
-        if ctx.is_main and cfg.plots:
-            self._plot()
+        if ctx.is_main and cfg.plots and not launcher_owns(cfg.run_dir):  # else the launcher draws them, after us
+            draw_run_plots(cfg.run_dir, warn=self.log.print)
         return summary
-
-    def _plot(self) -> None:
-        """Rank 0, after everything else is written: RUN/plots/*.png. A figure that fails to draw
-        is a warning; the run itself is complete."""
-        try:
-            training_plots([self.cfg.run_dir], RunFiles(self.cfg.run_dir).plots, warn=self.log.print, flag="--run-dir")
-        except Exception as exc:  # noqa: BLE001 - matplotlib, fonts, a full disk: none undoes the run
-            self.log.print(
-                f"ddpkit: warning: could not draw the plots ({type(exc).__name__}: {exc}); "
-                f"`ddpkit plot {self.cfg.run_dir}` draws them later"
-            )

@@ -43,8 +43,7 @@ class Job:
     identity: Optional[dict] = None  # what was read of what was passed in, for RUN_DIR/identity.json
     # DDP's search for unused parameters, as preflight decided it (None: the config's, off by default)
     find_unused_parameters: Optional[bool] = None
-    flops_per_sample: Optional[float] = None  # a training step's FLOPs per sample (preflight's count), for MFU
-    flops_note: str = ""  # why there is no count
+    sample: Any = None  # preflight's batch of two training samples (CPU): the engine counts a step's FLOPs on it
 
 
 def train_worker(job: Job) -> dict:
@@ -107,8 +106,7 @@ def _train(job: Job, ctx: DistContext) -> dict:
         scheduler,
         static_graph=job.model is None,
         find_unused_parameters=job.find_unused_parameters,
-        flops_per_sample=job.flops_per_sample,
-        flops_note=job.flops_note,
+        flops_sample=job.sample,
         t0=job.t0,
         identity=job.identity,
     ).fit()
