@@ -280,7 +280,8 @@ def main(argv=None) -> int:
             sides = {"baseline": tree / "src", **sides}
         n_train, n_test = (100, 50) if args.tiny else (1500, 500)
         rounds: dict = {
-            side: {name: [] for name in ("mnist_epoch", "one_step", "toy_api", "toy_plain", "imagefolder")} for side in sides
+            side: {name: [] for name in ("mnist_epoch", "one_step", "toy_api", "toy_plain", "imagefolder")}
+            for side in sides
         }
         loads: dict = {side: [] for side in sides}
         for r in range(args.repeats):
