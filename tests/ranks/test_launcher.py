@@ -49,6 +49,22 @@ def test_under_torchrun_nothing_is_relaunched(monkeypatch):
     assert launcher.run_workers(lambda x: x + 1, (1,), 2) == 2  # ran here, in this process
 
 
+def test_tensors_go_to_workers_in_file_descriptors_unless_there_are_too_many_for_a_forkserver_child():
+    """resnet50's 320 tensors overran the 256 descriptors a forkserver child takes ("too many fds"): named shared
+    memory then. A few go in descriptors, torch's default, which starts no torch_shm_manager (see the script test)."""
+    import torch.multiprocessing as tmp
+
+    x = torch.zeros(4)
+    few = {"w": x, "view": x[1:], "other": torch.ones(2), "gpu_free": torch.zeros(0, device="meta")}
+    assert launcher.cpu_storages((few, [x.numpy()])) == 2  # a view shares its base's storage; meta has none
+    many = [torch.zeros(1) for _ in range(launcher.FDS_FOR_TENSORS + 1)]
+    before = tmp.get_sharing_strategy()
+    for args, strategy in (((few,), before), ((many,), "file_system")):
+        with launcher._tensors_shared_for(args):
+            assert tmp.get_sharing_strategy() == strategy
+        assert tmp.get_sharing_strategy() == before
+
+
 def test_under_torchrun_launch_flags_belong_to_torchrun(monkeypatch):
     for k, v in dict(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
@@ -138,17 +154,30 @@ def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
 
 
 SCRIPT = """
-import sys
+import os, sys
+import torch
 from ddpkit import launch
 
 def main(ctx, scale):                      # a user's own loop, in the script itself
-    import torch
     t = torch.tensor([float(ctx.rank + 1)])
     ctx.all_reduce(t)
-    return (ctx.rank, ctx.world_size, t.item() * scale)
+    return (ctx.rank, ctx.world_size, t.item() * float(scale))
+
+def children(name):                        # this process's children whose command starts with name
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(rest[1]) == os.getpid() and comm.startswith(name):
+            found.append(pid)
+    return found
 
 if __name__ == "__main__":
-    print("RESULT", launch(main, 10, nproc=2), flush=True)
+    print("RESULT", launch(main, torch.tensor(10.0), nproc=2), flush=True)  # a tensor, shared with the workers
+    print("SHM_MANAGERS", len(children("torch_shm")), flush=True)
 """
 
 
@@ -167,6 +196,10 @@ def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_r
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
+    # Regression: the tensor went through named shared memory, whose torch_shm_manager kept the script's stderr
+    # open for 2 s after its exit (every caller that read the output to its end waited for it). A few tensors
+    # go in file descriptors, and no manager starts.
+    assert "SHM_MANAGERS 0" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow

@@ -357,7 +357,7 @@ def _hand_off(spec: LaunchSpec, start: str, entry: Callable | str, args: tuple) 
     # comes while the workers are being started, and forwards it once they exist
     own = {names.SIGNALS_TO_HANDLE: AGENT_SIGNALS}
     try:
-        with _environ({**env, **own}), _quiet_agent_logs(), _tensors_shared_by_name(), _stop_signals() as stops:
+        with _environ({**env, **own}), _quiet_agent_logs(), _tensors_shared_for(args), _stop_signals() as stops:
             # A command's workers never ignore a stop signal, as a forkserver's children do until their entry
             # restores it: sent once, as torch sends it (sent again, it could end a rank after its Loop stopped
             # and before it filed its stop)
@@ -409,27 +409,59 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@contextmanager
-def _tensors_shared_by_name() -> Iterator[None]:
-    """Hand the arguments' tensors to the workers as named shared memory, for the whole launch
-    (restarts included), then restore the caller's strategy.
+# Storages handed to a worker in file descriptors (torch's default sharing strategy) at most: a forkserver child
+# takes at most 256 descriptors in all (``multiprocessing.forkserver.MAXFDS_TO_SEND``), a few of them its own.
+FDS_FOR_TENSORS = 128
 
-    torch's default ``file_descriptor`` strategy passes one file descriptor per tensor storage,
-    and a forkserver child takes at most 256 (``multiprocessing.forkserver.MAXFDS_TO_SEND``):
-    torchvision's resnet50 holds 320 tensors, and it failed with "ValueError: too many fds".
-    ``file_system`` names each storage's shared memory instead (torch's own remedy for "too many
-    open files"), still without a copy; torch's ``torch_shm_manager`` unlinks the names when the
-    last process holding them exits, however it exits.
+
+@contextmanager
+def _tensors_shared_for(args: tuple) -> Iterator[None]:
+    """Hand the arguments' tensors to the workers without a copy, for the whole launch (restarts included):
+    in file descriptors, torch's default, or where there are too many for that, as named shared memory; then
+    restore the caller's strategy.
+
+    A forkserver child takes at most 256 file descriptors: torchvision's resnet50 holds 320 tensors, and it
+    failed with "ValueError: too many fds". ``file_system`` names each storage's shared memory instead
+    (torch's own remedy for "too many open files"), and torch's ``torch_shm_manager`` unlinks the names when
+    the last process holding them exits, however it exits. Only where needed: that manager holds this
+    process's stderr and outlives its last client by 2 s (libshm's SHUTDOWN_TIMEOUT), so whatever reads the
+    launcher's output to its end (``subprocess.run(capture_output=True)``, ``| tee``) waited 2 s more.
     """
     import torch.multiprocessing as tmp
 
     before = tmp.get_sharing_strategy()
-    if "file_system" in tmp.get_all_sharing_strategies():
+    if cpu_storages(args) > FDS_FOR_TENSORS and "file_system" in tmp.get_all_sharing_strategies():
         tmp.set_sharing_strategy("file_system")
     try:
         yield
     finally:
         tmp.set_sharing_strategy(before)
+
+
+def cpu_storages(obj: Any) -> int:
+    """How many distinct CPU tensor storages pickling ``obj`` for a worker shares (each in a file descriptor,
+    under torch's default strategy; a CUDA tensor goes through CUDA IPC instead). A walk like :class:`_Probe`'s:
+    no tensor data is read or copied."""
+    seen: set[int] = set()
+
+    class Count(pickle.Pickler):
+        def reducer_override(self, o):
+            if isinstance(o, torch.Tensor):
+                if o.device.type == "cpu":
+                    try:
+                        seen.add(o.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):  # sparse, or a subclass without one storage
+                        seen.add(id(o))
+                return tuple, ()
+            if isinstance(o, np.ndarray):
+                return tuple, ()
+            return NotImplemented
+
+    try:
+        Count(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:  # noqa: BLE001 - what cannot be pickled fails at launch with its own error
+        return 0
+    return len(seen)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop and save": forwarded to the workers
