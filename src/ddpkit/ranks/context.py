@@ -321,7 +321,7 @@ _SETTLED = [False]
 
 def settle(ctx: DistContext) -> None:
     """Every rank's collectives are done: the group's final barrier, now. Call on every rank, with no
-    collective after it; what a rank does next (rank 0's last records, its plots, the loggers' close) holds
+    collective after it; what a rank does next (rank 0's last records, the loggers' close, plots) holds
     no other rank in a collective that --timeout-s would end, so a run that finished keeps its exit 0."""
     ctx.barrier()
     _SETTLED[0] = True

@@ -439,28 +439,36 @@ def _tensors_shared_for(args: tuple) -> Iterator[None]:
 
 
 def cpu_storages(obj: Any) -> int:
-    """How many distinct CPU tensor storages pickling ``obj`` for a worker shares (each in a file descriptor,
-    under torch's default strategy; a CUDA tensor goes through CUDA IPC instead). A walk like :class:`_Probe`'s:
-    no tensor data is read or copied."""
-    seen: set[int] = set()
+    """How many file descriptors pickling ``obj`` for a worker takes under torch's default strategy: one per
+    distinct CPU tensor storage (a CUDA tensor goes through CUDA IPC instead), counted high where unsure (a
+    sparse or nested tensor: one per part; a tensor whose storage cannot be read). A walk like
+    :class:`_Probe`'s into a discarding sink: no tensor data is read or copied. A walk that fails counts as
+    too many, so the launch keeps named shared memory, which takes any number."""
+    seen: set = set()
+
+    class Sink:
+        def write(self, data) -> None:
+            pass
 
     class Count(pickle.Pickler):
         def reducer_override(self, o):
             if isinstance(o, torch.Tensor):
                 if o.device.type == "cpu":
                     try:
-                        seen.add(o.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):  # sparse, or a subclass without one storage
-                        seen.add(id(o))
+                        if o.layout != torch.strided or o.is_nested:
+                            raise ValueError("several storages")
+                        seen.add(o.untyped_storage()._cdata)  # the storage object: two over one buffer are two
+                    except Exception:  # noqa: BLE001 - sparse, nested, lazy or a subclass: counted high
+                        seen.update((id(o), i) for i in range(4))
                 return tuple, ()
             if isinstance(o, np.ndarray):
                 return tuple, ()
             return NotImplemented
 
     try:
-        Count(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        Count(Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except Exception:  # noqa: BLE001 - what cannot be pickled fails at launch with its own error
-        return 0
+        return FDS_FOR_TENSORS + 1
     return len(seen)
 
 

@@ -72,7 +72,7 @@ def import_matplotlib() -> None:
     try:
         import matplotlib.backends.backend_agg  # noqa: F401 - savefig's canvas
         import matplotlib.figure  # noqa: F401
-    except ImportError:  # said by draw_run_plots, as a warning
+    except Exception:  # noqa: BLE001 - a broken matplotlib never stops a run: draw_run_plots warns of it after
         pass
 
 

@@ -132,8 +132,10 @@ class Engine:
         # MFU: a step's FLOPs on this rank (per sample of ``flops_sample``, times this rank's samples per optimizer
         # step) against the device's dense peak for the run's dtype (train/flops.py). Counted here, not before
         # launch: FlopCounterMode's first use imports torch._dynamo (~1.7 s in a fresh launcher), which a worker
-        # has imported already (DDP needs it; the forkserver preloads it), so here it costs ~0.02 s.
-        flops, self.flops_note = step_flops(model, task, flops_sample) if flops_sample is not None else (None, "")
+        # has imported already (DDP needs it; the forkserver preloads it), so here it costs ~0.02 s. On global
+        # rank 0 only, whose records and summary report it: the user's loss runs once more (on meta tensors) there.
+        counted = flops_sample is not None and ctx.is_main
+        flops, self.flops_note = step_flops(model, task, flops_sample) if counted else (None, "")
         self.flops_per_step = flops / leading_size(flops_sample) * self.per_rank_batch if flops else None
         self.peak, self.peak_name = peak_flops(ctx.device, cfg)
         self.strategy = DDPStrategy()  # what depends on how the model is spread over the ranks (train/strategy.py)
@@ -761,7 +763,7 @@ class Engine:
             "early_stopped_at_step": self.pos.global_step if self._stopped_early else None,
         }
         write_summary(cfg.run_dir, summary, ctx)
-        # The run's last collective: rank 0's last record, plots and loggers' close below keep no rank
+        # The run's last collective: rank 0's last record, plots (if it draws them) and loggers' close keep no rank
         # waiting in a collective that --timeout-s would end (exit 3 after a finished run).
         settle(ctx)
         self.log.log("summary", step=self.pos.global_step, **summary_fields(summary))
