@@ -34,11 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TOY = """
-import sys, torch
-from torch.utils.data import Dataset
-from ddpkit import TrainConfig, Trainer
-
+# Seed 004's own data and model, shared by both toy programs below
+TOY_MODEL = """
 class ToyDataset(Dataset):                      # seed 004's own data and model
     def __init__(self, X, y):
         self.features, self.labels = X, y
@@ -54,7 +51,14 @@ class NeuralNetwork(torch.nn.Module):
                                           torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, num_outputs))
     def forward(self, x):
         return self.layers(x)
+"""
 
+TOY = """
+import sys, torch
+from torch.utils.data import Dataset
+from ddpkit import TrainConfig, Trainer
+
+# TOY_MODEL
 if __name__ == "__main__":
     X_train = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
     y_train = torch.tensor([0, 0, 0, 1, 1])
@@ -78,22 +82,7 @@ from torch.utils.data.distributed import DistributedSampler
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed import init_process_group, destroy_process_group
 
-class ToyDataset(Dataset):
-    def __init__(self, X, y):
-        self.features, self.labels = X, y
-    def __getitem__(self, i):
-        return self.features[i], self.labels[i]
-    def __len__(self):
-        return self.labels.shape[0]
-
-class NeuralNetwork(torch.nn.Module):
-    def __init__(self, num_inputs, num_outputs):
-        super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(num_inputs, 30), torch.nn.ReLU(),
-                                          torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, num_outputs))
-    def forward(self, x):
-        return self.layers(x)
-
+# TOY_MODEL
 def prepare_dataset():
     X_train = torch.tensor([[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]])
     y_train = torch.tensor([0, 0, 0, 1, 1])
@@ -144,6 +133,7 @@ if __name__ == "__main__":
         port = s.getsockname()[1]
     mp.spawn(main, args=(2, 3, port), nprocs=2)
 """
+TOY, TOY_PLAIN = (program.replace("# TOY_MODEL\n", TOY_MODEL) for program in (TOY, TOY_PLAIN))
 
 
 def make_image_folder(root: Path, n_train: int, n_test: int) -> Path:
