@@ -484,3 +484,20 @@ def user_model_on_another_gpu_in_rank_1() -> list[dict]:
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine)
         return gathered
+
+
+def fails_while_rank0_is_held(mark: str) -> None:
+    """Rank 1 raises while rank 0 is held in its own code with ddpkit's stop signals installed (as a rank of
+    Trainer or Loop is: a SIGTERM is only noted, for the next safe point, which a held rank never reaches).
+    Rank 1 writes the time it fails to ``mark``."""
+    from pathlib import Path
+
+    from ddpkit.ranks.context import distributed
+    from ddpkit.train.signals import StopSignal
+
+    with distributed("cpu", timeout_s=120) as ctx, StopSignal():
+        ctx.barrier()
+        if ctx.rank == 1:
+            Path(mark).write_text(repr(time.time()))
+            raise RuntimeError("rank 1 fails")
+        time.sleep(120)

@@ -384,6 +384,22 @@ def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_p
     assert "Traceback" not in proc.stderr and "traceback is above" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_failed_group_ends_seconds_after_the_failure_not_after_torchs_30_s_grace(tmp_path):
+    """Regression: a launch whose rank 1 failed while rank 0 was held in its own code ended 30 s later. torch's
+    ProcessContext.join SIGTERMs the survivors of a failure and waits 30 s before SIGKILL; a rank under
+    ddpkit's stop signals only notes the SIGTERM. The survivors get 2 x ``FAILED_GRACE_S`` now: time is what
+    this test is about, with a margin a loaded machine meets (sleeps, not work, fill those seconds)."""
+    from workers import fails_while_rank0_is_held
+
+    mark = tmp_path / "failed_at"
+    with pytest.raises(WorkersFailed, match="rank 1"):
+        launcher.run_workers(fails_while_rank0_is_held, (str(mark),), 2)
+    after = time.time() - float(mark.read_text())
+    assert after < 2 * launcher.FAILED_GRACE_S + 15 < 30, after
+
+
 @pytest.mark.multiprocess
 def test_no_rank_starts_its_function_before_every_rank_has_left_init():
     """Issue 33, case 15: a nested launch() failed 1 run in 24 with rank 1's "Gloo connectFullMesh failed ...
