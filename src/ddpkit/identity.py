@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError, article, raised_at
@@ -1049,3 +1050,19 @@ def running_code(frame) -> types.FunctionType | Script:
         return script_at(frame)
     cells = tuple(types.CellType(frame.f_locals.get(name)) for name in code.co_freevars)
     return types.FunctionType(code, frame.f_globals, code.co_name, None, cells or None)
+
+
+def loop_code(ctx, maker: types.FunctionType | Script) -> dict:
+    """A ``ddpkit.Loop``'s run identity: the code of the function or the script that made it
+    (:func:`running_code`), as global rank 0 read it; every rank uses rank 0's, so all decide alike (``ctx``:
+    a ``ranks.context.DistContext``; one broadcast). An environment variable the code reads is listed under
+    ``unproven``, not compared (``SAVE``, a test's ``DIE_AT``)."""
+    mine = None
+    if ctx.is_main or ctx.world_size == 1:
+        name = maker.name if isinstance(maker, Script) else maker.__qualname__
+        mine = code_fingerprint(name, {"loop": maker}, read_environ=False).to_json()
+    if ctx.world_size > 1:
+        box = [mine]
+        dist.broadcast_object_list(box, src=0)
+        mine = box[0]
+    return mine

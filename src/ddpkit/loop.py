@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import sys
 import time
@@ -49,24 +48,26 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .config import LoopConfig
-from .data.batch import leading_size, tree_map
+from .data.batch import leading_size
+from .data.loader import rank_share
 from .data.shard import ShardedLoader
-from .errors import ConfigError, DdpkitError, RunDirError
+from .errors import ConfigError, DdpkitError
 from .files import atomic_write
-from .identity import Script, code_fingerprint, running_code
+from .identity import loop_code, running_code
 from .ranks import hangwatch
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status, stop_exits_with_its_status
-from .run.checkpoint import split_by_rank
 from .run.recorder import MetricLogger
 from .run.runkey import CodeKey
+from .train import report
 from .train.evaluate import evaluate_split
 from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
-from .train.session import Amp, Session, check_plain, misfit, to_host
+from .train.selection import Watch
+from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
 from .train.strategy import strategy_for
 from .train.syncbn import convert_sync_batchnorm
@@ -147,7 +148,7 @@ class Loop:
                 self._owns_group = True
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
-            self.key = CodeKey(cfg, self._identity(), LoopConfig.HASHED, cfg.check_code)
+            self.key = CodeKey(cfg, loop_code(self.ctx, self._maker), LoopConfig.HASHED, cfg.check_code)
             self.log_writer = MetricLogger(self.ctx, cfg.run_dir, 0, progress=False, config=self.key.to_dict())
             self._stack.callback(self.log_writer.close)
             self.session = Session(
@@ -373,34 +374,10 @@ class Loop:
     def _load(self, saved: dict) -> None:
         """A snapshot's state into what resume() named (``Session.resume`` restores the RNG streams after)."""
         per_rank = saved.get("per_rank", [])  # names saved per rank (a snapshot before 0.4: none)
-        names = [*saved["state"], *per_rank]
-        extra, missing = [n for n in names if n not in self.state], [n for n in self.state if n not in names]
-        if extra or missing:  # checked before anything is loaded: nothing half-resumed
-            what = f"holds {', '.join(map(repr, extra))}, which this resume() was not given" if extra else ""
-            what += ("; " if extra and missing else "") + (
-                f"holds no {', '.join(map(repr, missing))}" if missing else ""
-            )
-            raise RunDirError(
-                f"the snapshot in {self.config.run_dir} {what}: name the same state as the run that made it, "
-                f"or pass another run_dir to Loop"
-            )
         # Each rank's own values go back to the rank that had them; at another world size a rank's value
         # cannot follow its rank, and keeps what this resume() was given (said below).
         mine = (saved["rank_state"] or {}).get("state", {}) if saved["same_world"] else {}
-        values = {**saved["state"], **mine}
-        for name, value in values.items():  # checked before anything is loaded: nothing half-resumed
-            problem = misfit(self.strategy.unwrap(self.state[name]), value)
-            if problem:
-                raise RunDirError(
-                    f"the snapshot in {self.config.run_dir} does not fit {name!r}: {problem}; build it as the run "
-                    f"that made the snapshot did, or pass another run_dir to Loop"
-                )
-        for name, value in values.items():
-            target = self.state[name]
-            if hasattr(target, "load_state_dict"):
-                self.strategy.unwrap(target).load_state_dict(value)
-            else:
-                self.state[name] = value
+        load_named(self.state, saved["state"], per_rank, mine, self.strategy, self.config.run_dir)
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
         if self.amp.scaling and saved.get("scaler"):
@@ -412,16 +389,8 @@ class Loop:
             self._restore_metrics(saved["rank_state"] or {})
             return
         self._reset = list(per_rank)
-        reset = (
-            f"; {', '.join(map(repr, per_rank))} (different on every rank) as this resume() was given them"
-            if per_rank
-            else ""
-        )
         self.print(
-            f"ddpkit: resumed at step {self.state.step} from a snapshot made at world size {saved['world_size']}, "
-            f"now {self.ctx.world_size}: weights, optimizer and named state exactly; each rank's random streams "
-            f"anew from (seed, step, rank), and each loader's split is the new world's from the same place in its "
-            f"epoch{reset}",
+            report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank),
             file=sys.stderr,
         )
 
@@ -492,16 +461,9 @@ class Loop:
     def _snapshot(self, finished: bool = False) -> dict:
         """What a snapshot of this Loop holds (every rank: what differs by rank is found by one collective)."""
         state = self.state
-        values = {
-            name: to_host(self.strategy.unwrap(v).state_dict() if hasattr(v, "state_dict") else v)
-            for name, v in state.items()
-        }
-        for name, value in values.items():  # what torch.load(weights_only=True) can read back, before any write
-            check_plain(name, value, f"the loop's state at step {state.step}")
-        # The modules the strategy keeps equal on every rank (DDP with broadcast_buffers) are not hashed
-        kept = {id(self.strategy.unwrap(m)) for m in self._models if self.strategy.replicated(m)}
-        replicated = frozenset(name for name, v in state.items() if id(self.strategy.unwrap(v)) in kept)
-        shared, per_rank = split_by_rank(self.ctx, values, replicated)
+        shared, per_rank = named_state(
+            self.ctx, self.strategy, state, self._models, f"the loop's state at step {state.step}"
+        )
         return {
             "loop": {"step": state.step, "epoch": state.epoch, "best": self._best, "finished": finished},
             "state": shared,
@@ -553,26 +515,13 @@ class Loop:
         """Exact means over the whole of ``data``: each rank reads every world_size-th sample (no padded
         repeats, no shuffle), ``fn(model, batch)`` returns {name: (sum, count)} or {name: batch mean}, and
         one all-reduce adds them up. ``model`` runs unwrapped, in eval mode. Every rank."""
-        dataset = data.dataset if isinstance(data, DataLoader) else data
-        bs = batch_size or (data.batch_size if isinstance(data, DataLoader) else None)
-        if not bs:
-            raise ConfigError("Loop.evaluate(dataset, ...) needs batch_size= (or pass a DataLoader)")
-        collate = {"collate_fn": data.collate_fn} if isinstance(data, DataLoader) else {}
-        if len(dataset) < self.ctx.world_size:
-            raise ConfigError(
-                f"Loop.evaluate(): {len(dataset)} samples for {self.ctx.world_size} ranks; each rank needs one"
-            )
-        share = Subset(dataset, range(self.ctx.rank, len(dataset), self.ctx.world_size))
         dev = self.ctx.device
 
         def measure(model, batch):
             out, n = fn(model, batch), leading_size(batch)
             return {k: v if isinstance(v, tuple) else (as_f64(v, dev) * n, n) for k, v in out.items()}
 
-        batches = (
-            tree_map(lambda t: t.to(dev, non_blocking=True), b)
-            for b in DataLoader(share, batch_size=bs, shuffle=False, **collate)
-        )
+        batches = rank_share(data, self.ctx, batch_size)
         names, totals, _ = evaluate_split(self.strategy.unwrap(model), batches, measure, self.ctx, self.amp)
         return means(names, totals[:-1])
 
@@ -584,15 +533,12 @@ class Loop:
         if mode not in ("min", "max"):
             raise ConfigError(f"Loop.best(mode={mode!r}): choose min or max")
         v = self.ctx.broadcast(torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)).item()
-        if not math.isfinite(v):
-            return False  # a NaN would stay the best for ever: no later value compares better
-        old = self._best.get(metric)
-        better = old is None or (v < old["value"] if mode == "min" else v > old["value"])
-        if not better:
-            return False
-        self._best[metric] = {"value": v, "step": self.state.step}
+        old = self._best.get(metric) or {}
+        watch = Watch(metric, mode, value=old.get("value"), step=old.get("step"))
         modules = {name: m for name, obj in self.state.items() if isinstance(m := self.strategy.unwrap(obj), nn.Module)}
-        self.session.write_best(modules, metric, v, self.state.step)
+        if not self.session.keep_best(watch, {metric: v}, self.state.step, modules):
+            return False
+        self._best[metric] = {"value": watch.value, "step": watch.step}
         return True
 
     @property
@@ -616,20 +562,6 @@ class Loop:
     def _said(self, change: str) -> None:
         if change not in self._changes:
             self._changes.append(change)
-
-    def _identity(self) -> dict:
-        """The loop's code as rank 0 read it (every rank uses rank 0's, so they decide alike): the function's
-        or the script's that made the Loop (``identity.script_at``: its code and settings). An environment
-        variable it reads is listed under ``unproven``, not compared (``SAVE``, a test's ``DIE_AT``)."""
-        mine = None
-        if self.ctx.is_main or self.ctx.world_size == 1:
-            name = self._maker.name if isinstance(self._maker, Script) else self._maker.__qualname__
-            mine = code_fingerprint(name, {"loop": self._maker}, read_environ=False).to_json()
-        if self.ctx.world_size > 1:
-            box = [mine]
-            dist.broadcast_object_list(box, src=0)
-            mine = box[0]
-        return mine
 
     def _write_config(self) -> None:
         atomic_write(self.files.root / "loop.json", json.dumps(self.key.to_dict(), indent=1, default=str).encode())

@@ -23,19 +23,23 @@ def mse(model, batch):
     return F.mse_loss(model(x), y)
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
-    print(f"pid {os.getpid()}", flush=True)
+def trainer(spec: dict) -> Trainer:
+    """The Trainer ``spec`` describes (called here, and by a test that launches it from its own process)."""
     torch.manual_seed(0)
     test = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 1))
-    trainer = Trainer(
+    return Trainer(
         TrainConfig(**spec["config"], run_dir=spec["run_dir"]),
         model=torch.nn.Linear(4, 1),
         train_data=Rows(log_dir=spec["log_dir"], **spec["rows"]),
         test_data=test,
         loss_fn=mse,
     )
-    return run_reporting_errors(lambda: trainer.fit() and 0)
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    print(f"pid {os.getpid()}", flush=True)
+    return run_reporting_errors(lambda: trainer(spec).fit() and 0)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import threading
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, Subset
 
 from ..config import TrainConfig
 from ..errors import ConfigError, DataError, DdpkitError
@@ -685,3 +685,20 @@ def eval_source(data, splits: DataSplits, cfg: TrainConfig, ctx: DistContext, on
         splits.collate_fn,
         splits.worker_init_fn,
     )
+
+
+def rank_share(data: DataLoader | Dataset, ctx: DistContext, batch_size: int | None = None) -> Iterator:
+    """This rank's every world_size-th sample of ``data``, in order, as batches on its device: what
+    ``Loop.evaluate`` reads (no padded repeats, no shuffle). A DataLoader gives its dataset, batch size and
+    collate_fn; a dataset needs ``batch_size``."""
+    loader = data if isinstance(data, DataLoader) else None
+    dataset = loader.dataset if loader is not None else data
+    bs = batch_size or (loader.batch_size if loader is not None else None)
+    if not bs:
+        raise ConfigError("Loop.evaluate(dataset, ...) needs batch_size= (or pass a DataLoader)")
+    if len(dataset) < ctx.world_size:
+        raise ConfigError(f"Loop.evaluate(): {len(dataset)} samples for {ctx.world_size} ranks; each rank needs one")
+    share = Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))
+    collate = {"collate_fn": loader.collate_fn} if loader is not None else {}
+    batches = DataLoader(share, batch_size=bs, shuffle=False, **collate)  # checked above, read when iterated
+    return (tree_map(lambda t: t.to(ctx.device, non_blocking=True), b) for b in batches)

@@ -54,6 +54,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
+# What the [start] line says of a DataLoader path: how a user's __getitem__ and collate_fn draw (below)
+DRAWS_NOTE = (
+    "each sample read under its own seeds (seed, epoch, sample), each batch collated under its own (seed, epoch, rank, "
+    "batch)"
+)
+
 # Tags that keep each use's seeds apart from every other's drawn from the same numbers
 TRAIN, EVAL, RANK, LOADER, STREAM = 0x7EA1, 0xE7A1, 0x5A4C, 0x10AD, 0x57EA  # batches, rank, loader, stream
 SAMPLE, EVAL_SAMPLE, ITEMS = 0x5A3E, 0xE5A3, 0x17E5  # a sample's read (training, evaluation); a batched read

@@ -73,11 +73,24 @@ class DDPStrategy:
         return ""  # DDP is what every flag was built on
 
     @staticmethod
-    def share_optimizer_state(optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
+    def join(model: DDP, optimizer: torch.optim.Optimizer):
+        """``--join``: DDP's (and ZeRO's) Join, under which a rank out of batches keeps answering the others'
+        gradient all-reduces with zeros until every rank is out."""
+        from torch.distributed.algorithms.join import Join
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return Join([model, *([optimizer] if isinstance(optimizer, ZeroRedundancyOptimizer) else [])])
+
+    @staticmethod
+    def rejoin(optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
         """Every rank's optimizer state made global rank 0's (after an uneven ``--join`` epoch, where a rank
-        that ran fewer steps skipped their updates). (state tensor, its device copy) pairs: NCCL broadcasts
-        device tensors only, and some state lives on the CPU (Adam's step count); a tensor already on the
-        device is its own copy."""
+        that ran fewer steps skipped their updates); ZeRO's own join hook keeps its shards. (state tensor, its
+        device copy) pairs: NCCL broadcasts device tensors only, and some state lives on the CPU (Adam's step
+        count); a tensor already on the device is its own copy."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return
         pairs = []
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -26,22 +26,23 @@ from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits
 from ..data.batch import leading_size
 from ..data.loader import EvalSource, eval_source, make_sources
-from ..data.seeds import seed_rank
-from ..errors import DataError, NonFiniteLoss, RunDirError
+from ..data.seeds import DRAWS_NOTE, seed_rank
+from ..errors import DataError, RunDirError
 from ..models import uses_conv
-from ..ranks import env, hangwatch
+from ..ranks import hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
 from ..run.checkpoint import read_weights
 from ..run.display import summary_fields
 from ..run.paths import RunFiles
 from ..run.plots import draw_run_plots
 from ..run.recorder import MetricLogger
-from ..run.rundir import launcher_owns, unproven, write_config, write_model, write_summary
-from .ddp import DDPStrategy, ddp_timers, wrap
+from ..run.rundir import launcher_owns, write_config, write_model, write_summary
+from . import report
+from .ddp import DDPStrategy, wrap
 from .evaluate import evaluate
 from .flops import peak_flops, step_flops
-from .graph import GraphedSteps, decide
-from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, means, peak_memory_mb
+from .graph import GraphedSteps, decide, user_code
+from .metrics import DIVERGED_RATIO, Accumulator, DivergenceWatch, peak_memory_mb
 from .optim import (
     EMA,
     build_optimizer,
@@ -53,7 +54,7 @@ from .optim import (
 )
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
-from .task import Classification, Task
+from .task import Task
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Engine:
     ):
         self.cfg, self.ctx, self.meta, self.task = cfg, ctx, splits.meta, task
         self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
-        self.t0, self._first_step_at = t0, None  # launch and first step (wall clock): startup_s
+        self.t0, self.first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
         self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
         self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
@@ -112,18 +113,13 @@ class Engine:
         on_device = getattr(self.train_src, "on_device", False)
         self.val_src = eval_source(splits.val, splits, cfg, ctx, on_device) if splits.val is not None else None
         self.best, self.stopper = watches(cfg)
-        self._last_val: tuple | None = None  # (global step, result) of the newest validation
+        self.last_val: tuple | None = None  # (global step, result) of the newest validation
         # Optimizer steps per epoch; with --join this rank may run fewer, and catches up after the Join.
         self.steps_per_epoch = (
             getattr(self.train_src, "max_steps_per_epoch", self.train_src.steps_per_epoch) // self.accum
         )
-        self.data_note = splits.note
-        if self.train_src.path == "dataloader":  # what ddpkit does to the draws of your __getitem__ and collate_fn
-            seeds = (
-                "each sample read under its own seeds (seed, epoch, sample), "
-                "each batch collated under its own (seed, epoch, rank, batch)"
-            )
-            self.data_note = f"{self.data_note}; {seeds}" if self.data_note else seeds
+        # what ddpkit does to the draws of your __getitem__ and collate_fn, on the DataLoader path
+        self.data_note = "; ".join(n for n in (splits.note, self.train_src.path == "dataloader" and DRAWS_NOTE) if n)
         if cfg.init_from:
             model.load_state_dict(read_weights(cfg.init_from))  # a resumed snapshot supersedes it
         # DDP's static graph records the first iteration; with no_sync micro-steps, keep it dynamic.
@@ -157,16 +153,7 @@ class Engine:
         self.lr_policy = lr_policy(cfg, self.opt, optimizer is not None, self.sched, scheduler is not None)
         self._advance_lr = self.sched.step  # the graph's device lookup under --cuda-graph (train/graph.py)
         self.user_scheduler = scheduler is not None
-        # What --cuda-graph auto leaves to --cuda-graph on: code whose Python a replay would not run
-        self.user_code = ", ".join(
-            what
-            for what, mine in (
-                ("model", not static_graph),  # static_graph: a registry model (train/workers.py)
-                ("optimizer", optimizer is not None),
-                ("loss or metrics", type(task) is not Classification or bool(task.metrics)),
-            )
-            if mine
-        )
+        self.user_code = user_code(static_graph, optimizer is not None, task)  # what a replay would not run
         self.changes = changes(cfg, uses_conv(self.raw))
         self.amp = Amp(cfg.amp, ctx.device)
         self.scaler = self.amp.scaler
@@ -195,7 +182,7 @@ class Engine:
         self.watch = DivergenceWatch()  # in every snapshot as "divergence"
         self._epoch_t0 = 0.0
         self.final_train: dict = {}
-        self._train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
+        self.train_local: torch.Tensor | None = None  # this rank's own sums of the last epoch
         self._last_eval: tuple | None = None  # (global step, result, local sums) of the newest evaluation
         self._nan_warned = False
         self.graph_decision = decide(cfg, ctx, self)
@@ -306,7 +293,7 @@ class Engine:
             snap = self.session.resume(self.load_state_dict, self.cfg.seed, self._fits, warn=self.log.print)
             if snap is not None:
                 if snap["world_size"] != self.ctx.world_size:
-                    self.log.print(self._elastic_line(snap["world_size"]))
+                    self.log.print(report.elastic_line(self, snap["world_size"]))
                 self._check_position()
                 if self.pos.global_step < self.total_steps:
                     # A finished run trained longer: its summary.json is of the shorter horizon until this one ends
@@ -319,33 +306,16 @@ class Engine:
                 self.pos.global_step,
                 self.pos.epoch,
                 lambda: write_config(self.cfg, self.ctx, self.identity),
-                data_path=self.train_src.path,
-                data=self.data_note,
-                task=self.task.identity,
-                lr_policy=self.lr_policy,
-                changes=self.changes,
-                steps_per_epoch=self.steps_per_epoch,
-                per_rank_batch=self.per_rank_batch,
-                grad_accum=self.accum,
-                resumed_at_step=self.pos.global_step if snap else None,
-                resumed_from_world=snap["world_size"] if snap else None,
-                # What the run identity could not read of what was passed in: a resume matched on all but these
-                not_read="; ".join(unproven(self.identity or {})) or None,
-                restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
-                cuda_graph=str(self.graph_decision),
-                # DDP's search for unused parameters: asked, or found by preflight's trial step (said there)
-                find_unused_parameters=bool(self.find_unused) if self.ddp is not None else None,
-                flops_per_step=self.flops_per_step,  # one rank's, forward and backward (train/flops.py)
-                mfu_peak=self.peak_name if self.flops_per_step else self.flops_note,
+                **report.start_fields(self, snap),
             )
             with self.session.signal:
-                cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self._stopped_early)
+                cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self.stopped_early)
                 if snap is not None and cut_short:
                     self._end_cut_epoch()  # killed after the snapshot of a cut-short epoch, before that epoch's end
                 while (
                     self.pos.epoch < self.cfg.epochs
                     and self.pos.global_step < self.total_steps
-                    and not self._stopped_early
+                    and not self.stopped_early
                 ):
                     self._run_epoch()
             summary = self._finish()
@@ -353,35 +323,6 @@ class Engine:
             return summary
         finally:
             self.log.close(ok)
-
-    def _elastic_line(self, old_world: int) -> str:
-        """What a resume at another world size keeps exact, and what it does not (said once)."""
-        plain_bn = [
-            m
-            for m in self.raw.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-        ]
-        caveats = ["each rank's random stream (dropout) starts afresh"]
-        # a collate_fn's draws are keyed by rank and batch (data/seeds.py); __getitem__'s by sample: the same
-        if self.train_src.path == "dataloader" and self.train_src.draws_by_batch:
-            caveats.append("random draws in your collate_fn (or __getitems__) follow each rank's new batches")
-        if plain_bn and not self.cfg.sync_bn:
-            caveats.append(
-                "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
-                f"{self.per_rank_batch // self.accum} samples"
-            )
-        if not isinstance(self.task, Classification):
-            # DDP averages the ranks' losses: equal to the global batch's loss only for a mean over samples
-            caveats.append(
-                "your loss gives the same gradient if it is a mean over each rank's samples; a per-token mean "
-                "or a sum weighs the ranks differently at another world size"
-            )
-        return (
-            f"ddpkit: resuming step {self.pos.global_step} (epoch {self.pos.epoch}) of a run made at world size "
-            f"{old_world} at world size {self.ctx.world_size}: the same global batch of {self.cfg.batch_size} "
-            f"and the same samples at every step; otherwise only the order of float reductions differs, except: "
-            + "; ".join(caveats)
-        )
 
     def _run_epoch(self) -> None:
         cfg = self.cfg
@@ -394,10 +335,10 @@ class Engine:
             if self.graph is not None
             else self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
         )
-        with self._join():
+        with self.strategy.join(self.ddp, self.opt) if cfg.join and self.ddp is not None else nullcontext():
             for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
-                if self._first_step_at is None:
-                    self._first_step_at = time.time()
+                if self.first_step_at is None:
+                    self.first_step_at = time.time()
                 if cfg.compile and self.pos.global_step == 0:
                     self._compile_step(group)
                     self._epoch_t0 += self.timing.compile_time_s
@@ -417,7 +358,7 @@ class Engine:
                 )  # --max-steps
                 if cfg.eval_every_steps and self.pos.global_step % cfg.eval_every_steps == 0:
                     self._validate()
-                    last = last or self._stopped_early  # --early-stop: this step ends the epoch and the run
+                    last = last or self.stopped_early  # --early-stop: this step ends the epoch and the run
                 if self.pos.step_in_epoch % cfg.log_every == 0 or last:
                     self._log_interval()
                 if last:
@@ -441,23 +382,11 @@ class Engine:
             partial,
         )
 
-    def _join(self):
-        """``--join``: DDP's (and ZeRO's) Join, under which a rank out of batches keeps answering the
-        others' gradient all-reduces with zeros until every rank is out."""
-        if not self.cfg.join or self.ddp is None:
-            return nullcontext()
-        from torch.distributed.algorithms.join import Join
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return Join([self.ddp, *([self.opt] if isinstance(self.opt, ZeroRedundancyOptimizer) else [])])
-
     def _rejoin(self) -> None:
         """After an uneven epoch, make the ranks alike again: the Join gave every rank the last
         joiner's weights, but a rank that ran fewer steps skipped their schedule steps and
         optimizer updates. It steps its schedule up to rank 0's count (rank 0 always has the most
         batches) and takes rank 0's optimizer state; then the epoch's one log interval."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         missing = self.steps_per_epoch - self.pos.step_in_epoch
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
@@ -465,8 +394,7 @@ class Engine:
                 self.sched.step()
         self.pos.step_in_epoch += missing
         self.pos.global_step += missing
-        if not isinstance(self.opt, ZeroRedundancyOptimizer):  # ZeRO's own join hook keeps its shards
-            self.strategy.share_optimizer_state(self.opt, self.ctx)
+        self.strategy.rejoin(self.opt, self.ctx)
         self._log_interval()
 
     def _step(self, micro: tuple) -> None:
@@ -533,22 +461,7 @@ class Engine:
                 self.log.print(f"ddpkit: warning: {msg}; training on (--on-nan warn)")
                 self._nan_warned = True
             return
-        last = self.session.ckpt.snapshots()
-        self.log.log("stopped", reason="non-finite", step=self.pos.global_step)
-        raise NonFiniteLoss(
-            f"{msg}. Stopped without saving it: the last good snapshot is "
-            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
-            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless."
-        )
-
-    def _divergence(self, loss: float) -> str:
-        """The diverging run in one line, with the likely cause."""
-        return (
-            f"training is diverging: loss {loss:.4g} at step {self.pos.global_step}, over "
-            f"{DIVERGED_RATIO:g}x its first logged {self.watch.first_loss:.4g}. The likely cause is the learning "
-            f"rate ({self.lr_policy}) for a global batch of {self.cfg.batch_size}: try a lr several times lower"
-            f" (--lr, or your optimizer's), or a longer warm-up (--warmup-frac)"
-        )
+        self.session.stop_non_finite(msg, self.pos.global_step)
 
     def _checked_state(self) -> dict:
         """The state to snapshot, after checking (on every rank: a collective) there is nothing non-finite in it."""
@@ -570,13 +483,13 @@ class Engine:
             **means,
             lr=self.sched.get_last_lr()[0],
             samples_per_s=rate,
-            **self._utilisation(rate),
+            **report.utilisation(self, rate),
         )
         self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)
         self._check_finite(totals[0])
         if self.watch.check(means.get("loss"), self.pos.global_step):
-            self.log.print(f"ddpkit: warning: {self._divergence(means['loss'])}")
+            self.log.print(f"ddpkit: warning: {report.divergence_line(self, means['loss'])}")
         if stop:
             powersgd = "a --comm-hook powersgd run cannot resume (see docs/fault-tolerance.md)"
             again = powersgd if self.cfg.comm_hook == "powersgd" else RESUME
@@ -606,20 +519,9 @@ class Engine:
         seen = self.pos.step_in_epoch * self.per_rank_batch * self.ctx.world_size
         self._end_epoch(self.acc.means(totals, "train_"), self.timing.epoch_elapsed_s, seen, partial=True)
 
-    def _utilisation(self, samples_per_s: float) -> dict:
-        """{tflops: achieved TFLOP/s per device, mfu: its share of the dense peak} at ``samples_per_s`` (all
-        ranks'); {} where the step's FLOPs were not counted, and no mfu where the peak is not known."""
-        if not self.flops_per_step:
-            return {}
-        per_device = self.flops_per_step / self.per_rank_batch * samples_per_s / self.ctx.world_size
-        out = {"tflops": per_device / 1e12}
-        if self.peak:
-            out["mfu"] = per_device / self.peak
-        return out
-
     def _end_epoch(self, train: dict, epoch_time: float, seen: int, partial: bool = False) -> None:
         if self.val_src is not None:  # the validation split; the test set waits for the end
-            val = self._last_val
+            val = self.last_val
             if val is not None and val[0] == self.pos.global_step:
                 result = val[1]  # this step's, from the cadence
             else:  # at epoch ends only when there is no step cadence; an epoch cut short by --max-steps reports it
@@ -639,7 +541,7 @@ class Engine:
             peak_memory_mb=peak_memory_mb(self.ctx),
         )
         self.final_train = train
-        self._train_local = self.acc.local()
+        self.train_local = self.acc.local()
         self.pos.epoch += 1
         self.pos.step_in_epoch = 0
         self.acc.reset()
@@ -656,7 +558,7 @@ class Engine:
         return evaluate(model, source or self.eval_src, self.task, self.cfg, self.ctx, prefix)
 
     @property
-    def _stopped_early(self) -> bool:
+    def stopped_early(self) -> bool:
         return self.stopper is not None and self.stopper.exhausted
 
     def _validate(self, select: bool = True) -> dict:
@@ -666,14 +568,13 @@ class Engine:
         t = time.perf_counter()
         step = self.pos.global_step
         result, _ = self._evaluate(self.val_src, "val_")
-        self._last_val = (step, result)
-        if select and self.best is not None and self.best.update(result, step):
-            model = self.ema.module if self.ema is not None else self.raw
-            self.session.write_best({"model": model}, self.best.metric, self.best.value, self.best.step)
+        self.last_val = (step, result)
+        if select and self.best is not None:
+            self.session.keep_best(self.best, result, step, {"model": self.ema.module if self.ema else self.raw})
         if select and self.stopper is not None:
             self.stopper.update(result, step)
         self.log.log("eval", epoch=self.pos.epoch, step=step, **result)
-        if self._stopped_early:
+        if self.stopped_early:
             s = self.stopper
             self.log.print(
                 f"ddpkit: early stop at step {step}: {s.metric} has not improved for {s.patience} evaluations "
@@ -686,82 +587,16 @@ class Engine:
         self._t_last += spent
         return result
 
-    def _per_rank(self, test_local: torch.Tensor) -> list[dict]:
-        """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
-        k = len(self.acc.names)
-        train_local = (
-            self._train_local
-            if self._train_local is not None
-            else torch.full((2 * k,), math.nan, dtype=torch.float64, device=self.ctx.device)
-        )
-        rows = self.ctx.all_gather(torch.cat([train_local, test_local])).tolist()
-        test_names = self.task.names
-        out = []
-        for rank, row in enumerate(rows):
-            train, test = row[: 2 * k], row[2 * k :]
-            out.append(
-                {
-                    "rank": rank,
-                    **self.acc.means(train, "train_"),
-                    **means(test_names, test[:-1], "test_"),
-                    "test_samples": int(test[-1]),
-                }
-            )
-        return out
-
     def _finish(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         if self._last_eval is not None and self._last_eval[0] == self.pos.global_step:
             _, result, test_local = self._last_eval  # the weights have not changed since the last epoch's
         else:
             result, test_local = self._evaluate()  # with a validation split: the test set's one evaluation
-        per_rank = self._per_rank(test_local)
+        per_rank = report.per_rank(self, test_local)
         model = self.ema.module if self.ema is not None else self.raw
         write_model(cfg.run_dir, model, ctx)
-        summary = {
-            "world_size": ctx.world_size,
-            "backend": ctx.backend,
-            "device_type": ctx.device.type,
-            "dataset": cfg.dataset,
-            "model": cfg.model,
-            "task": self.task.identity,
-            "recipe": cfg.recipe,
-            "epochs": cfg.epochs,
-            "global_batch_size": self.per_rank_batch * ctx.world_size,
-            "grad_accum": self.accum,
-            "steps": self.pos.global_step,
-            "data_path": self.train_src.path,
-            "train_time_s": round(self.timing.train_time_s, 4),
-            "compile_time_s": round(self.timing.compile_time_s, 4),
-            "samples_per_s": self.pos.global_step
-            * self.per_rank_batch
-            * ctx.world_size
-            / max(1e-9, self.timing.train_time_s),
-            **{f"final_{k}": v for k, v in self.final_train.items()},
-            **result,
-            "peak_memory_mb": peak_memory_mb(ctx),
-            "flops_per_step": self.flops_per_step,
-            "peak_tflops": self.peak / 1e12 if self.peak else None,
-            **{
-                f"{k}_per_device" if k == "tflops" else k: v
-                for k, v in self._utilisation(
-                    self.pos.global_step * self.per_rank_batch * ctx.world_size / max(1e-9, self.timing.train_time_s)
-                ).items()
-            },
-            "run_dir": cfg.run_dir,
-            "config_hash": cfg.hash(),
-            "startup_s": round(self._first_step_at - self.t0, 3) if self.t0 and self._first_step_at else None,
-            "finished_at": round(time.time(), 3),
-            "per_rank": per_rank,
-            "ddp_timers": ddp_timers(self.ddp),
-            "diverged_at_step": self.watch.diverged_at_step,
-            "cuda_graph": self.graph.status if self.graph is not None else str(self.graph_decision),
-            **({f"final_{k}": v for k, v in self._last_val[1].items()} if self._last_val is not None else {}),
-            "best": {"metric": self.best.metric, "value": self.best.value, "step": self.best.step}
-            if self.best is not None
-            else None,
-            "early_stopped_at_step": self.pos.global_step if self._stopped_early else None,
-        }
+        summary = report.summary(self, result, per_rank)
         write_summary(cfg.run_dir, summary, ctx)
         # The run's last collective: rank 0's last record, plots (if it draws them) and loggers' close keep no rank
         # waiting in a collective that --timeout-s would end (exit 3 after a finished run).

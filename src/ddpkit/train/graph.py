@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..ranks.context import DistContext
+from .task import Classification
 
 # Eager steps before the capture. DDP samples its runtime statistics on iterations 1-10 and
 # rebuilds its buckets after the first (torch/nn/parallel/distributed.py, _set_static_graph and
@@ -86,6 +87,18 @@ def blockers(cfg: TrainConfig, device_type: str, world_size: int) -> list[str]:
         if on:
             found.append(flag)
     return found
+
+
+def user_code(static_graph: bool, optimizer_given: bool, task) -> str:
+    """What ``--cuda-graph auto`` leaves to ``--cuda-graph on``: the user's code whose Python a replay would not
+    run ("" for a registry model, built-in optimizer and classification loss); ``static_graph``: a registry
+    model (train/workers.py)."""
+    mine = (
+        ("model", not static_graph),
+        ("optimizer", optimizer_given),
+        ("loss or metrics", type(task) is not Classification or bool(task.metrics)),
+    )
+    return ", ".join(what for what, yes in mine if yes)
 
 
 def decide(cfg: TrainConfig, ctx: DistContext, engine) -> Decision:

@@ -33,15 +33,16 @@ from typing import Any, Callable, NoReturn
 import torch
 from torch import nn
 
-from ..errors import ConfigError, Stopped
+from ..errors import ConfigError, NonFiniteLoss, RunDirError, Stopped
 from ..files import atomic_write, torch_bytes
 from ..ranks.context import DistContext, on_rank0
-from ..run.checkpoint import Checkpointer, weights_mismatch
+from ..run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
 from ..run.paths import RunFiles
 from ..run.recorder import MetricLogger
 from ..run.runkey import RunKey
 from .metrics import Accumulator, Synced, sync_interval
 from .optim import NoAutocast
+from .selection import Watch
 from .signals import StopSignal
 
 RESUME = "run the same command again to resume from it"
@@ -117,6 +118,18 @@ class Session:
         self.log.log("stopped", reason="signal", signal=name, step=step)
         raise Stopped(f"stopped on {name} at step {step} (epoch {epoch}); saved {path}; {again}", name)
 
+    def stop_non_finite(self, what: str, step: int) -> NoReturn:
+        """Every rank, once the all-reduced metrics say ``what`` became NaN or Inf (``--on-nan stop``): the
+        ``stopped`` record and :class:`ddpkit.errors.NonFiniteLoss`, naming the last good snapshot; nothing is
+        saved (a snapshot of non-finite weights would be resumed into the same NaN)."""
+        last = self.ckpt.snapshots()
+        self.log.log("stopped", reason="non-finite", step=step)
+        raise NonFiniteLoss(
+            f"{what}. Stopped without saving it: the last good snapshot is "
+            f"{last[0] if last else '(none yet)'}, and model.pt was not written. Lower --lr, check "
+            f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless."
+        )
+
     # ------------------------------------------------------------------ the run record
     def begin(self, step: int, epoch: int, write_record: Callable[[], None], **start: Any) -> None:
         """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
@@ -127,6 +140,14 @@ class Session:
         self.log.log("start", world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device), **start)
 
     # ------------------------------------------------------------------ best.pt
+    def keep_best(self, watch: Watch, result: dict, step: int, modules: dict[str, nn.Module]) -> bool:
+        """``--keep-best`` and ``Loop.best`` alike: when ``result`` (the same on every rank) holds a new best
+        of ``watch``'s metric (``selection.Watch``: a NaN never is one), ``best.pt`` is written. True then."""
+        if not watch.update(result, step):
+            return False
+        self.write_best(modules, watch.metric, watch.value, step)
+        return True
+
     def write_best(self, modules: dict[str, nn.Module], metric: str, value: float, step: int) -> None:
         """The one ``best.pt`` writer, for ``--keep-best`` and ``Loop.best`` alike: each module's weights (the
         unwrapped module's ``state_dict``) by name, with the metric, its value and the step. Rank 0 writes;
@@ -195,6 +216,49 @@ def misfit(target: Any, saved: Any) -> str:
         theirs = [len(g.get("params", ())) for g in groups]
         return "" if mine == theirs else f"parameters per group {theirs} in the snapshot, {mine} here"
     return ""
+
+
+def named_state(ctx: DistContext, strategy: Any, state: dict, models: list, where: str) -> tuple[dict, dict]:
+    """A named state (``Loop.resume``'s) as a snapshot holds it, split into (shared, per_rank) by one collective
+    (``run/checkpoint.split_by_rank``): each object's ``state_dict`` (the strategy's module unwrapped) or plain
+    value, on the host, checked readable by ``torch.load(weights_only=True)`` before anything is written. The
+    ``models`` the strategy keeps equal on every rank (DDP with broadcast_buffers) are not hashed. Every rank."""
+    values = {
+        name: to_host(strategy.unwrap(v).state_dict() if hasattr(v, "state_dict") else v) for name, v in state.items()
+    }
+    for name, value in values.items():
+        check_plain(name, value, where)
+    kept = {id(strategy.unwrap(m)) for m in models if strategy.replicated(m)}
+    replicated = frozenset(name for name, v in state.items() if id(strategy.unwrap(v)) in kept)
+    return split_by_rank(ctx, values, replicated)
+
+
+def load_named(state: dict, shared: dict, per_rank: list, mine: dict, strategy: Any, run_dir: str) -> None:
+    """A snapshot's named state into ``state`` (what :func:`named_state` saved: ``shared``, the names saved
+    ``per_rank``, and this rank's own values ``mine``): objects loaded in place, plain values replaced. Every
+    name and every part is checked (:func:`misfit`) before anything is loaded: nothing half-resumed."""
+    names = [*shared, *per_rank]
+    extra, missing = [n for n in names if n not in state], [n for n in state if n not in names]
+    if extra or missing:
+        what = f"holds {', '.join(map(repr, extra))}, which this resume() was not given" if extra else ""
+        what += ("; " if extra and missing else "") + (f"holds no {', '.join(map(repr, missing))}" if missing else "")
+        raise RunDirError(
+            f"the snapshot in {run_dir} {what}: name the same state as the run that made it, "
+            f"or pass another run_dir to Loop"
+        )
+    values = {**shared, **mine}
+    for name, value in values.items():
+        problem = misfit(strategy.unwrap(state[name]), value)
+        if problem:
+            raise RunDirError(
+                f"the snapshot in {run_dir} does not fit {name!r}: {problem}; build it as the run "
+                f"that made the snapshot did, or pass another run_dir to Loop"
+            )
+    for name, value in values.items():
+        if hasattr(state[name], "load_state_dict"):
+            strategy.unwrap(state[name]).load_state_dict(value)
+        else:
+            state[name] = value
 
 
 def check_plain(name: str, value: Any, where: str) -> None:

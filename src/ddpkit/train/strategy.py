@@ -50,6 +50,12 @@ class Strategy(Protocol):
     def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
         """The optimizer's whole state for a snapshot (every rank calls it: it may be a collective)."""
 
+    def join(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
+        """``--join``: uneven inputs, a rank out of batches answering the others' collectives until all are out."""
+
+    def rejoin(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> None:
+        """After an uneven ``--join`` epoch: every rank's optimizer state made alike again (a collective)."""
+
     def refused_with(self, **flags: Any) -> str:
         """What this strategy cannot be combined with among ``flags`` (name -> value), in one line; ""."""
 

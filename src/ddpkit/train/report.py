@@ -1,0 +1,181 @@
+"""What the engine says about its run: the fields of its start record (the ``[start]`` line), the summary at its
+end (summary.json), each rank's own figures, the achieved TFLOP/s and MFU of a log interval, and the lines for
+a resume at another world size (a Loop's too) and a diverging loss. Each function reads the engine's state
+(``train/engine.py``) and changes nothing; every rank calls them alike (``per_rank`` is a collective), and
+what only global rank 0 writes is written by the engine's callers (``run/rundir.write_summary``, the logger).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..ranks import env
+from ..run.rundir import unproven
+from .ddp import ddp_timers
+from .metrics import DIVERGED_RATIO, means, peak_memory_mb
+from .task import Classification
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def summary(e: Engine, result: dict, per_rank: list[dict]) -> dict:
+    """summary.json's fields: the run's figures at its end, with the test evaluation ``result`` and the
+    per-rank table."""
+    cfg, ctx = e.cfg, e.ctx
+    return {
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device_type": ctx.device.type,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "task": e.task.identity,
+        "recipe": cfg.recipe,
+        "epochs": cfg.epochs,
+        "global_batch_size": e.per_rank_batch * ctx.world_size,
+        "grad_accum": e.accum,
+        "steps": e.pos.global_step,
+        "data_path": e.train_src.path,
+        "train_time_s": round(e.timing.train_time_s, 4),
+        "compile_time_s": round(e.timing.compile_time_s, 4),
+        "samples_per_s": e.pos.global_step * e.per_rank_batch * ctx.world_size / max(1e-9, e.timing.train_time_s),
+        **{f"final_{k}": v for k, v in e.final_train.items()},
+        **result,
+        "peak_memory_mb": peak_memory_mb(ctx),
+        "flops_per_step": e.flops_per_step,
+        "peak_tflops": e.peak / 1e12 if e.peak else None,
+        **{
+            f"{k}_per_device" if k == "tflops" else k: v
+            for k, v in utilisation(
+                e, e.pos.global_step * e.per_rank_batch * ctx.world_size / max(1e-9, e.timing.train_time_s)
+            ).items()
+        },
+        "run_dir": cfg.run_dir,
+        "config_hash": cfg.hash(),
+        "startup_s": round(e.first_step_at - e.t0, 3) if e.t0 and e.first_step_at else None,
+        "finished_at": round(time.time(), 3),
+        "per_rank": per_rank,
+        "ddp_timers": ddp_timers(e.ddp),
+        "diverged_at_step": e.watch.diverged_at_step,
+        "cuda_graph": e.graph.status if e.graph is not None else str(e.graph_decision),
+        **({f"final_{k}": v for k, v in e.last_val[1].items()} if e.last_val is not None else {}),
+        "best": {"metric": e.best.metric, "value": e.best.value, "step": e.best.step} if e.best is not None else None,
+        "early_stopped_at_step": e.pos.global_step if e.stopped_early else None,
+    }
+
+
+def start_fields(e: Engine, snap: dict | None) -> dict:
+    """The ``start`` record's fields (the ``[start]`` line) beyond the world, backend and device: what the
+    run trains on and how, and whether it resumed (``snap``: the snapshot it resumed from, or None)."""
+    return dict(
+        data_path=e.train_src.path,
+        data=e.data_note,
+        task=e.task.identity,
+        lr_policy=e.lr_policy,
+        changes=e.changes,
+        steps_per_epoch=e.steps_per_epoch,
+        per_rank_batch=e.per_rank_batch,
+        grad_accum=e.accum,
+        resumed_at_step=e.pos.global_step if snap else None,
+        resumed_from_world=snap["world_size"] if snap else None,
+        # What the run identity could not read of what was passed in: a resume matched on all but these
+        not_read="; ".join(unproven(e.identity or {})) or None,
+        restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
+        cuda_graph=str(e.graph_decision),
+        # DDP's search for unused parameters: asked, or found by preflight's trial step (said there)
+        find_unused_parameters=bool(e.find_unused) if e.ddp is not None else None,
+        flops_per_step=e.flops_per_step,  # one rank's, forward and backward (train/flops.py)
+        mfu_peak=e.peak_name if e.flops_per_step else e.flops_note,
+    )
+
+
+def per_rank(e: Engine, test_local: torch.Tensor) -> list[dict]:
+    """Each rank's own figures (its train samples of the last epoch, its test shard): one all-gather."""
+    k = len(e.acc.names)
+    train_local = (
+        e.train_local
+        if e.train_local is not None
+        else torch.full((2 * k,), math.nan, dtype=torch.float64, device=e.ctx.device)
+    )
+    rows = e.ctx.all_gather(torch.cat([train_local, test_local])).tolist()
+    test_names = e.task.names
+    out = []
+    for rank, row in enumerate(rows):
+        train, test = row[: 2 * k], row[2 * k :]
+        out.append(
+            {
+                "rank": rank,
+                **e.acc.means(train, "train_"),
+                **means(test_names, test[:-1], "test_"),
+                "test_samples": int(test[-1]),
+            }
+        )
+    return out
+
+
+def utilisation(e: Engine, samples_per_s: float) -> dict:
+    """{tflops: achieved TFLOP/s per device, mfu: its share of the dense peak} at ``samples_per_s`` (all
+    ranks'); {} where the step's FLOPs were not counted, and no mfu where the peak is not known."""
+    if not e.flops_per_step:
+        return {}
+    per_device = e.flops_per_step / e.per_rank_batch * samples_per_s / e.ctx.world_size
+    out = {"tflops": per_device / 1e12}
+    if e.peak:
+        out["mfu"] = per_device / e.peak
+    return out
+
+
+def elastic_line(e: Engine, old_world: int) -> str:
+    """What a resume at another world size keeps exact, and what it does not (said once)."""
+    plain_bn = [
+        m
+        for m in e.raw.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
+    caveats = ["each rank's random stream (dropout) starts afresh"]
+    # a collate_fn's draws are keyed by rank and batch (data/seeds.py); __getitem__'s by sample: the same
+    if e.train_src.path == "dataloader" and e.train_src.draws_by_batch:
+        caveats.append("random draws in your collate_fn (or __getitems__) follow each rank's new batches")
+    if plain_bn and not e.cfg.sync_bn:
+        caveats.append(
+            "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
+            f"{e.per_rank_batch // e.accum} samples"
+        )
+    if not isinstance(e.task, Classification):
+        # DDP averages the ranks' losses: equal to the global batch's loss only for a mean over samples
+        caveats.append(
+            "your loss gives the same gradient if it is a mean over each rank's samples; a per-token mean "
+            "or a sum weighs the ranks differently at another world size"
+        )
+    return (
+        f"ddpkit: resuming step {e.pos.global_step} (epoch {e.pos.epoch}) of a run made at world size "
+        f"{old_world} at world size {e.ctx.world_size}: the same global batch of {e.cfg.batch_size} "
+        f"and the same samples at every step; otherwise only the order of float reductions differs, except: "
+        + "; ".join(caveats)
+    )
+
+
+def divergence_line(e: Engine, loss: float) -> str:
+    """The diverging run in one line, with the likely cause."""
+    return (
+        f"training is diverging: loss {loss:.4g} at step {e.pos.global_step}, over "
+        f"{DIVERGED_RATIO:g}x its first logged {e.watch.first_loss:.4g}. The likely cause is the learning "
+        f"rate ({e.lr_policy}) for a global batch of {e.cfg.batch_size}: try a lr several times lower"
+        f" (--lr, or your optimizer's), or a longer warm-up (--warmup-frac)"
+    )
+
+
+def loop_elastic_line(step: int, old_world: int, new_world: int, per_rank: list[str]) -> str:
+    """A ``Loop``'s resume at another world size: what it keeps exactly, and the values ``per_rank`` (different
+    on every rank) it cannot follow, kept as this resume() was given them."""
+    reset = f"; {', '.join(map(repr, per_rank))} (different on every rank) as this resume() was given them"
+    return (
+        f"ddpkit: resumed at step {step} from a snapshot made at world size {old_world}, now {new_world}: weights, "
+        f"optimizer and named state exactly; each rank's random streams anew from (seed, step, rank), and each "
+        f"loader's split is the new world's from the same place in its epoch{reset if per_rank else ''}"
+    )
