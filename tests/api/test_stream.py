@@ -38,11 +38,17 @@ def spec(tmp_path: Path, name: str, workers: int, seek: bool, sleep_s: float = 0
     }
 
 
-def run(s: dict) -> tuple[dict, int]:
-    """The run of ``s`` launched from this process (the killed run is the script's, in its own process): its
-    summary, and the launcher's pid (the reads of preflight's sample, not training's)."""
+def run(s: dict, script: bool = False) -> int:
+    """The run of ``s``, launched from this process, or (``script``) by the script in its own: the launcher's
+    pid (its reads are preflight's sample, not training's). A rerun of a run the script made is the script's
+    too: its loss is ``__main__.mse`` there, which the run identity tells from ``stream_train.mse``."""
     Path(s["log_dir"]).mkdir(parents=True, exist_ok=True)
-    return stream_train.trainer(s).fit(), os.getpid()
+    if not script:
+        stream_train.trainer(s).fit()
+        return os.getpid()
+    done = subprocess.run([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[1])
 
 
 def weights(s: dict) -> dict:
@@ -53,7 +59,7 @@ def weights(s: dict) -> dict:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_sample_is_read_once_an_epoch_across_ranks_and_workers(tmp_path, workers):
     s = spec(tmp_path, "r", workers, seek=False)
-    _, launcher = run(s)
+    launcher = run(s)
     reads = Counter(row_reads(s["log_dir"], skip_pid=launcher))
     assert reads == Counter({(epoch, row): 1 for epoch in (0, 1) for row in range(96)})
     summary = json.loads((Path(s["run_dir"]) / "summary.json").read_text())
@@ -65,7 +71,7 @@ def test_a_stream_read_whole_by_every_shard_is_still_split_exactly(tmp_path):
     """A dataset that does not ask for its shard: every rank reads it all, and keeps every 2nd row, its own."""
     s = spec(tmp_path, "r", 0, seek=True)  # (seek: its noise keyed by row, whoever reads it)
     s["rows"]["shard"] = False
-    _, launcher = run(s)
+    launcher = run(s)
     sharded = spec(tmp_path, "s", 0, seek=True)
     run(sharded)
     reads = Counter(row_reads(s["log_dir"], skip_pid=launcher))
@@ -108,7 +114,7 @@ def test_a_sigkilled_stream_resumes_at_its_position_and_ends_bitwise(tmp_path, w
         proc.communicate()
     for f in Path(cut["log_dir"]).glob("*.txt"):
         f.unlink()  # count the rerun's reads alone
-    done, launcher = run(cut)
+    launcher = run(cut, script=True)
     starts = [r for r in read_jsonl(metrics) if r["event"] == "start"]
     assert starts[-1]["resumed_at_step"] == 9
     reads = row_reads(cut["log_dir"], skip_pid=launcher)
