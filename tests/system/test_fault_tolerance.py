@@ -1,8 +1,9 @@
 """Fault tolerance, end to end on 2 gloo processes: kills, a kill mid-save, SIGTERM, NaN, a stall,
 resume at another world size.
 
-Every run goes through the public API in its own process (tests/helpers/custom_train.py), with
-the seed ConvNet wrapped to inject one fault at a chosen step.
+Every run goes through the public API (tests/helpers/custom_train.py), with the seed ConvNet wrapped to
+inject one fault at a chosen step: in its own process where a test signals the launcher or reads its exit
+status and output, and launched from the test's process (``fit_here``) where only its files are read.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def start(s: dict, **popen) -> subprocess.Popen:
 
 def fit_here(s: dict) -> dict:
     """The run of ``s`` launched from this test's process (its workers forked from the warm forkserver), for a
-    run whose files are what a test reads: 4 s where a fresh launcher takes 12 (tests/README.md)."""
+    run whose files are what a test reads: ~4 s where a fresh launcher takes ~12 (BENCHMARKS.md, the test
+    suite's wall time)."""
     return custom_train.trainer(s).fit()
 
 

@@ -477,10 +477,12 @@ def cpu_storages(obj: Any) -> int:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop and save": forwarded to the workers
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the ones torch's agent handles itself (its default, less SIGTERM)
 RESEND_S = 0.5  # while the agent waits for its workers to stop, each stop signal is sent again this often (s)
-# After a failure, how long the survivors get to exit, and again after SIGTERM, before SIGKILL (s; torch waits 30
-# after SIGTERM). A survivor cannot snapshot (that needs every rank): it closes its loggers and says its error. One
-# held in its own code or a C++ wait (a hung rank; its StopSignal only notes a SIGTERM, where a plain worker would
-# die of it) kept the job, or its restart, 30 s longer (a hang test: 45 s, now 21 s).
+# After a function's worker failed, how long the survivors get to exit, and again after SIGTERM, before SIGKILL
+# (s; torch's ProcessContext.join waits 30 after SIGTERM). A survivor cannot snapshot (that needs every rank): it
+# closes its loggers and says its error. One held in its own code or a C++ wait (a hung rank; its StopSignal only
+# notes a SIGTERM, where a plain worker would die of it) kept the job, or its restart, 30 s longer (a hang test:
+# 45 s, now 21 s). The cost: rank 0 in the middle of writing a large snapshot when a peer dies is killed after 6 s,
+# not 30; the write is atomic, so the snapshot before it stays, and that save is lost.
 FAILED_GRACE_S = 3
 
 
@@ -588,8 +590,10 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
       forked from the forkserver ignores SIGTERM and SIGUSR1 (as the forkserver does) until its entry
       restores them, so one that was still starting ignored the agent's one signal, and the agent waited its
       30 s grace period for it, then killed it.
-    * gives the survivors of a failed group ``FAILED_GRACE_S``, not 30 s, to exit before it kills them (to end
-      the job, or to restart it), where it finds the failure and where it stops them.
+    * gives the survivors of a failed group of functions ``FAILED_GRACE_S``, not 30 s, to exit before it kills
+      them (to end the job, or to restart it). A script's workers (``ddpkit run``) keep torch's 30 s: torch's
+      SubprocessContext closes them itself, and a script's rank that stopped on a signal exits 143 while its
+      peers may still be closing, which a shorter grace would cut short.
 
     ``_monitor_workers``, ``_restart_workers``, ``_start_workers`` and ``_shutdown`` are the methods torch's
     ``SimpleElasticAgent`` asks its subclasses for and calls."""
@@ -598,7 +602,6 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
     class ReportingAgent(base):
         _failures: dict | None = None
         _restarts = 0
-        _restarting = False  # stopping a failed group's survivors to start it again
 
         def _start_workers(self, worker_group):
             if stops is None:
@@ -620,15 +623,13 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
                 pc.join = functools.partial(type(pc).join, pc, grace_period=FAILED_GRACE_S)
             return pids
 
-        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30, *args, **kwargs):
-            if self._failures is not None or self._restarting:  # the last look found a failure: no stop request
-                timeout = min(timeout, FAILED_GRACE_S)
+        def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):
             done = threading.Event()
             # Only a stop the launcher was sent: a restart's or the job's end shuts workers down as torch does
             if stops is not None and stops.resend and stops.received is not None and death_sig in STOP_SIGNALS:
                 threading.Thread(target=self._send_again, args=(death_sig, done), daemon=True).start()
             try:
-                return super()._shutdown(death_sig, timeout, *args, **kwargs)
+                return super()._shutdown(death_sig, *args, **kwargs)
             finally:
                 done.set()
 
@@ -647,17 +648,13 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
             return result
 
         def _restart_workers(self, worker_group):
-            self._restarting = self._failures is not None  # not nodes joining: their workers are healthy
             if self._failures and spec.max_restarts:
                 self._restarts += 1
                 note = restart_note(self._failures, spec.timeout_s, self._restarts, spec.max_restarts)
                 if note:
                     print(note, file=sys.stderr, flush=True)
                 self._failures = None
-            try:
-                return super()._restart_workers(worker_group)
-            finally:
-                self._restarting = False
+            return super()._restart_workers(worker_group)
 
     return ReportingAgent
 

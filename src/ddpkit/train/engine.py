@@ -570,7 +570,9 @@ class Engine:
         result, _ = self._evaluate(self.val_src, "val_")
         self.last_val = (step, result)
         if select and self.best is not None:
-            self.session.keep_best(self.best, result, step, {"model": self.ema.module if self.ema else self.raw})
+            self.session.keep_best(
+                self.best, result, step, {"model": self.ema.module if self.ema is not None else self.raw}
+            )
         if select and self.stopper is not None:
             self.stopper.update(result, step)
         self.log.log("eval", epoch=self.pos.epoch, step=step, **result)
