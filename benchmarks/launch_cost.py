@@ -30,19 +30,7 @@ sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 import custom_train  # noqa: E402 - tests/helpers, put on the path above
 from clirun import cli_env  # noqa: E402
 
-CONFIG = dict(
-    dataset="mnist",
-    recipe="mnist",
-    limit_train=2000,
-    limit_test=500,
-    batch_size=100,
-    lr=0.05,
-    epochs=2,
-    progress=False,
-    device="cpu",
-    nproc="2",
-    plots=False,
-)
+CONFIG = custom_train.BASE  # test_fault_tolerance.py's run
 
 
 def spec(run_dir: Path) -> dict:

@@ -16,6 +16,22 @@ from workers import FaultyConvNet
 from ddpkit import TrainConfig, Trainer
 from ddpkit.cli import run_reporting_errors
 
+# The fault-tolerance tests' run (tests/system/test_fault_tolerance.py, benchmarks/launch_cost.py): 2,000 MNIST
+# images, global batch 100: 20 steps per epoch at world 2. Plots are tested in test_loggers.py.
+BASE = dict(
+    dataset="mnist",
+    recipe="mnist",
+    limit_train=2000,
+    limit_test=500,
+    batch_size=100,
+    lr=0.05,
+    epochs=2,
+    progress=False,
+    device="cpu",
+    nproc="2",
+    plots=False,
+)
+
 
 def trainer(spec: dict) -> Trainer:
     """The Trainer ``spec`` describes: called here, and by a test in its own process for a run whose files,

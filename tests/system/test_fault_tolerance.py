@@ -25,20 +25,7 @@ from once import once
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 SCRIPT = str(ROOT / "tests" / "helpers" / "custom_train.py")
-# 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2.
-BASE = dict(
-    dataset="mnist",
-    recipe="mnist",
-    limit_train=2000,
-    limit_test=500,
-    batch_size=100,
-    lr=0.05,
-    epochs=2,
-    progress=False,
-    device="cpu",
-    nproc="2",
-    plots=False,
-)  # plots are tested in test_loggers.py
+BASE = custom_train.BASE  # 2,000 MNIST images, global batch 100: 20 steps per epoch at world 2
 
 
 def spec(run_dir: Path, fault: str = "none", **kw) -> dict:
