@@ -112,3 +112,32 @@ def test_a_stop_in_an_interactive_session_goes_to_the_previous_hook(monkeypatch)
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
     sys.excepthook(Stopped, Stopped("stopped on SIGINT", "SIGINT"), None)
     assert seen == [Stopped]
+
+
+def test_of_two_ranks_lines_the_launcher_says_the_failure_that_happened_first(tmp_path, monkeypatch):
+    """Regression (a clean-clone CI run, 1 in ~900 under load): in a hang, rank 1's collective timed out and it
+    exited; that broke rank 0's barrier ("Connection closed by peer") a second later, and the agent, polling late
+    on a busy machine, recorded both. The launcher said rank 0's lost peer (the first error file by rank), not
+    the timeout that caused it."""
+    import types
+
+    from ddpkit.ranks import env
+    from ddpkit.ranks.failures import launch_failure, write_error_file
+
+    files = {rank: tmp_path / str(rank) / "error.json" for rank in (0, 1)}
+    for path in files.values():
+        path.parent.mkdir()
+    for rank, error in ((1, CollectiveTimeout("the barrier timed out")), (0, PeerLost("connection closed"))):
+        monkeypatch.setenv(env.ERROR_FILE, str(files[rank]))  # rank 1's first: it failed first
+        write_error_file(
+            f"rank {rank}: {error}",
+            False,
+            error.exit_code,
+            kind=public_kind(error),
+            text=str(error),
+            rank=rank,
+            consequence=True,
+        )
+    failures = {rank: types.SimpleNamespace(error_file=str(path), exitcode=3) for rank, path in files.items()}
+    said = launch_failure(failures, 6.0)
+    assert isinstance(said, CollectiveTimeout) and "the barrier timed out" in str(said)

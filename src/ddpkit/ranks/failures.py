@@ -159,6 +159,9 @@ def write_error_file(
         "rank": rank,
         "consequence": consequence,
         "printed": (not quiet) if printed is None else printed,
+        # When, in seconds since the epoch: the earliest of several ranks' consequences is the one nearest the
+        # cause (the JSON's "timestamp", torch's, is whole seconds)
+        "at": time.time(),
     }
     try:
         with open(path, "w") as fh:
@@ -316,7 +319,7 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
     """A failed job (torch's ``ChildFailedError.failures``: ``{global rank: ProcessFailure}``) as one
     error, of the class the worker raised. The cause, in order: a worker's own error (its line or
     traceback is printed); a worker that died of a signal (said here, from the agent's record of its
-    exit code); the others' "lost a peer" or timeout lines (said here)."""
+    exit code); the others' "lost a peer" or timeout lines (said here), the earliest written."""
     reports = [r for r in worker_reports(failures) if not r["quiet"]]
     causes = [r for r in reports if not r.get("consequence")]
     if causes:
@@ -329,7 +332,9 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
     if killed is not None:
         return killed
     if reports:
-        return _from_report(reports[0])
+        # The first to happen: in a hang one rank's collective times out and it exits, and that exit breaks
+        # its peer's collective a second later ("Connection closed by peer"), which is not the cause
+        return _from_report(min(reports, key=lambda r: r.get("at", float("inf"))))
     return silent_exit(codes)
 
 
