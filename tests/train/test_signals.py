@@ -18,6 +18,26 @@ def test_sigterm_is_recorded_and_the_handler_restored():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_launched_rank_stopped_by_a_signal_keeps_noting_the_launchers_repeats_on_its_way_out(monkeypatch):
+    """Regression (a loaded clean-clone run, test_random_resume[0]): the agent of a launcher sent SIGTERM sends it
+    to the workers again every 0.5 s while they stop; the default action restored on leaving the block let a
+    repeat end rank 0 between its stop and its saying it, and the job said it stopped before any snapshot."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "x")):
+        monkeypatch.setenv(name, value)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        with StopSignal(watch_parent=False) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's repeat: noted, not the end of this process
+        assert stop.received == "SIGTERM" and signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    with StopSignal(watch_parent=False):  # a block that was not stopped gives the handlers back
+        pass
+    assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+
+
 @pytest.fixture
 def parent(monkeypatch):
     """os.getppid() as StopSignal sees it: the launcher's pid, until the test sets ``parent[0] = 1`` (init)."""

@@ -68,8 +68,15 @@ class StopSignal:
         return self
 
     def __exit__(self, *exc) -> None:
+        # A launched rank stopped by a signal is on its way out, and still has to say and file its stop
+        # (ranks/child.py, ``as_returned``) while its launcher's agent sends the signal again every 0.5 s
+        # (ranks/launcher.py ``RESEND_S``). With the default action back, one that came in between ended rank 0
+        # unsaid, and the job said it was interrupted before any snapshot (a loaded CI machine). It keeps
+        # noting them; the agent's SIGKILL after its grace period still ends a rank that never leaves.
+        leaving = self._received not in (None, LAUNCHER_GONE) and elastic_worker()
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            if not leaving:
+                signal.signal(sig, previous)
         self._previous.clear()
         self._parent = None
 
