@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 # The longest a test waits on a process it started: a guard against a hang, not a time limit. A machine busy with
 # another job stretched a world-2 start from seconds to 45 s, and tests failed on limits of 60-180 s that
@@ -30,8 +32,14 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(*args: str, cwd=None, timeout: float = WAIT_S, module: str = "ddpkit") -> subprocess.CompletedProcess:
-    """``python -m ddpkit ARGS`` as a user would run it; returns the finished process."""
+def run_cli(
+    *args: str, cwd=None, timeout: float = WAIT_S, module: str = "ddpkit", fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``python -m ddpkit ARGS`` as a user would run it; returns the finished process. It is forked from a warm
+    interpreter (``zygote.py``: the same run less its import of torch) unless ``fresh``: a new interpreter, for a
+    test of what the interpreter's own start does."""
+    if not fresh:
+        return zygote.run_module(module, list(args), cwd=cwd, env=cli_env(), timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
     )
