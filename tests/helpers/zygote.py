@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -41,15 +40,24 @@ def run_module(module: str, args: list[str], cwd, env: dict, timeout: float) -> 
         _server.stdin.write(json.dumps({**request, "out": str(out), "err": str(err)}) + "\n")
         _server.stdin.flush()
         pid = json.loads(_server.stdout.readline())["pid"]
-        ready, _, _ = select.select([_server.stdout], [], [], timeout)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        code = json.loads(_server.stdout.readline())["returncode"]
+        # The exit status is read in a thread: a select() on the pipe would miss a line already in the reader's
+        # buffer (a child that ends at once, whose status came with its pid) and wait out the timeout
+        ended: dict = {}
+        waiter = threading.Thread(target=lambda: ended.update(json.loads(_server.stdout.readline())), daemon=True)
+        waiter.start()
+        waiter.join(timeout)
+        late = waiter.is_alive()
+        if late:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just now
+                pass
+            waiter.join()
         argv = [sys.executable, "-m", module, *args]
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if not ready:
+        if late:
             raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(argv, code, stdout, stderr)
+        return subprocess.CompletedProcess(argv, ended["returncode"], stdout, stderr)
 
 
 def _child(request: dict) -> None:

@@ -4,6 +4,7 @@ the exit status (a signal's as ``-N``), the working directory, the environment a
 from __future__ import annotations
 
 import signal
+import subprocess
 
 import pytest
 from clirun import run_cli
@@ -29,3 +30,12 @@ def test_a_forked_run_gives_what_a_fresh_interpreter_gives(tmp_path, monkeypatch
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode == {"code": 3, "message": 1, "signal": -signal.SIGTERM}[how]
     assert f"cwd {tmp_path} argv ['{how}'] path0 True env set" in fresh.stdout
+
+
+def test_a_forked_run_past_its_timeout_is_killed_and_raises_as_subprocess_does(tmp_path):
+    (tmp_path / "sleeper_mod.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_cli(cwd=tmp_path, module="sleeper_mod", timeout=3)
+    assert "started" in raised.value.output
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    assert run_cli("code", cwd=tmp_path, module="probe_mod").returncode == 1  # no PROBE: a KeyError; served on
