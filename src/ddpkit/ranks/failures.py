@@ -319,7 +319,7 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
     """A failed job (torch's ``ChildFailedError.failures``: ``{global rank: ProcessFailure}``) as one
     error, of the class the worker raised. The cause, in order: a worker's own error (its line or
     traceback is printed); a worker that died of a signal (said here, from the agent's record of its
-    exit code); the others' "lost a peer" or timeout lines (said here), the earliest written."""
+    exit code); the others' timeout or "lost a peer" lines (said here): a timeout first, then the earliest."""
     reports = [r for r in worker_reports(failures) if not r["quiet"]]
     causes = [r for r in reports if not r.get("consequence")]
     if causes:
@@ -332,9 +332,12 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
     if killed is not None:
         return killed
     if reports:
-        # The first to happen: in a hang one rank's collective times out and it exits, and that exit breaks
-        # its peer's collective a second later ("Connection closed by peer"), which is not the cause
-        return _from_report(min(reports, key=lambda r: r.get("at", float("inf"))))
+        # A timeout first, then the earliest: in a hang one rank's collective times out and gloo closes its
+        # connections, which breaks the peer's collective at once ("Connection closed by peer"); the peer's line
+        # can be written first (the timed-out rank writes the hang report before its own), and is not the cause
+        return _from_report(
+            min(reports, key=lambda r: (r.get("kind") != CollectiveTimeout.__name__, r.get("at", float("inf"))))
+        )
     return silent_exit(codes)
 
 
