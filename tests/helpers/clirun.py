@@ -45,6 +45,17 @@ def run_cli(
     )
 
 
+def run_python(*argv, cwd=None, timeout: float = WAIT_S, fresh: bool = False, **env) -> subprocess.CompletedProcess:
+    """``python ARGV`` (a script and its arguments, ``-c CODE ...`` or ``-m MODULE ...``) with ``cli_env(**env)``;
+    the finished process, its output as text. Forked from the warm interpreter as ``run_cli`` is, unless ``fresh``."""
+    argv = [str(a) for a in argv]
+    if not fresh:
+        return zygote.run_python(argv, cwd=cwd, env=cli_env(**env), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def bench_finished(proc: subprocess.CompletedProcess, bench_json: Path) -> dict:
     """A ``ddpkit bench`` that measured everything: exit 0, or exit 1 only because other processes
     loaded the machine (the suite runs two tests at a time on two cores: the other test is load)."""

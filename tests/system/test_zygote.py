@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 import pytest
-from clirun import run_cli
+from clirun import run_cli, run_python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,3 +39,51 @@ def test_a_forked_run_past_its_timeout_is_killed_and_raises_as_subprocess_does(t
     assert "started" in raised.value.output
     (tmp_path / "probe_mod.py").write_text(PROBE)
     assert run_cli("code", cwd=tmp_path, module="probe_mod").returncode == 1  # no PROBE: a KeyError; served on
+
+
+@pytest.mark.parametrize("how", ["script", "code"])
+def test_a_forked_script_or_code_gives_what_a_fresh_interpreter_gives(tmp_path, monkeypatch, how):
+    monkeypatch.setenv("PROBE", "set")
+    (tmp_path / "probe.py").write_text(PROBE.replace("path0", "path0_is_cwd"))
+    argv = ["probe.py", "code"] if how == "script" else ["-c", PROBE, "code"]
+    fresh = run_python(*argv, cwd=tmp_path, fresh=True)
+    forked = run_python(*argv, cwd=tmp_path)
+    assert fresh.returncode == 3, fresh.stderr
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+LAUNCHES = """
+import os, signal, sys, tempfile
+
+import ddpkit
+
+
+def probe(ctx):
+    import __main__
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+    handlers = {s.name: str(signal.getsignal(s)) for s in signals}
+    parent = open(f"/proc/{os.getppid()}/cmdline").read()  # the forkserver's
+    execd = "from multiprocessing.forkserver import main" in parent
+    return __main__.__name__, handlers, sorted(int(fd) for fd in os.listdir("/proc/self/fd")), sys.argv[0], execd
+
+
+if __name__ == "__main__":
+    print("TMP", tempfile.gettempdir())
+    print("RANK0", ddpkit.launch(probe, nproc=2))
+"""
+
+
+def test_a_forked_scripts_workers_are_what_an_execd_forkservers_are(tmp_path):
+    """A child's forkserver is forked from it, not exec'd (zygote.py): its workers still import the script again
+    (``__mp_main__``), start with the same signal handlers and descriptors, and read TMPDIR afresh."""
+    (tmp_path / "launches.py").write_text(LAUNCHES)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    fresh = run_python("launches.py", cwd=tmp_path, fresh=True, TMPDIR=str(tmp))
+    forked = run_python("launches.py", cwd=tmp_path, TMPDIR=str(tmp))
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert f"TMP {tmp}" in fresh.stdout and "'__mp_main__'" in fresh.stdout, fresh.stdout
+    assert fresh.stdout.endswith("True)\n") and forked.stdout.endswith("False)\n"), (fresh.stdout, forked.stderr)
+    same = forked.stdout.replace("False)\n", "True)\n")  # the one difference: whose fork the forkserver is
+    assert (forked.returncode, same) == (fresh.returncode, fresh.stdout), forked.stderr[-3000:]
