@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import WAIT_S, cli_env, run_cli
+from clirun import cli_env, run_cli
 from formats import write_fashion
 
 
@@ -222,13 +221,7 @@ def test_launcher_variables_set_by_hand_or_half_way_are_one_line(env, said):
 
 @pytest.mark.multiprocess
 def test_half_set_launcher_variables_stop_the_cli_before_anything_starts(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", "--dataset", "mnist", "--run-dir", str(tmp_path / "r")],
-        env=cli_env(RANK="0", WORLD_SIZE="2"),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_cli("train", "--dataset", "mnist", "--run-dir", str(tmp_path / "r"), RANK="0", WORLD_SIZE="2")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "ddpkit: error: RANK, WORLD_SIZE set without LOCAL_RANK: start the job with torchrun (which sets them all), "

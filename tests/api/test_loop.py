@@ -12,7 +12,7 @@ import loop_workers as lw
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env
+from clirun import ROOT, WAIT_S, cli_env, run_python
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
@@ -182,22 +182,12 @@ def test_the_best_checkpoint_survives_a_stop(tmp_path):
 
 # ---------------------------------------------------------------- a char-GPT loop under torchrun
 def _torchrun(tmp_path, run_dir: str, out: str, nproc: int = 2, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(HELPERS / "loop_gpt.py"),
-            run_dir,
-            out,
-        ],
+    return run_python(
+        *("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"),
+        *(HELPERS / "loop_gpt.py", run_dir, out),
         cwd=tmp_path,
-        env=cli_env(TOKENS=str(tmp_path / "tokens.bin"), **env),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
+        TOKENS=str(tmp_path / "tokens.bin"),
+        **env,
     )
 
 
@@ -459,9 +449,7 @@ def test_a_snapshot_whose_weights_do_not_fit_is_one_line_before_anything_loads(t
 def _a_script(tmp_path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(body)
-    return subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    return run_python(script, cwd=tmp_path)
 
 
 @pytest.mark.slow

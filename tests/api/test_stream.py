@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import stream_train
 import torch
-from clirun import ROOT, cli_env, read_jsonl
+from clirun import ROOT, cli_env, read_jsonl, run_python
 from torch.utils.data import TensorDataset
 from user_code import Rows, row_reads
 
@@ -46,7 +46,7 @@ def run(s: dict, script: bool = False) -> int:
     if not script:
         stream_train.trainer(s).fit()
         return os.getpid()
-    done = subprocess.run([sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True)
+    done = run_python(SCRIPT, json.dumps(s))
     assert done.returncode == 0, done.stderr[-3000:]
     return int(done.stdout.split()[1])
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from clirun import WAIT_S, cli_env, run_cli
+from clirun import run_cli, run_python
 from user_code import (
     CharModel,
     DictData,
@@ -349,13 +347,7 @@ print("LAUNCH", launch(lambda ctx, k: (ctx.rank, ctx.world_size, k), 7, nproc=2)
 def test_a_model_and_loss_defined_in_python_c_run_on_two_processes(tmp_path):
     """Regression: "Can't get attribute 'MLP' on <module '__main__'>". Workers are forked on CPU
     when spawn cannot import the code, as Lightning's ddp_notebook and Accelerate do."""
-    proc = subprocess.run(
-        [sys.executable, "-c", INLINE.format(run=str(tmp_path / "r"))],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_python("-c", INLINE.format(run=str(tmp_path / "r")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     world, loss = proc.stdout.split("WORLD ")[1].split()[0], float(proc.stdout.split("LOSS ")[1].split()[0])
     assert world == "2" and loss < 1.0
@@ -520,7 +512,7 @@ Trainer(TrainConfig(nproc="1", max_restarts=1, device="cpu", batch_size=8, epoch
 def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(FORGOT_GUARD.format(run=str(tmp_path / "r")))
-    proc = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    proc = run_python(script)
     assert proc.returncode != 0
     # fit() raises in the calling script, as an API call does, before any worker starts: neither
     # multiprocessing's bootstrap traceback nor a line from every rank; uncaught, it is said as every ddpkit
@@ -546,7 +538,7 @@ def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
     )
     script = tmp_path / "loop.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    proc = run_python(script)
     assert proc.returncode == 1
     assert "ValueError: my bug on rank 1" in proc.stderr  # the traceback, kept: it is a bug
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]

@@ -4,11 +4,9 @@ step) ignored, the rank's own obeyed, so a rank that exits with its loader alive
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
 import pytest
-from clirun import WAIT_S, cli_env
+from clirun import run_python
 
 SCRIPT = """
 import os, subprocess
@@ -37,6 +35,6 @@ if __name__ == "__main__":
 def test_workers_ignore_sigterm_from_outside_and_obey_their_rank():
     """Regression: a SIGTERM sent to every process of the job killed the workers, and their rank raised
     "DataLoader worker is killed by signal: Terminated" mid-step instead of saving its snapshot."""
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    proc = run_python("-c", SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "BATCHES 16 16 ALIVE True" in proc.stdout, proc.stdout + proc.stderr[-3000:]

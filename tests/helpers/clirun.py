@@ -33,21 +33,18 @@ def cli_env(**extra) -> dict:
 
 
 def run_cli(
-    *args: str, cwd=None, timeout: float = WAIT_S, module: str = "ddpkit", fresh: bool = False
+    *args: str, cwd=None, timeout: float = WAIT_S, module: str = "ddpkit", fresh: bool = False, **env
 ) -> subprocess.CompletedProcess:
-    """``python -m ddpkit ARGS`` as a user would run it; returns the finished process. It is forked from a warm
-    interpreter (``zygote.py``: the same run less its import of torch) unless ``fresh``: a new interpreter, for a
-    test of what the interpreter's own start does."""
-    if not fresh:
-        return zygote.run_module(module, list(args), cwd=cwd, env=cli_env(), timeout=timeout)
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """``python -m ddpkit ARGS`` as a user would run it, with ``cli_env(**env)``; returns the finished process.
+    It is forked from a warm interpreter (``zygote.py``: the same run less its import of torch; in its own process
+    group) unless ``fresh``: a new interpreter, for a test of what the interpreter's own start does."""
+    return run_python("-m", module, *args, cwd=cwd, timeout=timeout, fresh=fresh, **env)
 
 
 def run_python(*argv, cwd=None, timeout: float = WAIT_S, fresh: bool = False, **env) -> subprocess.CompletedProcess:
     """``python ARGV`` (a script and its arguments, ``-c CODE ...`` or ``-m MODULE ...``) with ``cli_env(**env)``;
-    the finished process, its output as text. Forked from the warm interpreter as ``run_cli`` is, unless ``fresh``."""
+    the finished process, its output as text. Forked from the warm interpreter as ``run_cli`` is, unless ``fresh``
+    (then in this process's group, as ``subprocess.run`` starts it)."""
     argv = [str(a) for a in argv]
     if not fresh:
         return zygote.run_python(argv, cwd=cwd, env=cli_env(**env), timeout=timeout)

@@ -4,25 +4,29 @@ CPU-bound: BENCHMARKS.md, "The test suite's wall time").
 
     result = run_module("ddpkit", ["train", ...], cwd=..., env=cli_env(), timeout=600)   # a CompletedProcess
 
-The warm interpreter (one per pytest worker, started at its first use) imports torch and ddpkit's CLI and
-nothing else: it runs no torch op and starts no thread, so a fork of it is what ddpkit's own forkserver
-hands its workers (ranks/prestart.py). Each request forks one child, which takes the request's working
+The warm interpreter (one per pytest worker, started at its first use) imports torch, ddpkit's CLI and what
+ddpkit's forkserver imports (ranks/prestart.py: dynamo), and runs no torch op (no OpenMP pool exists to be
+forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child, which takes the request's working
 directory, environment and arguments, writes stdout and stderr to files, runs the module as ``-m`` does, and
 exits; the server reports the child's pid at once and its exit status when it ends (``-N`` for a signal, as
 ``subprocess`` reports it). A test that tests the interpreter's own start (what ``--help`` imports) starts
 a fresh one itself.
 
-A child's forkserver (ddpkit's workers are forked from one: ranks/prestart.py) is forked from the child too,
-not started as ``python -c`` (an interpreter that imports torch and dynamo: 5.2 s of CPU each): torch and
-dynamo are imported here already. It is what the exec'd one would be: only the descriptors it is handed, a
-fresh ``__main__`` (its workers import the script again, as ``-c``'s do), a fresh interpreter's signal
-handlers, no lock held. Where the child has started threads of its own since its fork (an OpenMP pool: a fork
-would copy its state half-made), the forkserver is exec'd as ddpkit does. Each pytest worker's own launches
-keep the exec'd one.
+Any ``python ARGV`` runs so (``run_python``: ``-m MODULE``, ``-c CODE`` or a script), and ends as the
+interpreter would: an uncaught exception through ``sys.excepthook``, then the atexit handlers. Each child leads
+its own process group (as ``start_new_session=True``).
+
+A child's forkserver (ddpkit's workers are forked from one: ranks/prestart.py) is not started as
+``python -c`` (an interpreter that imports torch and dynamo: 5.2 s of CPU each) but from a spare forked at
+the child's start, before the run's own code: torch and dynamo are imported here already. It is what the
+exec'd one would be: a clean interpreter (the workers import the script again into it), only the descriptors
+it is handed, the environment, directory, ignored signals and mask of the moment it was asked for. Each
+pytest worker's own launches keep the exec'd one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.machinery
 import json
 import os
@@ -70,7 +74,7 @@ def run_python(argv: list[str], cwd, env: dict, timeout: float) -> subprocess.Co
         late = waiter.is_alive()
         if late:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:  # it ended just now
                 pass
             waiter.join()
@@ -81,78 +85,116 @@ def run_python(argv: list[str], cwd, env: dict, timeout: float) -> subprocess.Co
         return subprocess.CompletedProcess(argv, ended["returncode"], stdout, stderr)
 
 
-def _fork_forkservers(threads_at_start: int) -> None:
-    """Have this child's ``multiprocessing`` fork its forkserver from here instead of exec'ing one (above)."""
-    from multiprocessing import forkserver, resource_tracker, util
+def _spare_forkserver() -> None:
+    """Fork, now, before the run's own code, the process that becomes this run's forkserver when it starts one.
 
-    exec_one = util.spawnv_passfds
+    Forked later, from the run, it would carry what the run changed by then (a script's patches of ddpkit's
+    modules, applied again by each worker that imports the script: two sleeps where one was meant); forked
+    here it is what the exec'd one is: this interpreter as it started, torch and dynamo imported. The run's
+    ``multiprocessing`` hands it the forkserver's command, its descriptors (at the same numbers), and the
+    directory, environment, ignored signals and signal mask of that moment; one that is never asked for ends
+    with the run (end of file on its socket)."""
+    import socket
+    from multiprocessing import util
+
+    ours, theirs = socket.socketpair()
+    spare = os.fork()
+    if spare == 0:
+        ours.close()
+        _become_forkserver(theirs)
+    theirs.close()
+    exec_one, used = util.spawnv_passfds, []
 
     def spawnv_passfds(path, args, passfds):
-        if "from multiprocessing.forkserver import main" not in args[-1] or _threads() > threads_at_start:
+        if used or "from multiprocessing.forkserver import main" not in args[-1]:
             return exec_one(path, args, passfds)
-        sys.stdout.flush()  # what is buffered here must not be written again by the forkserver's workers
+        used.append(spare)
+        sys.stdout.flush()  # nothing buffered here may be written again by the forkserver's workers
         sys.stderr.flush()
-        pid = os.fork()
-        if pid:
-            return pid
-        code = 1
+        fds = sorted(set(map(int, passfds)))
+        ignored = [s for s in signal.valid_signals() if _handler(s) == signal.SIG_IGN]
+        mask = [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+        order = {"cmd": args[-1], "fds": fds, "cwd": os.getcwd(), "env": dict(os.environ)}
+        order.update(ignored=[int(s) for s in ignored], mask=mask)
         try:
-            kept = sorted(set(passfds))
-            low = 3
-            for fd in kept:  # close every descriptor but 0-2 and the passed, as the exec would (close_fds)
-                os.closerange(low, fd)
-                low = fd + 1
-            os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-            _fresh_signals()
-            for state in (forkserver._forkserver, resource_tracker._resource_tracker):
-                # held by the thread that forked, in this copy
-                state._lock = threading.RLock() if "RLock" in type(state._lock).__name__ else threading.Lock()
-            server = forkserver._forkserver
-            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-            resource_tracker._resource_tracker._fd = resource_tracker._resource_tracker._pid = None
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            sys.argv = ["-c"]
-            exec(args[-1], main.__dict__)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+            socket.send_fds(ours, [json.dumps(order).encode()], fds)
+            ours.shutdown(socket.SHUT_WR)
+        except OSError:  # the spare is gone (a signal to the whole group): exec one, as ddpkit does
+            return exec_one(path, args, passfds)
+        return spare
 
     util.spawnv_passfds = spawnv_passfds
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _handler(sig):
+    try:
+        return signal.getsignal(sig)
+    except (OSError, ValueError):
+        return None
 
 
-def _fresh_signals() -> None:
-    """The signal handlers an exec'd interpreter starts with: what this process handles goes back to the
-    default (an ignored signal stays ignored across exec), and Python's own for SIGINT."""
-    signal.set_wakeup_fd(-1)
-    for sig in signal.valid_signals():
-        try:
-            handler = signal.getsignal(sig)
-        except (OSError, ValueError):
-            continue
-        if callable(handler):
-            signal.signal(sig, signal.SIG_DFL)
-    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+def _become_forkserver(sock) -> None:
+    """In the spare: wait for the order, then become ``python -c FORKSERVER_COMMAND`` as it was asked for."""
+    import socket
+
+    code = 0
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 64)
+        if not fds:  # the run ended without a forkserver
+            return
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+        order = json.loads(data)
+        # the passed descriptors at the numbers the command names; every other one closed (close_fds)
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1 << 12) for fd in fds]
+        sock.close()
+        keep = sorted(high)
+        low = 3
+        for fd in keep:
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+        for fd, target in zip(high, order["fds"]):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(order["cwd"])
+        os.environ.clear()
+        os.environ.update(order["env"])
+        # a fresh interpreter's handlers: ignored signals stay ignored across exec, the rest are the default
+        # but for Python's own (SIGPIPE and SIGXFSZ ignored, SIGINT raising KeyboardInterrupt)
+        ignored = set(order["ignored"]) | {signal.SIGPIPE, signal.SIGXFSZ}
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+        if signal.SIGINT not in ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, order["mask"])
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        sys.argv, sys.path[0] = ["-c"], ""
+        exec(order["cmd"], main.__dict__)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _child(request: dict) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` in the request's directory and environment."""
+    """In the forked child: become ``python ARGV`` in the request's directory and environment, and end as it
+    would."""
     import runpy
     import traceback
 
     code = 1
     try:
+        # Its own session and process group, as start_new_session=True: a job signalled whole (os.killpg, as SLURM
+        # signals a job step) is this child's alone, and a run past its timeout is killed with all it started
+        os.setsid()
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
             (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
@@ -166,7 +208,7 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         tempfile.tempdir = None  # read from TMPDIR again, at its first use
         argv = request["argv"]
-        _fork_forkservers(_threads())
+        _spare_forkserver()
         if argv[0] == "-m":  # -m puts the working directory first; -c puts ""; a script, its folder
             sys.path[0], sys.argv = os.getcwd(), ["-m", *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -188,18 +230,48 @@ def _child(request: dict) -> None:
             exec(compile(Path(path).read_bytes(), path, "exec"), main.__dict__)
         code = 0
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
+        code = _exit_code(exc)
+    except BaseException as exc:
+        # As the interpreter ends on an uncaught exception: through sys.excepthook, without this function's frame
+        # (ddpkit's hook says its own errors in one line and raises SystemExit with their status, which the
+        # interpreter exits with); a KeyboardInterrupt ends the process by SIGINT
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
         try:
+            exc.__traceback__ = exc.__traceback__.tb_next  # the hook prints the exception's own
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+        except SystemExit as hook_exit:
+            code = _exit_code(hook_exit)
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        _finalize(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status a SystemExit ends the interpreter with (a message is printed, and is status 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _finalize(code: int) -> None:
+    """What the interpreter does at exit, then exit with ``code``: wait for non-daemon threads, run the atexit
+    handlers (a Loop left open closes in one), flush."""
+    import atexit
+
+    try:
+        try:
+            threading._shutdown()
+        finally:
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
-        finally:
-            os._exit(code)
+    finally:
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)
 
 
 def _serve() -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from clirun import cli_env
+from clirun import run_python
 
 from ddpkit.ranks.hangwatch import summary
 
@@ -26,14 +25,7 @@ def line_of(marker: str) -> str:
 
 
 def hang(case: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), case, *extra],
-        env=cli_env(TMPDIR=str(tmp_path)),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python(HELPER, case, *extra, cwd=tmp_path, TMPDIR=str(tmp_path))
     reports = list(tmp_path.glob("ddpkit-hang-*.json")) + list(tmp_path.glob("*/hang-report.json"))
     assert len(reports) == 1, proc.stderr[-3000:]
     return proc, json.loads(reports[0].read_text())
@@ -175,14 +167,7 @@ def test_a_healthy_run_slower_than_the_threshold_reports_no_hang_and_exits_0(tmp
     fine, and the slow plots at the end turned the finished run into a collective timeout (exit 3 from the
     CLI): the other rank waited for them in the group's final barrier. 2 gloo ranks, --timeout-s 10."""
     paused = PAUSES[case]
-    proc = subprocess.run(
-        [sys.executable, str(BUSY), case, str(tmp_path / "run")],
-        env=cli_env(TMPDIR=str(tmp_path)),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_python(BUSY, case, tmp_path / "run", cwd=tmp_path, TMPDIR=str(tmp_path))
     assert proc.returncode == 0, (paused, proc.stderr[-3000:])
     assert "ddpkit: hang" not in proc.stderr, (paused, proc.stderr[-3000:])
     assert not list(tmp_path.rglob("*hang*.json")), paused

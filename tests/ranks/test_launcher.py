@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from clirun import cli_env
+from clirun import cli_env, run_python
 
 from ddpkit.config import TrainConfig
 from ddpkit.errors import ConfigError, PeerLost, WorkersFailed
@@ -146,7 +146,7 @@ def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
         "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.ranks.launcher import run_workers; "
         "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    proc = run_python("-c", code)
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
@@ -191,9 +191,7 @@ def user_script(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_result(user_script):
-    proc = subprocess.run(
-        [sys.executable, str(user_script)], env=cli_env(), capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(user_script)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RESULT (0, 2, 30.0)" in proc.stdout  # ranks 1 + 2, all-reduced, times 10
     # Regression: the tensor went through named shared memory, whose torch_shm_manager kept the script's stderr
@@ -205,13 +203,7 @@ def test_ddpkit_launch_runs_a_users_function_on_every_rank_and_returns_rank_0s_r
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddpkit_launch_under_torchrun_runs_in_each_process(user_script):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(user_script)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python("-m", "torch.distributed.run", "--nproc-per-node", "2", user_script)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # two processes share the pipe, so their lines may interleave
     assert sorted(re.findall(r"\(\d, \d, [\d.]+\)", proc.stdout)) == ["(0, 2, 30.0)", "(1, 2, 30.0)"]
@@ -376,9 +368,7 @@ def test_ddpkit_launch_blames_the_rank_that_failed_once_with_its_exit_code(tmp_p
     "exit code 1"; a launch() inside a worker said "process group twice" once per rank."""
     script = tmp_path / "blame.py"
     script.write_text(BLAME_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, str(script), case], env=cli_env(), capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(script, case)
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert proc.returncode == code and len(said) == 1 and fragment in said[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "traceback is above" not in proc.stderr

@@ -4,12 +4,10 @@ meets in the same job store as the first, and must not read what the first left 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
-from clirun import ROOT, cli_env
+from clirun import ROOT, run_python
 
 from ddpkit.ranks import env
 from ddpkit.ranks.context import distributed
@@ -42,22 +40,10 @@ def records(run_dir) -> list[tuple[str, int | None]]:
 def test_two_loops_one_after_the_other_under_torchrun_both_train(tmp_path):
     """The Loop destroys the group it made on leaving its ``with``; a second Loop in the same script makes
     a new one (tests/helpers/two_loops.py, 3 steps each, 2 gloo ranks)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(ROOT / "tests" / "helpers" / "two_loops.py"),
-            str(tmp_path / "a"),
-            str(tmp_path / "b"),
-        ],
+    proc = run_python(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+        *(ROOT / "tests" / "helpers" / "two_loops.py", tmp_path / "a", tmp_path / "b"),
         cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     trained = [("start", None), ("step", 1), ("step", 2), ("step", 3), ("end", 3)]

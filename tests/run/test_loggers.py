@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from clirun import WAIT_S, cli_env, read_jsonl
+from clirun import WAIT_S, cli_env, read_jsonl, run_cli
 from once import once
 
 from ddpkit.config import parse_loggers
@@ -41,7 +41,7 @@ def logged_run(tmp_path_factory):
 
 
 def _log_everything(tmp: Path) -> None:
-    env = cli_env(
+    wandb = dict(
         WANDB_MODE="offline",
         WANDB_SILENT="true",
         WANDB_CONFIG_DIR=str(tmp / "wbconfig"),
@@ -49,41 +49,33 @@ def _log_everything(tmp: Path) -> None:
         WANDB_DATA_DIR=str(tmp / "wbdata"),
     )
     run_dir = tmp / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit",
-            "train",
-            "--dataset",
-            "mnist",
-            "--recipe",
-            "mnist",
-            "--model",
-            "mlp",
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--epochs",
-            "2",
-            "--limit-train",
-            "1024",
-            "--limit-test",
-            "256",
-            "--batch-size",
-            "64",
-            "--log-every",
-            "4",
-            "--log",
-            "tensorboard,wandb,csv",
-            "--run-dir",
-            str(run_dir),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
+    proc = run_cli(
+        "train",
+        "--dataset",
+        "mnist",
+        "--recipe",
+        "mnist",
+        "--model",
+        "mlp",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--epochs",
+        "2",
+        "--limit-train",
+        "1024",
+        "--limit-test",
+        "256",
+        "--batch-size",
+        "64",
+        "--log-every",
+        "4",
+        "--log",
+        "tensorboard,wandb,csv",
+        "--run-dir",
+        str(run_dir),
+        **wandb,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clirun import WAIT_S, cli_env, free_port, read_jsonl, worker_pids
+from clirun import WAIT_S, cli_env, free_port, read_jsonl, run_cli, run_python, worker_pids
 
 import ddpkit.preflight
 from ddpkit.cli import main
@@ -587,40 +587,31 @@ def test_an_unreadable_image_met_by_a_worker_is_named_once_and_never_restarted_i
     bad = image_tree / "train" / "b" / "3.png"
     bad.write_bytes(b"\x89PNG but not really")
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit",
-            "train",
-            "--dataset",
-            f"imagefolder:{image_tree}",
-            "--image-size",
-            "8",
-            "--model",
-            "mlp",
-            "--batch-size",
-            "4",
-            "--epochs",
-            "1",
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--no-progress",
-            "--num-workers",
-            "0",
-            "--max-restarts",
-            "2",
-            "--data-path",
-            "loader",
-            "--run-dir",
-            str(run),
-        ],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
+    proc = run_cli(
+        "train",
+        "--dataset",
+        f"imagefolder:{image_tree}",
+        "--image-size",
+        "8",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--num-workers",
+        "0",
+        "--max-restarts",
+        "2",
+        "--data-path",
+        "loader",
+        "--run-dir",
+        str(run),
     )
     line = check_one_line(proc.returncode, proc.stdout, proc.stderr, [f"{bad}: not a readable image"])
     assert "rank" in line
@@ -720,13 +711,7 @@ def test_a_rank_that_never_arrives_is_one_line_naming_the_rendezvous(tmp_path, t
     peer) traceback. One srun task of two (SLURM one task per GPU) starts; the other never does."""
     port = free_port()
     variables = {**SLURM_TASK, "SLURM_PROCID": task, "SLURM_LOCALID": task, "MASTER_PORT": str(port)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", *TINY, "--timeout-s", "3", "--run-dir", str(tmp_path / "r")],
-        env=cli_env(**variables),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_cli("train", *TINY, "--timeout-s", "3", "--run-dir", str(tmp_path / "r"), **variables)
     check_one_line(proc.returncode, proc.stdout, proc.stderr, [*fragments, f":{port}"], exit_code=4)
 
 
@@ -734,28 +719,19 @@ def test_a_rank_that_never_arrives_is_one_line_naming_the_rendezvous(tmp_path, t
 @pytest.mark.multiprocess
 def test_two_nodes_without_a_peer_name_the_endpoint_and_the_id(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"  # a fixed port may be taken on a shared machine
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit",
-            "train",
-            *TINY,
-            "--nnodes",
-            "2",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "lonely",
-            "--timeout-s",
-            "3",
-            "--run-dir",
-            str(tmp_path / "r"),
-        ],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
+    proc = run_cli(
+        "train",
+        *TINY,
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "lonely",
+        "--timeout-s",
+        "3",
+        "--run-dir",
+        str(tmp_path / "r"),
     )
     check_one_line(
         proc.returncode,
@@ -1028,9 +1004,7 @@ def test_parameters_unused_by_some_batches_name_ddpkits_flag_once(tmp_path):
     """Issue 33, case 15: DDP's 40-line error told the user to pass torch's keyword `find_unused_parameters=True`
     to DistributedDataParallel, which ddpkit builds; ddpkit's own flag went unnamed."""
     (tmp_path / "train.py").write_text(BRANCH_BY_BATCH)
-    proc = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    proc = run_python("train.py", cwd=tmp_path)
     said = check_one_line(
         proc.returncode,
         "",
@@ -1059,9 +1033,7 @@ def test_a_script_without_the_main_guard_is_one_line_naming_its_line_before_laun
     """Regression: each spawned worker imported the script, printed the reason once per rank, and the
     script's own exception said only "rank 0 exit code 2"."""
     (tmp_path / "train.py").write_text(SCRIPT_WITHOUT_GUARD)
-    proc = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    proc = run_python("train.py", cwd=tmp_path)
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert len(said) == 1 and "train.py:9 starts the workers when the script is imported" in said[0], proc.stderr
     assert 'if __name__ == "__main__":' in said[0] and "Traceback" not in proc.stderr

@@ -152,7 +152,7 @@ def test_a_stopped_run_continues_at_the_next_epoch(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole job: launcher and workers
     proc.wait()
     assert not (run_dir / "summary.json").exists(), "the run finished before it could be stopped"
-    again = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300)
+    again = run_cli(*args[3:])  # args: python -m ddpkit ...
     assert again.returncode == 0, again.stderr
     events = read_jsonl(run_dir / "metrics.jsonl")
     starts = [e for e in events if e["event"] == "start"]

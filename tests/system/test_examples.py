@@ -12,21 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import ROOT, cli_env
+from clirun import ROOT, cli_env, run_python
 from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def run_example(name: str, tmp_path, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(ROOT / "examples" / f"{name}.py", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     return proc.stdout

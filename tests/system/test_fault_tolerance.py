@@ -19,7 +19,7 @@ from pathlib import Path
 import custom_train
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl, worker_pids
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl, run_python, worker_pids
 from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -57,9 +57,7 @@ def fit_here(s: dict) -> dict:
 
 
 def run(s: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SCRIPT, json.dumps(s)], env=cli_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_python(SCRIPT, json.dumps(s), timeout=timeout)
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, pred, timeout: float = 120) -> dict:
@@ -176,7 +174,7 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     code = killer.format(
         paths=[str(ROOT / "src"), str(ROOT / "tests" / "helpers")], script=SCRIPT, spec=json.dumps(spec(run_dir, **one))
     )
-    killed = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    killed = run_python("-c", code)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "snapshot-000000016.pt.tmp").exists()  # the half-written file

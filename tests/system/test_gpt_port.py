@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import difflib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from clirun import ROOT, read_jsonl, run_python
 from once import once
 
 pytestmark = pytest.mark.multiprocess
@@ -25,17 +24,10 @@ ITERS = 60  # the scripts' default; evaluations at iterations 0, 20 and 40
 def launched(script: str, cwd, tokens, launcher: str = "torchrun", **env) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 SCRIPT out out.pt`` in ``cwd``, or ``ddpkit run --nproc 2``."""
     cwd.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     if launcher == "ddpkit run":
-        cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2"]
-    return subprocess.run(
-        [*cmd, str(HELPERS / script), "out", "out.pt"],
-        cwd=cwd,
-        env=cli_env(TOKENS=str(tokens), ITERS=str(ITERS), **env),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+        cmd = ["-m", "ddpkit", "run", "--nproc", "2"]
+    return run_python(*cmd, HELPERS / script, "out", "out.pt", cwd=cwd, TOKENS=str(tokens), ITERS=str(ITERS), **env)
 
 
 def torchrun(script: str, cwd, tokens) -> dict:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from clirun import cli_env, read_jsonl
+from clirun import read_jsonl, run_cli
 from cpu import cpu_vendor
 
 from ddpkit.ranks.context import cpu_cores
@@ -64,14 +62,8 @@ def test_a_run_dir_from_before_the_move_resumes_and_finishes_bitwise(tmp_path):
     expected = json.loads((FIXTURE / "expected.json").read_text())
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURE, run_dir)
-    env = cli_env(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")  # as the fixture was made
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", *FLAGS, "--run-dir", str(run_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    isa = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # as the fixture was made
+    proc = run_cli("train", *FLAGS, "--run-dir", str(run_dir), **isa)
     assert proc.returncode == 0, proc.stderr
     records = read_jsonl(run_dir / "metrics.jsonl")
     starts = [r for r in records if r["event"] == "start"]

@@ -14,12 +14,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from clirun import cli_env, read_jsonl
+from clirun import read_jsonl, run_cli
 from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -34,20 +33,8 @@ def train(run_dir: Path, workers: int, fault: str = "") -> subprocess.CompletedP
         *("--batch-size", "8", "--epochs", "2", "--lr", "0.05", "--log-every", "1", "--save-every-steps", "5"),
         *("--max-restarts", "1", "--no-progress", "--no-plots", "--run-dir", str(run_dir)),
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *args],
-        env=cli_env(DDPKIT_TEST_FAULT=fault),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, which the SIGTERM fault signals whole
-    )
-    try:
-        out, err = proc.communicate(timeout=600)  # two cores shared with other tests: generous
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    # its own process group (run_cli's always are), which the SIGTERM fault signals whole
+    return run_cli(*args, DDPKIT_TEST_FAULT=fault)
 
 
 def weights(run_dir: Path) -> dict:

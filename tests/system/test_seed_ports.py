@@ -6,13 +6,11 @@ docs/port.md shows those diffs as the helper computes them."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import seed_loops
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from clirun import ROOT, read_jsonl, run_python
 
 SEEDS = ["tutorial", "mnist", "appendix"]  # in docs/port.md's order
 STEPS = {"mnist": 8, "tutorial": 8, "appendix": 3}  # optimizer steps each seed's run takes at world size 2
@@ -23,11 +21,9 @@ def torchrun(name: str, cwd) -> dict:
     cwd.mkdir()
     out = cwd / "final.pt"
     helper = ROOT / "tests" / "helpers" / "seed_loops.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(helper)]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", helper]
     # torchrun's own thread count for both (OMP_NUM_THREADS=1): a Loop keeps the process's, as the plain run does
-    proc = subprocess.run(
-        [*cmd, name, str(out)], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S
-    )
+    proc = run_python(*cmd, name, out, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return torch.load(out)
 

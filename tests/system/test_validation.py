@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from clirun import ROOT, WAIT_S, cli_env, read_jsonl, run_python
 from user_code import RegressionMLP, mse, regression_data
 
 from ddpkit import TrainConfig, Trainer
@@ -180,7 +180,7 @@ def signal_at(spec: dict, step: int, sig: int) -> subprocess.Popen:
 
 
 def finish(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, SCRIPT, json.dumps(spec)], env=cli_env(), capture_output=True, text=True)
+    done = run_python(SCRIPT, json.dumps(spec))
     assert done.returncode == 0, done.stderr[-3000:]
     run = Path(spec["run_dir"])
     return {

@@ -12,11 +12,21 @@ from clirun import run_cli, run_python
 pytestmark = pytest.mark.multiprocess
 
 PROBE = """
-import os, sys
+import atexit, os, sys
+atexit.register(print, "at exit")
 print("cwd", os.getcwd(), "argv", sys.argv[1:], "path0", sys.path[0] == os.getcwd(), "env", os.environ["PROBE"])
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "signal":
     os.kill(os.getpid(), 15)
+if sys.argv[1] == "uncaught":
+    raise ValueError("not caught")
+if sys.argv[1] == "interrupt":
+    raise KeyboardInterrupt
+if sys.argv[1] == "ddpkit":  # a ddpkit error left uncaught after a launch: its line and its status
+    from ddpkit.errors import ConfigError
+    from ddpkit.ranks.failures import stop_exits_with_its_status
+    stop_exits_with_its_status()
+    raise ConfigError("a bad setting")
 raise SystemExit(3 if sys.argv[1] == "code" else "a message")
 """
 
@@ -41,14 +51,20 @@ def test_a_forked_run_past_its_timeout_is_killed_and_raises_as_subprocess_does(t
     assert run_cli("code", cwd=tmp_path, module="probe_mod").returncode == 1  # no PROBE: a KeyError; served on
 
 
+ENDS = {"code": 3, "uncaught": 1, "interrupt": -signal.SIGINT, "ddpkit": 2}
+
+
+@pytest.mark.parametrize("end", ENDS)
 @pytest.mark.parametrize("how", ["script", "code"])
-def test_a_forked_script_or_code_gives_what_a_fresh_interpreter_gives(tmp_path, monkeypatch, how):
+def test_a_forked_script_or_code_gives_what_a_fresh_interpreter_gives(tmp_path, monkeypatch, how, end):
+    """And ends as the interpreter does: an uncaught exception through sys.excepthook (ddpkit's, for its own
+    errors), a KeyboardInterrupt by SIGINT, the atexit handlers run."""
     monkeypatch.setenv("PROBE", "set")
     (tmp_path / "probe.py").write_text(PROBE.replace("path0", "path0_is_cwd"))
-    argv = ["probe.py", "code"] if how == "script" else ["-c", PROBE, "code"]
+    argv = ["probe.py", end] if how == "script" else ["-c", PROBE, end]
     fresh = run_python(*argv, cwd=tmp_path, fresh=True)
     forked = run_python(*argv, cwd=tmp_path)
-    assert fresh.returncode == 3, fresh.stderr
+    assert fresh.returncode == ENDS[end] and "at exit" in fresh.stdout, fresh.stderr
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
 
 
@@ -56,6 +72,9 @@ LAUNCHES = """
 import os, signal, sys, tempfile
 
 import ddpkit
+import ddpkit.ranks.prestart as patched
+
+patched.TIMES = getattr(patched, "TIMES", 0) + 1  # a script's patch of a ddpkit module, made again by each worker
 
 
 def probe(ctx):
@@ -65,7 +84,8 @@ def probe(ctx):
     handlers = {s.name: str(signal.getsignal(s)) for s in signals}
     parent = open(f"/proc/{os.getppid()}/cmdline").read()  # the forkserver's
     execd = "from multiprocessing.forkserver import main" in parent
-    return __main__.__name__, handlers, sorted(int(fd) for fd in os.listdir("/proc/self/fd")), sys.argv[0], execd
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    return __main__.__name__, patched.TIMES, handlers, fds, sys.argv[0], execd
 
 
 if __name__ == "__main__":
@@ -75,15 +95,16 @@ if __name__ == "__main__":
 
 
 def test_a_forked_scripts_workers_are_what_an_execd_forkservers_are(tmp_path):
-    """A child's forkserver is forked from it, not exec'd (zygote.py): its workers still import the script again
-    (``__mp_main__``), start with the same signal handlers and descriptors, and read TMPDIR afresh."""
+    """A child's forkserver is forked, not exec'd (zygote.py): its workers still import the script again
+    (``__mp_main__``) into a clean interpreter (a patch the script makes at import is made once in each), start
+    with the same signal handlers and descriptors, and read TMPDIR afresh."""
     (tmp_path / "launches.py").write_text(LAUNCHES)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     fresh = run_python("launches.py", cwd=tmp_path, fresh=True, TMPDIR=str(tmp))
     forked = run_python("launches.py", cwd=tmp_path, TMPDIR=str(tmp))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert f"TMP {tmp}" in fresh.stdout and "'__mp_main__'" in fresh.stdout, fresh.stdout
+    assert f"TMP {tmp}" in fresh.stdout and "('__mp_main__', 1, " in fresh.stdout, fresh.stdout
     assert fresh.stdout.endswith("True)\n") and forked.stdout.endswith("False)\n"), (fresh.stdout, forked.stderr)
     same = forked.stdout.replace("False)\n", "True)\n")  # the one difference: whose fork the forkserver is
     assert (forked.returncode, same) == (fresh.returncode, fresh.stdout), forked.stderr[-3000:]

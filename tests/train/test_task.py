@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from clirun import cli_env
+from clirun import run_python
 from torch import nn
 
 from ddpkit import TrainConfig
@@ -29,7 +27,7 @@ def test_the_default_task_reproduces_the_pre_refactor_engine_bitwise():
     and it holds on every CPU kind of one vendor here because the run pins the instruction set to AVX2 (see
     tests/golden/default_task.py, which an AVX512 machine runs to the same bits as an AVX2 one); AMD and
     Intel machines differ in the last bits even so, and each vendor has its golden."""
-    proc = subprocess.run([sys.executable, str(GOLDEN_RUN)], env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(GOLDEN_RUN)
     assert proc.returncode == 0, proc.stderr
     here = json.loads(proc.stdout.splitlines()[-1])
     # one golden per CPU vendor (see default_task.py): AMD's is default_task.json
