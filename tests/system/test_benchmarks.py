@@ -2,11 +2,9 @@
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
-from clirun import ROOT, cli_env
+from clirun import ROOT, run_python
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -14,21 +12,14 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 @pytest.mark.slow
 def test_pipelines_harness_runs(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pipelines.py"),
-            "--limit-train",
-            "800",
-            "--batch-size",
-            "100",
-            "--json",
-            str(out),
-        ],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_python(
+        str(ROOT / "benchmarks" / "pipelines.py"),
+        "--limit-train",
+        "800",
+        "--batch-size",
+        "100",
+        "--json",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
@@ -49,12 +40,11 @@ def test_pipelines_harness_runs(tmp_path):
 def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
     """benchmarks/gpu_acceptance.py --tiny: every procedure runs on CPU, CUDA-only checks are skipped,
     and the CPU kill-and-resume under --deterministic is bitwise exact."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--tiny", "--out", str(tmp_path)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_python(
+        str(ROOT / "benchmarks" / "gpu_acceptance.py"),
+        "--tiny",
+        "--out",
+        str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "acceptance.json").read_text())
@@ -69,12 +59,11 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
 def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
     """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here)."""
     out = tmp_path / "walltime.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "walltime.py"), "--tiny", "--json", str(out)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_python(
+        str(ROOT / "benchmarks" / "walltime.py"),
+        "--tiny",
+        "--json",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     side = json.loads(out.read_text())["sides"]["ddpkit"]
@@ -96,18 +85,11 @@ def test_lazy_windows_benchmark_runs_in_both_modes_at_a_small_size(tmp_path):
     large one is tests/data/test_materialize.py's); it trains and reports. (Its "old" mode differs by one
     module constant: at this size both hold the data, so one run covers the script.)"""
     for mode in ([],):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "benchmarks" / "lazy_windows.py"),
-                str(tmp_path / f"r{len(mode)}"),
-                "3000",
-                *mode,
-            ],
-            env=cli_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
+        proc = run_python(
+            str(ROOT / "benchmarks" / "lazy_windows.py"),
+            str(tmp_path / f"r{len(mode)}"),
+            "3000",
+            *mode,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert re.search(r"wall [\d.]+ startup_s [\d.]+ path in-memory", proc.stdout), proc.stdout[-2000:]
@@ -118,12 +100,11 @@ def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):
     """benchmarks/host_cost.py --quick: every cut's row, old and new side by side, with the same results
     (its figures are not judged here)."""
     out = tmp_path / "host_cost.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--quick", "--out", str(out)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_python(
+        str(ROOT / "benchmarks" / "host_cost.py"),
+        "--quick",
+        "--out",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -141,21 +122,14 @@ def test_host_cost_benchmark_runs_in_its_quick_mode(tmp_path):
 def test_the_world_two_on_one_gpu_script_runs_its_cpu_mode(tmp_path):
     """benchmarks/world2_one_gpu.py --device cpu, its quickest check: two ranks with --sync-bn give
     step 1's loss of one rank with BatchNorm over the same global batch (the GPU run shares cuda:0)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "world2_one_gpu.py"),
-            "--device",
-            "cpu",
-            "--only",
-            "syncbn",
-            "--out",
-            str(tmp_path),
-        ],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_python(
+        str(ROOT / "benchmarks" / "world2_one_gpu.py"),
+        "--device",
+        "cpu",
+        "--only",
+        "syncbn",
+        "--out",
+        str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "world2.json").read_text())["checks"]["syncbn"]
