@@ -2,15 +2,15 @@
 interpreter's start and its import of torch (3.5 s of CPU each on the 2-core AVX2 CI machine, where the suite is
 CPU-bound: BENCHMARKS.md, "The test suite's wall time").
 
-    result = run_module("ddpkit", ["train", ...], cwd=..., env=cli_env(), timeout=600)   # a CompletedProcess
+    result = run_python(["-m", "ddpkit", "train", ...], cwd=..., env=cli_env(), timeout=600)   # a CompletedProcess
 
 The warm interpreter (one per pytest worker, started at its first use) imports torch, ddpkit's CLI and what
 ddpkit's forkserver imports (ranks/prestart.py: dynamo), and runs no torch op (no OpenMP pool exists to be
-forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child, which takes the request's working
-directory, environment and arguments, writes stdout and stderr to files, runs the module as ``-m`` does, and
-exits; the server reports the child's pid at once and its exit status when it ends (``-N`` for a signal, as
-``subprocess`` reports it). A test that tests the interpreter's own start (what ``--help`` imports) starts
-a fresh one itself.
+forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child,
+which takes the request's working directory, environment and arguments, writes stdout and stderr to files, runs
+what it is given as ``python`` does, and exits; the server reports the child's pid at once and its exit status
+when it ends (``-N`` for a signal, as ``subprocess`` reports it). A test that tests the interpreter's own start
+(what ``--help`` imports) starts a fresh one itself.
 
 Any ``python ARGV`` runs so (``run_python``: ``-m MODULE``, ``-c CODE`` or a script), and ends as the
 interpreter would: an uncaught exception through ``sys.excepthook``, then the atexit handlers. Each child leads
@@ -40,10 +40,6 @@ from pathlib import Path
 
 _server: subprocess.Popen | None = None
 _lock = threading.Lock()
-
-
-def run_module(module: str, args: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    return run_python(["-m", module, *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -174,7 +170,7 @@ def _become_forkserver(sock) -> None:
         sys.argv, sys.path[0] = ["-c"], ""
         exec(order["cmd"], main.__dict__)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        code = _exit_code(exc)
     except BaseException:
         import traceback
 
