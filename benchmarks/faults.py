@@ -71,24 +71,30 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
 
 def worker_pids(launcher: int) -> list[int]:
     """The workers: children of the launcher's forkserver, or children of the launcher, spawned
-    (spawn_main) or forked (the launcher's own command line)."""
+    (spawn_main) or forked (the launcher's own command line and name). A forkserver says so in its
+    command line, or, forked rather than exec'd (the tests' warm interpreter: tests/helpers/zygote.py),
+    in its name."""
 
-    def kids(pid: int) -> list[tuple[int, bytes]]:
+    def read(pid: int) -> tuple[bytes, str]:
+        proc = Path("/proc") / str(pid)
+        return (proc / "cmdline").read_bytes(), (proc / "comm").read_text().strip()
+
+    def kids(pid: int) -> list[tuple[int, tuple[bytes, str]]]:
         out = []
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append((int(entry.name), (entry / "cmdline").read_bytes()))
+                    out.append((int(entry.name), read(int(entry.name))))
             except (OSError, IndexError):
                 pass
         return out
 
-    own = (Path("/proc") / str(launcher) / "cmdline").read_bytes()
+    own = read(launcher)
     found = []
-    for pid, cmd in kids(launcher):
-        if b"forkserver" in cmd:
+    for pid, (cmd, name) in kids(launcher):
+        if b"forkserver" in cmd or name == "forkserver":
             found += [child for child, _ in kids(pid)]
-        elif b"spawn_main" in cmd or cmd == own:
+        elif b"spawn_main" in cmd or (cmd, name) == own:
             found.append(pid)
     return sorted(found)
 

@@ -6,13 +6,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import loop_workers as lw
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, run_python
+from clirun import ROOT, run_python
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
@@ -489,14 +488,7 @@ def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
     (tmp_path / "train.py").write_text(START_SCRIPT)
 
     def run(steps: int, **env) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "train.py", str(steps)],
-            cwd=tmp_path,
-            env=cli_env(**env),
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-        )
+        return run_python("train.py", steps, cwd=tmp_path, **env)
 
     stopped = run(6, STOP_AT="2")
     assert stopped.returncode == 143, stopped.stderr
@@ -551,14 +543,7 @@ def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
     (tmp_path / "train.py").write_text(
         "import ddpkit\nloop = ddpkit.Loop.start('run')\nloop.resume()\nraise ValueError('boom')\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "train.py"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_python("-m", "ddpkit", "run", "--nproc", "2", "train.py", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     for rank in (0, 1):  # each rank raised it: each says it once
         assert proc.stderr.count(f"[rank{rank}]: Traceback (most recent call last)") == 1, proc.stderr
@@ -617,13 +602,6 @@ def test_a_bug_in_the_final_save_of_a_started_loop_is_a_failed_exit(tmp_path):
 def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once_per_rank(tmp_path):
     """Before: the excepthook said it, then the group's teardown at exit said it again."""
     (tmp_path / "train.py").write_text("import ddpkit\nloop = ddpkit.Loop.start('run')\nloop.step()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
     said = [line for line in proc.stderr.splitlines() if "call loop.resume(" in line]
     assert proc.returncode != 0 and said and len(said) == len(set(said)), proc.stderr

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import stream_train
 import torch
-from clirun import ROOT, cli_env, read_jsonl, run_python
+from clirun import ROOT, read_jsonl, run_python, start_python
 from torch.utils.data import TensorDataset
 from user_code import Rows, row_reads
 
@@ -91,14 +89,7 @@ def test_a_sigkilled_stream_resumes_at_its_position_and_ends_bitwise(tmp_path, w
     run(whole)
     cut = spec(tmp_path, "cut", workers, seek, sleep_s=0.01, save_every_steps=3)
     Path(cut["log_dir"]).mkdir(parents=True)
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, json.dumps(cut)],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_python(SCRIPT, json.dumps(cut))
     metrics, deadline = Path(cut["run_dir"]) / "metrics.jsonl", time.monotonic() + 120
     try:
         while time.monotonic() < deadline:

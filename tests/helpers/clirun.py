@@ -53,6 +53,33 @@ def run_python(*argv, cwd=None, timeout: float = WAIT_S, fresh: bool = False, **
     )
 
 
+def start_python(
+    *argv, cwd=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, fresh: bool = False, **env
+) -> zygote.Started | subprocess.Popen:
+    """``python ARGV`` started and running, for a test that watches or signals it: what
+    ``subprocess.Popen([python, *ARGV], text=True, start_new_session=True, stdin=DEVNULL)`` gives (``pid``,
+    ``poll``, ``wait``, ``communicate``, ``send_signal``, text pipes), forked from the warm interpreter unless
+    ``fresh``. It leads its own process group, so ``os.killpg(proc.pid, sig)`` signals the whole job."""
+    argv = [str(a) for a in argv]
+    if not fresh:
+        return zygote.start_python(argv, cwd=cwd, env=cli_env(**env), stdout=stdout, stderr=stderr)
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env=cli_env(**env),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def start_cli(*args: str, cwd=None, module: str = "ddpkit", **kw) -> zygote.Started | subprocess.Popen:
+    """``python -m ddpkit ARGS`` started and running (``start_python``)."""
+    return start_python("-m", module, *args, cwd=cwd, **kw)
+
+
 def bench_finished(proc: subprocess.CompletedProcess, bench_json: Path) -> dict:
     """A ``ddpkit bench`` that measured everything: exit 0, or exit 1 only because other processes
     loaded the machine (the suite runs two tests at a time on two cores: the other test is load)."""
@@ -70,10 +97,12 @@ def bench_finished(proc: subprocess.CompletedProcess, bench_json: Path) -> dict:
 
 def run_nodes(commands: list, timeout: float = WAIT_S) -> list[subprocess.CompletedProcess]:
     """Start every command at once (the "nodes" of one job, each ``cmd`` or ``(cmd, extra env)``), wait for
-    all; a node still running after ``timeout`` is killed."""
+    all; a node still running after ``timeout`` is killed. A ``python`` command is forked (``start_python``)."""
     commands = [c if isinstance(c, tuple) else (c, {}) for c in commands]
     procs = [
-        subprocess.Popen(cmd, env=cli_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        start_python(*cmd[1:], **extra)
+        if cmd[0] == sys.executable
+        else subprocess.Popen(cmd, env=cli_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for cmd, extra in commands
     ]
     results = []

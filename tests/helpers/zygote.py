@@ -1,27 +1,31 @@
-"""``python -m MODULE ARGS`` in a child forked from a warm interpreter: the CLI as a user runs it, less the
-interpreter's start and its import of torch (3.5 s of CPU each on the 2-core AVX2 CI machine, where the suite is
-CPU-bound: BENCHMARKS.md, "The test suite's wall time").
+"""``python ARGV`` in a child forked from a warm interpreter: the CLI, a script or ``-c`` code as a user runs
+it, less the interpreter's start and its import of torch (3.5 s of CPU each on the 2-core AVX2 CI machine, where
+the suite is CPU-bound: BENCHMARKS.md, "The test suite's wall time").
 
-    result = run_python(["-m", "ddpkit", "train", ...], cwd=..., env=cli_env(), timeout=600)   # a CompletedProcess
+    result = run_python(["-m", "ddpkit", "train", ...], cwd=..., env=cli_env(), timeout=600)   # CompletedProcess
+    proc = start_python([script, spec], cwd=None, env=cli_env())   # running: pid, poll, wait, communicate, pipes
 
 The warm interpreter (one per pytest worker, started at its first use) imports torch, ddpkit's CLI and what
 ddpkit's forkserver imports (ranks/prestart.py: dynamo), and runs no torch op (no OpenMP pool exists to be
 forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child,
-which takes the request's working directory, environment and arguments, writes stdout and stderr to files, runs
-what it is given as ``python`` does, and exits; the server reports the child's pid at once and its exit status
-when it ends (``-N`` for a signal, as ``subprocess`` reports it). A test that tests the interpreter's own start
-(what ``--help`` imports) starts a fresh one itself.
+handed the caller's stdin, stdout and stderr as descriptors (a pipe, a file, /dev/null), which takes the
+request's working directory, environment and arguments, runs what it is given as ``python`` does, and exits;
+the server reports the child's pid at once and its exit status when it ends (``-N`` for a signal, as
+``subprocess`` reports it). Children run side by side: a test's two "nodes", or a run it signals while it
+watches the output. A test that tests the interpreter's own start (what ``--help`` imports) starts a fresh one
+itself.
 
-Any ``python ARGV`` runs so (``run_python``: ``-m MODULE``, ``-c CODE`` or a script), and ends as the
-interpreter would: an uncaught exception through ``sys.excepthook``, then the atexit handlers. Each child leads
-its own process group (as ``start_new_session=True``).
+Any ``python ARGV`` runs so (``-m MODULE``, ``-c CODE`` or a script), and ends as the interpreter would: an
+uncaught exception through ``sys.excepthook``, then the atexit handlers. Each child leads its own process group
+(as ``start_new_session=True``).
 
 A child's forkserver (ddpkit's workers are forked from one: ranks/prestart.py) is not started as
 ``python -c`` (an interpreter that imports torch and dynamo: 5.2 s of CPU each) but from a spare forked at
 the child's start, before the run's own code: torch and dynamo are imported here already. It is what the
 exec'd one would be: a clean interpreter (the workers import the script again into it), only the descriptors
-it is handed, the environment, directory, ignored signals and mask of the moment it was asked for. Each
-pytest worker's own launches keep the exec'd one.
+it is handed, the environment, directory, ignored signals and mask of the moment it was asked for; it is named
+``forkserver`` (/proc/PID/comm), its command line being the run's. Each pytest worker's own launches keep the
+exec'd one.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import fcntl
 import importlib.machinery
 import json
 import os
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,12 +44,32 @@ import threading
 import types
 from pathlib import Path
 
-_server: subprocess.Popen | None = None
+_server: _Server | None = None
 _lock = threading.Lock()
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """``python ARGV`` (``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT ARGS``), forked; a CompletedProcess."""
+    """``python ARGV`` (``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT ARGS``), forked; a CompletedProcess.
+    Its output goes to files, not pipes: a process it started and left running cannot hold the wait open."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = start_python(argv, cwd, env, stdout=out, stderr=err)
+        try:
+            child.wait(timeout)
+            late = False
+        except subprocess.TimeoutExpired:
+            child.kill_group()
+            child.wait()
+            late = True
+        stdout, stderr = (_read_back(f) for f in (out, err))
+    if late:
+        raise subprocess.TimeoutExpired(child.args, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
+def start_python(argv: list[str], cwd, env: dict, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> Started:
+    """``python ARGV`` forked and running, as ``subprocess.Popen(..., text=True, start_new_session=True)`` starts
+    it: ``stdout`` and ``stderr`` each ``PIPE``, ``DEVNULL``, an open file or None (this process's own);
+    ``stderr=STDOUT`` too. Stdin is /dev/null."""
     global _server
     if (
         not argv
@@ -51,34 +77,160 @@ def run_python(argv: list[str], cwd, env: dict, timeout: float) -> subprocess.Co
         or (argv[0].startswith("-") and argv[0] not in ("-m", "-c"))
     ):
         raise ValueError(f"run_python takes -m MODULE, -c CODE or a script, then its arguments: {argv}")
-    with _lock, tempfile.TemporaryDirectory() as scratch:
-        if _server is None or _server.poll() is not None:
-            _server = subprocess.Popen(
-                [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
-            )
-        out, err = Path(scratch) / "out", Path(scratch) / "err"
-        request = {"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": env}
-        _server.stdin.write(json.dumps({**request, "out": str(out), "err": str(err)}) + "\n")
-        _server.stdin.flush()
-        pid = json.loads(_server.stdout.readline())["pid"]
-        # The exit status is read in a thread: a select() on the pipe would miss a line already in the reader's
-        # buffer (a child that ends at once, whose status came with its pid) and wait out the timeout
-        ended: dict = {}
-        waiter = threading.Thread(target=lambda: ended.update(json.loads(_server.stdout.readline())), daemon=True)
-        waiter.start()
-        waiter.join(timeout)
-        late = waiter.is_alive()
-        if late:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended just now
-                pass
-            waiter.join()
-        argv = [sys.executable, *argv]
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if late:
-            raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(argv, ended["returncode"], stdout, stderr)
+    with _lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _Server(env)
+        server = _server
+    return server.start([str(a) for a in argv], str(cwd or os.getcwd()), env, stdout, stderr)
+
+
+def _read_back(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
+class _Server:
+    """This process's end of the warm interpreter: requests go out, with the child's stdin, stdout and stderr as
+    descriptors (SCM_RIGHTS); each child's pid, and later its exit status, come back, read by one thread."""
+
+    def __init__(self, env: dict):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        theirs.close()
+        self.sock, self.changed, self.children, self.gone = ours, threading.Condition(), {}, False
+        self.sent = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def start(self, argv: list[str], cwd: str, env: dict, stdout, stderr) -> Started:
+        fds, ends, pipes = [], [], []  # the child's stdin, stdout and stderr; those opened here; this side's pipes
+        try:
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+            ends.append(fds[0])
+            for where, own in ((stdout, 1), (stderr, 2)):
+                pipe = None
+                if where is None:
+                    fd = own
+                elif where == subprocess.PIPE:
+                    read, fd = os.pipe()
+                    pipe = open(read, encoding="utf-8", errors="replace")
+                    ends.append(fd)
+                elif where == subprocess.DEVNULL:
+                    fd = os.open(os.devnull, os.O_WRONLY)
+                    ends.append(fd)
+                elif where == subprocess.STDOUT:
+                    fd = fds[1]
+                else:
+                    fd = where.fileno()
+                fds.append(fd)
+                pipes.append(pipe)
+            with self.changed:
+                self.sent += 1
+                child = Started([sys.executable, *argv], self, self.sent, *pipes)
+                self.children[child.ident] = child
+                request = {"id": child.ident, "argv": argv, "cwd": cwd, "env": env}
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                self.changed.wait_for(lambda: child.pid is not None or self.gone)
+        finally:
+            for fd in ends:
+                os.close(fd)
+        if child.pid is None:
+            raise RuntimeError("the warm interpreter (tests/helpers/zygote.py) ended; its error is above")
+        return child
+
+    def _read(self) -> None:
+        while message := self.sock.recv(1 << 16):
+            said = json.loads(message)
+            with self.changed:
+                child = self.children[said["id"]]
+                if "pid" in said:
+                    child.pid = said["pid"]
+                else:
+                    child.returncode = said["returncode"]
+                    del self.children[said["id"]]
+                self.changed.notify_all()
+        with self.changed:
+            self.gone = True
+            self.changed.notify_all()
+
+
+class Started:
+    """A forked ``python ARGV``, as ``subprocess.Popen`` is one: ``pid``, ``returncode``, ``poll``, ``wait``,
+    ``communicate``, ``send_signal``, ``terminate``, ``kill``, and ``stdout``/``stderr`` where piped (text). The
+    child leads its own process group: ``os.killpg(child.pid, sig)`` signals all it started."""
+
+    def __init__(self, args, server: _Server, ident: int, stdout, stderr):
+        self.args, self.ident, self.stdout, self.stderr = args, ident, stdout, stderr
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._server, self._read = server, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        changed = self._server.changed
+        with changed:
+            if not changed.wait_for(lambda: self.returncode is not None or self._server.gone, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        if self.returncode is None:
+            raise RuntimeError("the warm interpreter (tests/helpers/zygote.py) ended before its child did")
+        return self.returncode
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Each pipe read to its end (what the child, and whatever it started, wrote), then the exit status."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._read is None:
+            self._read = [[], []]
+            self._readers = [
+                threading.Thread(target=lambda f=f, into=into: into.append(f.read()), daemon=True)
+                for f, into in zip((self.stdout, self.stderr), self._read)
+                if f is not None
+            ]
+            for reader in self._readers:
+                reader.start()
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0, deadline - time.monotonic()))
+        said = [("".join(into) if f is not None else None) for f, into in zip((self.stdout, self.stderr), self._read)]
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        return said[0], said[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the child's process group: the child and all it started that did not leave it."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # all of it ended just now
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait()
 
 
 def _spare_forkserver() -> None:
@@ -97,7 +249,10 @@ def _spare_forkserver() -> None:
     spare = os.fork()
     if spare == 0:
         ours.close()
-        _become_forkserver(theirs)
+        comm = Path("/proc/self/comm")
+        launchers = comm.read_text().strip()
+        comm.write_text("spare")  # not taken for a worker the run forks itself (its command line is theirs)
+        _become_forkserver(theirs, launchers)
     theirs.close()
     exec_one, used = util.spawnv_passfds, []
 
@@ -129,7 +284,24 @@ def _handler(sig):
         return None
 
 
-def _become_forkserver(sock) -> None:
+def _name_forkserver(workers: str) -> None:
+    """Name this process ``forkserver`` (/proc/PID/comm) and each worker it forks ``workers`` (the run's own
+    name). Its command line is the run's (it is a fork), where an exec'd one's says ``forkserver``: the name is
+    how ``worker_pids`` (benchmarks/faults.py) tells it from a worker forked by the run itself."""
+    from multiprocessing import forkserver
+
+    comm = Path("/proc/self/comm")
+    comm.write_text("forkserver")
+    serve_one = forkserver._serve_one
+
+    def _serve_one(*args, **kwargs):
+        comm.write_text(workers)
+        return serve_one(*args, **kwargs)
+
+    forkserver._serve_one = _serve_one
+
+
+def _become_forkserver(sock, name: str) -> None:
     """In the spare: wait for the order, then become ``python -c FORKSERVER_COMMAND`` as it was asked for."""
     import socket
 
@@ -165,6 +337,7 @@ def _become_forkserver(sock) -> None:
         if signal.SIGINT not in ignored:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, order["mask"])
+        _name_forkserver(name)
         main = types.ModuleType("__main__")
         sys.modules["__main__"] = main
         sys.argv, sys.path[0] = ["-c"], ""
@@ -180,9 +353,9 @@ def _become_forkserver(sock) -> None:
         os._exit(code)
 
 
-def _child(request: dict) -> None:
-    """In the forked child: become ``python ARGV`` in the request's directory and environment, and end as it
-    would."""
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become ``python ARGV`` in the request's directory and environment, its stdin, stdout
+    and stderr ``fds``, and end as it would."""
     import runpy
     import traceback
 
@@ -191,14 +364,10 @@ def _child(request: dict) -> None:
         # Its own session and process group, as start_new_session=True: a job signalled whole (os.killpg, as SLURM
         # signals a job step) is this child's alone, and a run past its timeout is killed with all it started
         os.setsid()
-        for fd, path, flags in (
-            (0, os.devnull, os.O_RDONLY),
-            (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-            (2, request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-        ):
-            opened = os.open(path, flags, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
+        for target, fd in enumerate(fds):  # stdin, stdout and stderr, as the caller sent them
+            os.dup2(fd, target)
+        for fd in set(fds):
+            os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -270,7 +439,7 @@ def _finalize(code: int) -> None:
         os._exit(code & 0xFF)
 
 
-def _serve() -> None:
+def _serve(fd: int) -> None:
     import torch  # noqa: F401  (the import each child is spared)
 
     import ddpkit.cli  # noqa: F401
@@ -280,15 +449,34 @@ def _serve() -> None:
         if name != "ddpkit.ranks._forkserver_exit":
             __import__(name)
 
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    # Children run side by side (a test's two "nodes", or a run it signals while the next starts): one loop waits
+    # on the requests and on each child's end (a pidfd, readable once it exits), and reaps each as it ends
+    sock = socket.socket(fileno=fd)
+    waiting = selectors.DefaultSelector()
+    waiting.register(sock, selectors.EVENT_READ)
+    while True:
+        for key, _ in waiting.select():
+            if key.fileobj is sock:
+                message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+                if not message:  # the caller ended
+                    return
+                request = json.loads(message)
+                pid = os.fork()
+                if pid == 0:  # none of the server's descriptors stays open in the child
+                    for key in waiting.get_map().values():
+                        os.close(key.fd)
+                    _child(request, fds)
+                for sent in fds:
+                    os.close(sent)
+                waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (request["id"], pid))
+                sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+            else:
+                ident, pid = key.data
+                waiting.unregister(key.fileobj)
+                os.close(key.fileobj)
+                _, status = os.waitpid(pid, 0)
+                sock.send(json.dumps({"id": ident, "returncode": os.waitstatus_to_exitcode(status)}).encode())
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]))

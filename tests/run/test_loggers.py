@@ -2,13 +2,12 @@
 
 import csv
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from clirun import WAIT_S, cli_env, read_jsonl, run_cli
+from clirun import read_jsonl, run_cli, run_python
 from once import once
 
 from ddpkit.config import parse_loggers
@@ -275,7 +274,7 @@ def test_the_cli_names_the_extra_when_tensorboard_is_missing(tmp_path):
         "import sys; sys.modules['tensorboard'] = None; from ddpkit.cli import main; "
         f"sys.exit(main(['train', '--log', 'tensorboard', '--run-dir', {str(tmp_path / 'r')!r}]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    proc = run_python("-c", code)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "ddpkit: error: --log tensorboard needs the tensorboard package, which is not installed: "

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from clirun import WAIT_S, cli_env, free_port, read_jsonl, run_cli, run_python, worker_pids
+from clirun import WAIT_S, cli_env, free_port, read_jsonl, run_cli, run_python, start_python, worker_pids
 
 import ddpkit.preflight
 from ddpkit.cli import main
@@ -774,9 +774,7 @@ def test_ctrl_c_saves_a_snapshot_and_exits_130(tmp_path):
         "--run-dir",
         str(run),
     ]
-    proc = subprocess.Popen(
-        args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = start_python(*args[1:])
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -835,7 +833,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_frees_the_run_dir(tmp_p
         "--run-dir",
         str(run),
     ]
-    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_python(*args[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not list((run / "checkpoints").glob("snapshot-*.pt")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from clirun import cli_env, read_jsonl, run_cli
+from clirun import read_jsonl, run_cli, start_python
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -143,9 +143,7 @@ def test_under_real_torchrun_with_sync_bn(tmp_path):
 def test_a_stopped_run_continues_at_the_next_epoch(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "ddpkit", "train", *SMALL, "--nproc", "2", "--epochs", "3", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(
-        args, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = start_python(*args[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list((run_dir / "checkpoints").glob("snapshot-*.pt")) and time.time() < deadline:
         time.sleep(0.05)

@@ -6,13 +6,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from clirun import ROOT, cli_env, run_python
+from clirun import ROOT, run_python, start_python
 from once import once
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -120,12 +119,10 @@ def test_gan_trains_both_models_and_gets_near_the_ring(gan_uninterrupted):
 @pytest.mark.slow
 def test_gan_sigkilled_mid_run_then_rerun_ends_with_the_uninterrupted_weights_bitwise(tmp_path, gan_uninterrupted):
     _, expected = gan_uninterrupted
-    command = [sys.executable, str(ROOT / "examples" / "gan.py"), *GAN_RUN, "--save-weights", "final.pt"]
+    command = [str(ROOT / "examples" / "gan.py"), *GAN_RUN, "--save-weights", "final.pt"]
     snapshots = tmp_path / "runs" / "gan" / "checkpoints"
     # Its own session: the launcher, its forkserver and both workers are one process group, killed at once.
-    proc = subprocess.Popen(
-        command, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    proc = start_python(*command, cwd=tmp_path, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not list(snapshots.glob("snapshot-*.pt")) and proc.poll() is None and time.monotonic() < deadline:

@@ -12,15 +12,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import custom_train
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl, run_python, worker_pids
+from clirun import ROOT, WAIT_S, read_jsonl, run_python, start_python, worker_pids
 from once import once
+from zygote import Started
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -37,16 +37,8 @@ def spec(run_dir: Path, fault: str = "none", **kw) -> dict:
     }
 
 
-def start(s: dict, **popen) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, json.dumps(s)],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **popen,
-    )
+def start(s: dict) -> Started:
+    return start_python(SCRIPT, json.dumps(s))
 
 
 def fit_here(s: dict) -> dict:
@@ -364,13 +356,7 @@ def test_a_zero_run_is_resharded_when_it_resumes_at_another_world_size(tmp_path)
 def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tmp_path):
     """Issue 35, item 6: fit() raised Stopped, but the script ended with a traceback and status 1, after
     torch's agent's own "Received 15 death signal" warning."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "helpers" / "stop_fit.py"), str(tmp_path / "run")],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_python(ROOT / "tests" / "helpers" / "stop_fit.py", tmp_path / "run")
     for line in proc.stdout:  # the workers are training: a step record is out
         if line.startswith("[step]"):
             break
@@ -387,13 +373,7 @@ def test_sigterm_to_a_python_script_calling_fit_ends_it_with_143_and_one_line(tm
 def test_sigterm_to_a_script_with_its_own_loop_ends_it_with_143_and_one_line(tmp_path, how):
     """Found in review: where the process made the group itself, torch's excepthook wrapper swallowed the line
     (exit 143, nothing said); under ddpkit.launch the launcher ended with a traceback and status 1."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "helpers" / "stop_loop.py"), how, str(tmp_path / "run")],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_python(ROOT / "tests" / "helpers" / "stop_loop.py", how, tmp_path / "run")
     for line in proc.stdout:
         if line.startswith("[step]"):
             break

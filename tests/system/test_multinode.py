@@ -13,7 +13,7 @@ import sys
 import uuid
 
 import pytest
-from clirun import WAIT_S, cli_env, free_port, read_jsonl, run_nodes
+from clirun import free_port, read_jsonl, run_nodes, run_python
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -66,13 +66,7 @@ def test_two_launches_on_loopback_form_one_world(tmp_path):
 
 @pytest.mark.slow
 def test_nnodes_without_an_endpoint_is_refused_before_launch(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit", *TRAIN, "--run-dir", str(tmp_path / "r")],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_python("-m", "ddpkit", *TRAIN, "--run-dir", tmp_path / "r")
     assert proc.returncode == 2
     assert proc.stderr.count("--nnodes 2 needs --rdzv-endpoint HOST:PORT") == 1
     assert not (tmp_path / "r").exists()

@@ -11,12 +11,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl
+from clirun import ROOT, WAIT_S, read_jsonl, run_python, start_python
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -68,10 +67,8 @@ def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path
     group``: to every process of the job at once, as SLURM signals every process of a job step; nproc 1:
     the one process trains itself (as each task does under SLURM one task per GPU, or under torchrun)."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, SCRIPT, _spec(run_dir, nproc)]
-    proc = subprocess.Popen(
-        cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    cmd = [SCRIPT, _spec(run_dir, nproc)]
+    proc = start_python(*cmd)
     try:
         _first_step(run_dir, proc)
         if to == "launcher":
@@ -93,7 +90,7 @@ def test_sigusr1_saves_a_snapshot_exits_138_and_the_rerun_resumes_there(tmp_path
     assert (run_dir / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 20
     assert not (run_dir / "model.pt").exists()
 
-    again = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    again = run_python(*cmd)
     assert again.returncode == 0, again.stderr
     starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
     assert starts[-1]["resumed_at_step"] == step

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import WAIT_S, cli_env, read_jsonl, run_cli
+from clirun import WAIT_S, read_jsonl, run_cli, run_python, start_python
+from zygote import Started
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -65,11 +66,12 @@ def script(tmp_path) -> Path:
     return path
 
 
-def _start(cmd: list[str], tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    """``cmd`` in its own session, its output in a file (workers that outlive it would hold a pipe open)."""
+def _start(cmd: list[str], tmp_path: Path, name: str) -> tuple[Started, Path]:
+    """``cmd`` (``python ARGS``) in its own session, its output in a file (workers that outlive it would hold a
+    pipe open)."""
     out = tmp_path / f"{name}.log"
     with open(out, "w") as fh:
-        proc = subprocess.Popen(cmd, env=cli_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_python(*cmd[1:], stdout=fh, stderr=subprocess.STDOUT)
     return proc, out
 
 
@@ -142,7 +144,7 @@ def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishe
     step = stopped[0]["step"]
     assert (run / "checkpoints" / f"snapshot-{step:09d}.pt").exists() and step < 200
 
-    again = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S)
+    again = run_python(*cmd[1:])
     assert again.returncode == 0, again.stderr[-3000:]
     records = read_jsonl(run / "metrics.jsonl")
     assert [r for r in records if r["event"] == "start"][-1]["resumed_at_step"] == step

@@ -8,15 +8,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from clirun import ROOT, WAIT_S, cli_env, read_jsonl, run_python
+from clirun import ROOT, WAIT_S, read_jsonl, run_python, start_python
 from user_code import RegressionMLP, mse, regression_data
+from zygote import Started
 
 from ddpkit import TrainConfig, Trainer
 from ddpkit.config import early_stop_rule, watched_metric
@@ -149,15 +149,8 @@ def gpt_spec(tmp_path: Path, run: str, **config) -> dict:
     }
 
 
-def start(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, json.dumps(spec)],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def start(spec: dict) -> Started:
+    return start_python(SCRIPT, json.dumps(spec))
 
 
 def signal_at(spec: dict, step: int, sig: int) -> subprocess.Popen:

@@ -1,13 +1,17 @@
 """``run_cli``'s warm interpreter (tests/helpers/zygote.py) gives what a fresh ``python -m`` gives: the output,
-the exit status (a signal's as ``-N``), the working directory, the environment and the arguments."""
+the exit status (a signal's as ``-N``), the working directory, the environment and the arguments; and
+``start_python``'s running child what ``subprocess.Popen`` gives."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
-from clirun import run_cli, run_python
+from clirun import WAIT_S, run_cli, run_python, start_python, worker_pids
 
 pytestmark = pytest.mark.multiprocess
 
@@ -108,3 +112,98 @@ def test_a_forked_scripts_workers_are_what_an_execd_forkservers_are(tmp_path):
     assert fresh.stdout.endswith("True)\n") and forked.stdout.endswith("False)\n"), (fresh.stdout, forked.stderr)
     same = forked.stdout.replace("False)\n", "True)\n")  # the one difference: whose fork the forkserver is
     assert (forked.returncode, same) == (fresh.returncode, fresh.stdout), forked.stderr[-3000:]
+
+
+WATCHED = """
+import os, signal, sys, time
+
+def said(sig, frame):
+    print("got", signal.Signals(sig).name, flush=True)
+    sys.exit(7)
+
+if os.fork() == 0:  # a grandchild in the group, as a launcher's workers are
+    time.sleep(600)
+signal.signal(signal.SIGUSR1, said)  # after the fork: a signal in an at-fork hook would be lost
+print("ready", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "forked"])
+def test_a_started_child_is_watched_and_signalled_as_popen_gives_it(tmp_path, fresh):
+    """``start_python``: its output read line by line as it comes, stderr into stdout, a signal to it alone
+    handled by it, one to its process group reaching what it started; forked or fresh alike."""
+    (tmp_path / "watched.py").write_text(WATCHED)
+    proc = start_python("watched.py", cwd=tmp_path, fresh=fresh, stderr=subprocess.STDOUT)
+    try:
+        assert [proc.stdout.readline() for _ in range(2)] == ["ready\n", "to stderr\n"] and proc.poll() is None
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=WAIT_S) == 7
+        os.killpg(proc.pid, signal.SIGKILL)  # the grandchild, still in the group, holding the pipe open
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (out, err) == ("got SIGUSR1\n", None)
+
+
+def test_children_run_side_by_side(tmp_path):
+    """Two children at once (a job's two "nodes"): each waits for the other's file, so one served after the
+    other ends would wait out its timeout."""
+    code = (
+        "import pathlib, sys, time\n"
+        "here, there = map(pathlib.Path, sys.argv[1:])\n"
+        "here.touch()\n"
+        "while not there.exists(): time.sleep(0.01)\n"
+        "print('met', here.name)\n"
+    )
+    a, b = tmp_path / "a", tmp_path / "b"
+    procs = [start_python("-c", code, a, b), start_python("-c", code, b, a)]
+    try:
+        said = [proc.communicate(timeout=WAIT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert said == [("met a\n", ""), ("met b\n", "")] and [p.returncode for p in procs] == [0, 0]
+
+
+WORKERS = """
+import os, pathlib, sys, time
+
+import ddpkit
+
+
+def wait(ctx):
+    pathlib.Path(f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+    while not pathlib.Path("done").exists():
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    ddpkit.launch(wait, nproc=2)
+"""
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "forked"])
+def test_worker_pids_finds_a_started_launchers_workers(tmp_path, fresh):
+    """``worker_pids`` (benchmarks/faults.py, how the fault tests find whom to kill) tells a forked forkserver
+    by its name, where an exec'd one's command line says it: the workers are found, and not the spare."""
+    (tmp_path / "workers.py").write_text(WORKERS)
+    proc = start_python("workers.py", cwd=tmp_path, fresh=fresh)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        workers = sorted(int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1))
+        assert worker_pids(proc.pid) == workers
+        names = {Path(f"/proc/{pid}/comm").read_text() for pid in [proc.pid, *workers]}
+        assert len(names) == 1, names  # the workers are named as their launcher is
+        (tmp_path / "done").touch()
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from clirun import WAIT_S, cli_env, run_cli
+from clirun import WAIT_S, run_cli, start_cli
 from matplotlib.image import imread
 from once import once
 from PIL import Image
@@ -215,16 +213,7 @@ def test_cli_errors_are_one_line(trained_run, tmp_path):
         "cifar10 is not the one": ["cifar10", "--predictions", str(trained_run), "--out", a],
         "no such run directory": ["--predictions", str(tmp_path / "no-such-run"), "--out", b],
     }
-    procs = {
-        words: subprocess.Popen(
-            [sys.executable, "-m", "ddpkit", "show-data", *args],
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for words, args in cases.items()
-    }  # side by side: each is mostly torch's import
+    procs = {words: start_cli("show-data", *args) for words, args in cases.items()}  # side by side
     for words, proc in procs.items():
         _, stderr = proc.communicate(timeout=WAIT_S)
         assert proc.returncode != 0
