@@ -20,7 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 train-mnist: venv
 	$(VENV)/bin/ddpkit train --dataset mnist --model convnet --nproc 2 --epochs 2
 
-# Two tests at a time: the multi-process tests mostly wait on their workers (BENCHMARKS.md, the test suite's wall time).
+# Three tests at a time on 2 cores: with two, the machine idled 13.5% of the run (tests waiting on a signal, a
+# timeout, their workers' start); with three, 3% (BENCHMARKS.md, the test suite's wall time).
 # worksteal, not loadscope: loadscope ran a module whole on one worker, so the run ended on one worker still in a
 # module of slow tests while the other idled; reference runs that several tests share are made once per run
 # whichever worker asks (tests/helpers/once.py).
@@ -30,7 +31,7 @@ train-mnist: venv
 # launcher, forkserver and worker compiled ddpkit's sources again (~0.2 s a process, hundreds of processes a run).
 test: venv
 	$(VENV)/bin/python -m compileall -q src tests
-	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=25
+	$(VENV)/bin/python -m pytest -q -n 3 --dist worksteal --durations=25
 
 # The edit loop with processes: every test but those marked slow (over ~10 s each: world-2 runs, kills and resumes);
 # <= 4 min on 2 cores. make test runs them all.

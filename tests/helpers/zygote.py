@@ -5,8 +5,9 @@ the suite is CPU-bound: BENCHMARKS.md, "The test suite's wall time").
     result = run_python(["-m", "ddpkit", "train", ...], cwd=..., env=cli_env(), timeout=600)   # CompletedProcess
     proc = start_python([script, spec], cwd=None, env=cli_env())   # running: pid, poll, wait, communicate, pipes
 
-The warm interpreter (one per pytest worker, started at its first use) imports torch, ddpkit's CLI and what
-ddpkit's forkserver imports (ranks/prestart.py: dynamo), and runs no torch op (no OpenMP pool exists to be
+The warm interpreter (one per pytest worker, started at its first use) imports torch, ddpkit's CLI, what
+ddpkit's forkserver imports (ranks/prestart.py: dynamo) and what a launcher imports to draw its plots
+(matplotlib: run/plots.py's ``import_matplotlib``), and runs no torch op (no OpenMP pool exists to be
 forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child,
 handed the caller's stdin, stdout and stderr as descriptors (a pipe, a file, /dev/null), which takes the
 request's working directory, environment and arguments, runs what it is given as ``python`` does, and exits;
@@ -448,6 +449,9 @@ def _serve(fd: int) -> None:
     for name in PRELOAD:  # what a forkserver imports (dynamo: 1.9 s), less its exit hook (its own to run)
         if name != "ddpkit.ranks._forkserver_exit":
             __import__(name)
+    from ddpkit.run.plots import import_matplotlib
+
+    import_matplotlib()  # what a launcher that draws its plots imports (1.1 s of CPU here)
 
     # Children run side by side (a test's two "nodes", or a run it signals while the next starts): one loop waits
     # on the requests and on each child's end (a pidfd, readable once it exits), and reaps each as it ends
