@@ -82,7 +82,7 @@ def start_cli(*args: str, cwd=None, module: str = "ddpkit", **kw) -> zygote.Star
 
 def bench_finished(proc: subprocess.CompletedProcess, bench_json: Path) -> dict:
     """A ``ddpkit bench`` that measured everything: exit 0, or exit 1 only because other processes
-    loaded the machine (the suite runs two tests at a time on two cores: the other test is load)."""
+    loaded the machine (the suite runs three tests at a time on two cores: the others are load)."""
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(Path(bench_json).read_text())
     if proc.returncode == 1:

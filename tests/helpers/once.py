@@ -5,9 +5,9 @@ runs that several tests compare against.
     def uninterrupted(tmp_path_factory) -> Path:
         return once(tmp_path_factory, "fault-tolerance-a", lambda where: train(where / "run"))
 
-``pytest -n 2 --dist worksteal`` may hand tests of one module to both workers, and a module-scoped fixture
+``pytest -n 3 --dist worksteal`` may hand tests of one module to several workers, and a module-scoped fixture
 then runs in each (a world-2 reference run: 10-50 s on a loaded 2-core machine). Here the first worker to
-ask computes into a folder both see, under a file lock; the other waits on the lock and reads it.
+ask computes into a folder all see, under a file lock; the others wait on the lock and read it.
 """
 
 from __future__ import annotations

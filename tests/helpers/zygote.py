@@ -9,7 +9,7 @@ The warm interpreter (one per pytest worker, started at its first use) imports t
 ddpkit's forkserver imports (ranks/prestart.py: dynamo) and what a launcher imports to draw its plots
 (matplotlib: run/plots.py's ``import_matplotlib``), and runs no torch op (no OpenMP pool exists to be
 forked half-made), so a fork of it is what that forkserver hands its workers. Each request forks one child,
-handed the caller's stdin, stdout and stderr as descriptors (a pipe, a file, /dev/null), which takes the
+handed its stdout and stderr as descriptors (a pipe, a file, /dev/null; stdin is /dev/null), which takes the
 request's working directory, environment and arguments, runs what it is given as ``python`` does, and exits;
 the server reports the child's pid at once and its exit status when it ends (``-N`` for a signal, as
 ``subprocess`` reports it). Children run side by side: a test's two "nodes", or a run it signals while it
@@ -79,15 +79,16 @@ def start_python(argv: list[str], cwd, env: dict, stdout=subprocess.PIPE, stderr
     ):
         raise ValueError(f"run_python takes -m MODULE, -c CODE or a script, then its arguments: {argv}")
     with _lock:
-        if _server is None or _server.proc.poll() is not None:
+        if _server is None or _server.gone or _server.proc.poll() is not None:
             _server = _Server(env)
         server = _server
     return server.start([str(a) for a in argv], str(cwd or os.getcwd()), env, stdout, stderr)
 
 
 def _read_back(f) -> str:
+    """As ``text=True`` reads it: UTF-8, universal newlines (``\r\n`` and ``\r`` each a ``\n``)."""
     f.seek(0)
-    return f.read().decode(errors="replace")
+    return f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 class _Server:
@@ -134,29 +135,41 @@ class _Server:
                 child = Started([sys.executable, *argv], self, self.sent, *pipes)
                 self.children[child.ident] = child
                 request = {"id": child.ident, "argv": argv, "cwd": cwd, "env": env}
-                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                try:
+                    socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                except OSError:  # the server has ended (EPIPE): the reader sees it too, and says so below
+                    pass
                 self.changed.wait_for(lambda: child.pid is not None or self.gone)
         finally:
             for fd in ends:
                 os.close(fd)
         if child.pid is None:
-            raise RuntimeError("the warm interpreter (tests/helpers/zygote.py) ended; its error is above")
+            raise RuntimeError(
+                "the warm interpreter (tests/helpers/zygote.py) ended before it started the child; "
+                "its own error is in the pytest worker's stderr"
+            )
         return child
 
     def _read(self) -> None:
-        while message := self.sock.recv(1 << 16):
-            said = json.loads(message)
+        try:
+            # A server that ends with a request unread resets the connection (ECONNRESET), where one that read
+            # all it was sent ends it (an empty read): either way it is gone, and whoever waits on it is told
+            while message := self.sock.recv(1 << 16):
+                said = json.loads(message)
+                with self.changed:
+                    child = self.children[said["id"]]
+                    if "pid" in said:
+                        child.pid = said["pid"]
+                    else:
+                        child.returncode = said["returncode"]
+                        del self.children[said["id"]]
+                    self.changed.notify_all()
+        except OSError:
+            pass
+        finally:
             with self.changed:
-                child = self.children[said["id"]]
-                if "pid" in said:
-                    child.pid = said["pid"]
-                else:
-                    child.returncode = said["returncode"]
-                    del self.children[said["id"]]
+                self.gone = True
                 self.changed.notify_all()
-        with self.changed:
-            self.gone = True
-            self.changed.notify_all()
 
 
 class Started:
@@ -209,7 +222,10 @@ class Started:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended and was reaped; the server's word of it is on its way
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -247,13 +263,20 @@ def _spare_forkserver() -> None:
     from multiprocessing import util
 
     ours, theirs = socket.socketpair()
+    # A Ctrl-C to the run's group reaches the spare too. Until it is asked for, it ends by one silently (as the
+    # forkserver not yet started shows nothing), not by a KeyboardInterrupt raised at whatever line it is on:
+    # SIGINT held back across the fork, the default action set in the spare, then let through in both
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     spare = os.fork()
     if spare == 0:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         ours.close()
         comm = Path("/proc/self/comm")
         launchers = comm.read_text().strip()
         comm.write_text("spare")  # not taken for a worker the run forks itself (its command line is theirs)
         _become_forkserver(theirs, launchers)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
     theirs.close()
     exec_one, used = util.spawnv_passfds, []
 
@@ -469,6 +492,7 @@ def _serve(fd: int) -> None:
                 if pid == 0:  # none of the server's descriptors stays open in the child
                     for key in waiting.get_map().values():
                         os.close(key.fd)
+                    waiting.close()  # the epoll descriptor itself
                     _child(request, fds)
                 for sent in fds:
                     os.close(sent)

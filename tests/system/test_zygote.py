@@ -207,3 +207,71 @@ def test_worker_pids_finds_a_started_launchers_workers(tmp_path, fresh):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
+
+
+def test_a_warm_interpreter_that_dies_at_its_start_is_an_error_not_a_hang(tmp_path):
+    """A server that ends with a request unread (its import failed) resets the socket: the waiting caller is
+    told, and the next request starts a new server."""
+    import threading
+
+    import zygote
+    from clirun import cli_env
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('a broken torch')\n")
+    broken = cli_env(PYTHONPATH=str(tmp_path))
+    server = zygote._Server(broken)
+    raised = []
+
+    def ask():
+        try:
+            server.start(["-c", "pass"], str(tmp_path), broken, subprocess.DEVNULL, subprocess.DEVNULL)
+        except BaseException as exc:
+            raised.append(exc)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    server.proc.wait(WAIT_S)
+    asking.join(30)  # the server has ended: the answer is due now
+    assert not asking.is_alive() and len(raised) == 1, "the caller still waits for a server that ended"
+    assert isinstance(raised[0], RuntimeError) and "ended" in str(raised[0])
+    assert run_python("-c", "print('served')").stdout == "served\n"
+
+
+def test_a_ctrl_c_to_the_group_is_the_runs_alone_to_answer(tmp_path):
+    """A Ctrl-C reaches a run's whole process group; the spare forkserver that a run never asked for ends by it
+    silently (no KeyboardInterrupt traceback in the run's stderr), as a run without one shows nothing."""
+    code = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, lambda *_: print('interrupted'))\n"
+        "os.killpg(os.getpgid(0), signal.SIGINT)\n"
+        "try:\n"
+        "    os.wait()  # the spare, where there is one, reaped once it has ended\n"
+        "except ChildProcessError:\n"
+        "    pass\n"
+    )
+    said = {}
+    for fresh in (True, False):  # each in its own process group
+        proc = start_python("-c", code, cwd=tmp_path, fresh=fresh)
+        said[fresh] = (*proc.communicate(timeout=WAIT_S), proc.returncode)
+    assert said[True] == ("interrupted\n", "", 0)
+    assert said[False] == said[True]
+
+
+def test_a_forked_runs_output_is_read_back_as_text_mode_reads_it(tmp_path):
+    """Line ends as ``text=True`` gives them (universal newlines: a progress bar's ``\\r`` is a line end)."""
+    code = "import sys; sys.stdout.write('a\\r\\nb\\rc\\n'); sys.stdout.flush()"
+    fresh = run_python("-c", code, cwd=tmp_path, fresh=True)
+    assert fresh.stdout == "a\nb\nc\n"
+    assert run_python("-c", code, cwd=tmp_path).stdout == fresh.stdout
+
+
+def test_a_signal_to_a_child_that_just_ended_is_no_error():
+    """Between a child's end and the server's word of it, ``send_signal`` finds no process: as Popen's, a no-op."""
+    import zygote
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    child = zygote.Started(["true"], server=None, ident=0, stdout=None, stderr=None)
+    child.pid = gone.pid
+    child.send_signal(signal.SIGTERM)
