@@ -326,6 +326,13 @@ class TrainConfig:
         "row (lowest or highest best as for --keep-best; METRIC:PATIENCE:min|max to say)",
     )
     keep_snapshots: int = _f(2, "checkpoint", "how many of the newest snapshots to keep")
+    async_snapshots: bool = _f(
+        True,
+        "checkpoint",
+        "write snapshots in the background: the state is copied aside at the step (host memory on rank 0, as "
+        "much as the model, optimizer and schedule hold) and a thread writes it while training goes on; "
+        "--no-async-snapshots: every rank waits while rank 0 writes",
+    )
     # [launch]
     nproc: str = _f("auto", "launch", "processes on this node: N, or auto (one per visible GPU, 1 on CPU)")
     nnodes: int = _f(1, "launch", "nodes in the job; run the same command on each (needs --rdzv-endpoint when > 1)")
@@ -526,6 +533,7 @@ class TrainConfig:
             "quiet",
             "save_every_steps",
             "keep_snapshots",
+            "async_snapshots",
             "nnodes",
             "rdzv_endpoint",
             "rdzv_id",
@@ -848,6 +856,7 @@ class LoopConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms, cuDNN deterministic
     save_every_steps: int = 0  # 0: snapshots at each epochs() end, at the end, and on a stop only
     keep_snapshots: int = 2
+    async_snapshots: bool = True  # copied aside at the step, written by a thread on rank 0 (run/staging.py)
     log_every: int = 50  # steps per record; a stop signal is acted on at the next one
     timeout_s: float = 600.0  # collectives and the hang watch (seconds)
     check_code: bool = True  # refuse a snapshot that other code (the loop function's) made
@@ -866,4 +875,6 @@ class LoopConfig:
                 raise ConfigError(f"Loop({name}={value!r}): expected an int >= {int(name == 'keep_snapshots')}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"Loop(seed={self.seed!r}): expected an int")
+        if not isinstance(self.async_snapshots, bool):
+            raise ConfigError(f"Loop(async_snapshots={self.async_snapshots!r}): expected True or False")
         check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")

@@ -53,23 +53,34 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: s
     return f"cannot write {path}: {exc.strerror or exc}"
 
 
-def atomic_write(path: Path, data: bytes, flag: str = "--run-dir") -> None:
+def atomic_write(path: Path, data: bytes, flag: str = "--run-dir", moment=None) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync and rename; on failure remove the
-    temporary file and raise a one-line RunDirError (the old ``path``, if any, is untouched)."""
+    temporary file and raise a one-line RunDirError (the old ``path``, if any, is untouched). ``moment``
+    (a test hook: run/checkpoint.py's kill-anywhere tests) is called with the name of each point passed."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    moment = moment or (lambda name: None)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            moment("opened")
+            view, half = memoryview(data), len(data) // 2  # halves without a copy
+            fh.write(view[:half])
             fh.flush()
+            moment("half-written")
+            fh.write(view[half:])
+            fh.flush()
+            moment("written")
             os.fsync(fh.fileno())
+        moment("fsynced")
         os.replace(tmp, path)
+        moment("renamed")
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # make the rename itself durable
         finally:
             os.close(dir_fd)
+        moment("dir-synced")
     except OSError as exc:
         try:
             tmp.unlink(missing_ok=True)  # a partial file must not keep holding the space

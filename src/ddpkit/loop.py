@@ -97,6 +97,7 @@ class Loop:
         deterministic: bool = False,
         save_every_steps: int = 0,
         keep_snapshots: int = 2,
+        async_snapshots: bool = True,
         log_every: int = 50,
         timeout_s: float = 600.0,
         check_code: bool = True,
@@ -110,6 +111,7 @@ class Loop:
             deterministic,
             save_every_steps,
             keep_snapshots,
+            async_snapshots,
             log_every,
             timeout_s,
             check_code,
@@ -160,7 +162,9 @@ class Loop:
                 every_steps=cfg.save_every_steps,
                 new_run="pass another run_dir to Loop",
                 signal=stop,
+                background=cfg.async_snapshots,
             )
+            self._stack.callback(self.session.close)  # however the loop ends: the write in flight ends first
             self.files = self.session.files
             on_rank0(self.ctx, lambda: self.files.checkpoints.mkdir(parents=True, exist_ok=True), "making the run dir")
             hangwatch.report_to(cfg.run_dir)
@@ -176,7 +180,10 @@ class Loop:
             try:
                 if self.session.last_saved != self.state.step:
                     self.session.save(self._snapshot(finished=True), self.state.step)  # a rerun resumes here
-                self.log_writer.log("end", step=self.state.step, epoch=self.state.epoch)
+                self.session.finish()  # whole on disk before the "end" record says so
+                self.log_writer.log(
+                    "end", step=self.state.step, epoch=self.state.epoch, **self.session.snapshot_figures()
+                )
             except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
                 exc_type, exc, tb = type(error), error, error.__traceback__
                 raised_here = error
@@ -453,7 +460,7 @@ class Loop:
         record = {"step": self.state.step, "epoch": epoch, **self.metrics}
         if steps and elapsed > 0:
             record["steps_per_s"] = round(steps / elapsed, 3)
-        self.log_writer.log(event, **record)
+        self.log_writer.log(event, **record, **self.session.interval_figures())
         if self._acc is not None:
             self._acc.reset()
         self._t_interval, self._steps_interval = now, 0

@@ -155,7 +155,7 @@ def preflight(
         raise RunDirError(
             f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
         )
-    check_processes(spec, splits, model)
+    check_processes(spec, splits, model, cfg.async_snapshots)
     identity = {**(fingerprints or {}), **{k: fp.to_json() for k, fp in found.items()}}
     cfg, finished = settle_run_dir(
         cfg, identity, named=bool(config.run_dir), lr_total=lr_depends_on_total(cfg, scheduler)
@@ -346,10 +346,12 @@ def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fing
     return found
 
 
-def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> None:
+def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module, staging: bool = False) -> None:
     """More processes than the node can hold: a warning past the core count (on CPU), an error
     past the memory. Each spawned rank holds what this process holds now (torch, the data)
-    plus its model, gradients and optimizer state (about 4 copies of the weights)."""
+    plus its model, gradients and optimizer state (about 4 copies of the weights); with ``staging``
+    (``--async-snapshots``) rank 0 also holds a copy of a snapshot's state (about 3 copies: the weights
+    and an optimizer's two moments at most)."""
     if spec.in_process or spec.device_type != "cpu":
         return
     cores = cpu_cores()
@@ -361,12 +363,15 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module) -> N
         )
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     per_rank = rss_bytes() + 4 * weights
+    staged = 3 * weights if staging else 0
     available = available_memory_bytes()
-    if available is not None and spec.nproc * per_rank > available:
+    if available is not None and spec.nproc * per_rank + staged > available:
+        also = f", and {staged / 2**30:.2f} GiB for rank 0's copy of a snapshot (--async-snapshots)" if staged else ""
         raise ConfigError(
-            f"--nproc {spec.nproc} needs about {spec.nproc * per_rank / 2**30:.1f} GiB ({spec.nproc} x "
-            f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model), but "
+            f"--nproc {spec.nproc} needs about {(spec.nproc * per_rank + staged) / 2**30:.1f} GiB ({spec.nproc} x "
+            f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model{also}), but "
             f"{available / 2**30:.1f} GiB are available; lower --nproc"
+            + (", or pass --no-async-snapshots" if staged else "")
         )
 
 

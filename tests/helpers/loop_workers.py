@@ -236,3 +236,29 @@ def bn_named_unwrapped(_ctx, run_dir: str) -> list:
             opt.zero_grad()
     snap = torch.load(sorted((__import__("pathlib").Path(run_dir) / "checkpoints").glob("snapshot-*.pt"))[-1])
     return snap["trainer"]["per_rank"]
+
+
+def snapshot_every_2_steps(_ctx, run_dir: str) -> dict:
+    """``per_rank_state``'s loop (each rank's prefetched batch, hidden state and cursor named in resume()) for 12
+    steps with a snapshot every 2: the run tests/system/test_fault_tolerance.py kills inside snapshot writes."""
+    with ddpkit.Loop(run_dir, log_every=1, save_every_steps=2) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(nn.Linear(4, 4).double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(1 + loop.rank)
+        cursor = Cursor(100 * loop.rank)
+        x, h = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
+        state = loop.resume(model=model, optimizer=opt, cursor=cursor, X=x, h=h)
+        for _ in loop.steps(12):
+            out = model(state["X"] + 0.01 * cursor.at)
+            loss = (out + state["h"]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state["h"] = torch.tanh(out + state["h"]).detach()
+            cursor.at += 1
+            state["X"] = torch.randn(8, 4, dtype=torch.float64)
+        weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+        ranks = [None] * loop.world_size
+        torch.distributed.all_gather_object(ranks, {"cursor": cursor.at, "h": state["h"], "X": state["X"]})
+        return {"weights": weights, "ranks": ranks}

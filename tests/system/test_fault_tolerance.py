@@ -154,11 +154,11 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     run_dir = tmp_path / "run"
     killer = (
         "import os, signal, sys; sys.path[:0] = {paths!r}; import ddpkit.run.checkpoint as c; w = c.atomic_write\n"
-        "def half(path, data):\n"
+        "def half(path, data, *args, **kw):\n"
         "    if path.name == 'snapshot-000000016.pt':\n"
         "        with open(str(path) + '.tmp', 'wb') as fh: fh.write(data[: len(data) // 2]); fh.flush()\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    w(path, data)\n"
+        "    w(path, data, *args, **kw)\n"
         "c.atomic_write = half\n"
         "sys.argv = [{script!r}, {spec!r}]\n"
         "exec(open({script!r}).read())\n"
@@ -178,6 +178,58 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_one_and_resume_is_ex
     assert starts[-1]["resumed_at_step"] == 8
     assert not list(ckpts.glob("*.tmp"))  # cleaned up by the next save
     assert_bitwise_equal(run_dir / "model.pt", ref_dir / "model.pt")
+
+
+# The ten points of a background snapshot write (run/checkpoint.py's test hook, DDPKIT_TEST_KILL_WRITE), in the
+# order the writer passes them; each face's run is SIGKILLed at five of them, one per restart of its job.
+TRAINER_MOMENTS = ("staged", "opened", "written", "renamed", "newest")
+LOOP_MOMENTS = ("serialised", "half-written", "fsynced", "dir-synced", "pruned")
+
+
+def test_sigkills_all_through_a_trainers_background_write_resume_bitwise(tmp_path, uninterrupted):
+    """Rank 0 SIGKILLed at five points of a snapshot's background write, one per restart (each restart's
+    next write is killed one point further on): every resume is from a whole snapshot (the previous one until
+    the rename, the new one after it) and the run ends with the uninterrupted run's weights bitwise."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    kills = f"{marks}:10:{','.join(TRAINER_MOMENTS)}"  # writes of step 10 on
+    s = spec(run_dir, save_every_steps=5, log_every=1, max_restarts=len(TRAINER_MOMENTS))
+    proc = run_python(SCRIPT, json.dumps(s), DDPKIT_TEST_KILL_WRITE=kills)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == sorted(TRAINER_MOMENTS)  # each point was reached
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert [r["resumed_at_step"] for r in starts] == [None, 5, 5, 5, 10, 15], starts
+    assert {r["snapshots"] for r in starts} == {"background"}
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_bitwise_equal(run_dir / "model.pt", uninterrupted / "model.pt")
+
+
+def test_sigkills_all_through_a_loops_background_write_resume_bitwise(tmp_path):
+    """The same for a Loop (its named state, each rank's own values among them), at the other five points."""
+    import loop_workers
+
+    import ddpkit
+
+    reference = ddpkit.launch(loop_workers.snapshot_every_2_steps, str(tmp_path / "ref"), nproc=2, device="cpu")
+    run_dir, marks, out = tmp_path / "run", tmp_path / "marks", tmp_path / "out.pt"
+    marks.mkdir()
+    code = (
+        "import sys, torch, ddpkit, loop_workers\n"
+        "got = ddpkit.launch(loop_workers.snapshot_every_2_steps, sys.argv[1], nproc=2, device='cpu', "
+        "max_restarts=5)\n"
+        "torch.save(got, sys.argv[2])\n"
+    )
+    kills = f"{marks}:4:{','.join(LOOP_MOMENTS)}"  # writes of step 4 on
+    proc = run_python("-c", code, run_dir, out, DDPKIT_TEST_KILL_WRITE=kills)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == sorted(LOOP_MOMENTS)
+    starts = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "start"]
+    assert [r["resumed_at_step"] for r in starts] == [None, 2, 2, 2, 4, 6], starts
+    got = torch.load(out, weights_only=True)
+    assert all(torch.equal(got["weights"][k], v) for k, v in reference["weights"].items())
+    for mine, theirs in zip(got["ranks"], reference["ranks"]):
+        assert mine["cursor"] == theirs["cursor"] and torch.equal(mine["h"], theirs["h"])
+        assert torch.equal(mine["X"], theirs["X"])
 
 
 @pytest.mark.slow

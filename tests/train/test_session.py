@@ -187,3 +187,52 @@ def test_only_the_ddp_strategy_knows_ddp():
         if "DistributedDataParallel" in names:
             naming.append(path.relative_to(SRC).as_posix())
     assert naming == ["train/ddp.py"]
+
+
+def _regression_loop(run_dir: str, stop_in_step: int | None = None) -> dict:
+    """A float64 regression with a snapshot every step, written in the background; a stop signal in the
+    body of step ``stop_in_step`` (while the previous step's snapshot may still be written)."""
+    with ddpkit.Loop(run_dir, device="cpu", log_every=1, save_every_steps=1) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(torch.nn.Linear(3, 1).double())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loop.resume(model=model, optimizer=opt)
+        for step in loop.steps(5):
+            x = torch.randn(4, 3, dtype=torch.float64)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == stop_in_step:
+                loop.session.signal.received = "SIGTERM"
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_stop_while_a_snapshot_is_written_in_the_background_waits_for_it_and_resumes_bitwise(tmp_path, monkeypatch):
+    """Step 1's snapshot is still being written when step 2's safe point meets a stop: the stop's snapshot
+    waits for it (one write in flight), both end whole, and the rerun resumes at step 2 and ends with the
+    uninterrupted run's weights bitwise."""
+    import threading
+
+    from ddpkit.run import checkpoint
+
+    whole = _regression_loop(str(tmp_path / "whole"))
+    original, events = checkpoint.atomic_write, []
+
+    def slow(path, data, *args, **kw):  # step 1's write lasts into step 2
+        if path.name == "snapshot-000000001.pt":
+            events.append("1 begins")
+            threading.Event().wait(0.5)
+        original(path, data, *args, **kw)
+        if path.name.startswith("snapshot-"):
+            events.append(f"{path.name[-4]} ends")
+
+    monkeypatch.setattr(checkpoint, "atomic_write", slow)
+    with pytest.raises(Stopped, match=r"stopped on SIGTERM at step 2 .*snapshot-000000002.pt"):
+        _regression_loop(str(tmp_path / "cut"), stop_in_step=1)
+    assert events == ["1 begins", "1 ends", "2 ends"]
+    monkeypatch.setattr(checkpoint, "atomic_write", original)
+    snaps = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("snapshot-*.pt"))
+    assert snaps == ["snapshot-000000001.pt", "snapshot-000000002.pt"]
+    resumed = _regression_loop(str(tmp_path / "cut"))
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)

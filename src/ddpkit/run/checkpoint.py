@@ -5,6 +5,12 @@
     ckpt.save(trainer_state, step)      # every rank (it gathers RNG states); rank 0 writes
     trainer_state = ckpt.restore(snap)  # every rank: what save() was given; then ckpt.restore_rng(snap, seed)
 
+``Checkpointer(..., background=True)`` (``--async-snapshots``, the default): ``save`` copies the state aside
+(``run/staging.py``) and returns, and a thread on rank 0 writes it while the steps go on; one write is in
+flight at a time. ``wait()`` (every rank: the next save, a stop, the run's end) finishes it and raises a
+failure on every rank; a face's safe point learns of one sooner (``write_error``, carried by its one
+all-reduce). What the writer does is what the synchronous save does, in the same order.
+
 A snapshot file ``checkpoints/snapshot-<global step>.pt`` holds the trainer's state dict
 (model, optimizer, schedule, scaler, EMA, data position, metric accumulators, where the log
 interval began), every rank's RNG states, the resolved config and its hash, the
@@ -25,6 +31,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,10 +44,12 @@ from torch import nn
 from ..data.seeds import reseed, rng_state, set_rng_state  # every seed and generator state is data/seeds.py's
 from ..errors import ConfigError, RunDirError, article
 from ..files import atomic_write, torch_bytes
-from ..ranks.context import DistContext, on_rank0
+from ..ranks import hangwatch
+from ..ranks.context import DistContext, agree, on_rank0
 from ..version import __version__
 from .checksums import checksums, first_difference
 from .paths import RunFiles
+from .staging import Stager
 
 if TYPE_CHECKING:
     from .runkey import RunKey
@@ -137,13 +148,20 @@ class Checkpointer:
         key: RunKey,
         keep: int = 2,
         new_run: str = "pass a new --run-dir",
+        background: bool = False,
     ):
         """``key``: what a snapshot is matched on (``run/runkey.py``: a ``TrainConfig``, or a Loop's key).
-        When a snapshot is due is the session's to decide (``train/session.py``), not the checkpointer's."""
+        When a snapshot is due is the session's to decide (``train/session.py``), not the checkpointer's.
+        ``background``: written by a thread on rank 0 while the steps go on (the module docstring)."""
         self.new_run = new_run  # how the user starts a new run, in their interface's words (CLI, Trainer, Loop)
         self.dir = RunFiles(run_dir).checkpoints
         self.ctx, self.key, self.keep = ctx, key, max(1, keep)
         self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
+        self.background = background
+        self._stager = Stager()
+        self._writing: _Write | None = None  # rank 0's write in flight (or finished, its outcome not yet said)
+        self.blocked_s: list[float] = []  # per save, the seconds the calling step was held (rank 0's)
+        self.write_s: list[float] = []  # per background write ended, its seconds from start to end (rank 0)
 
     def snapshots(self) -> list[Path]:
         """Snapshot files by name, newest first (``.tmp`` leftovers of killed saves are ignored)."""
@@ -151,7 +169,10 @@ class Checkpointer:
         return [p for _, p in sorted(found, reverse=True)]
 
     def save(self, trainer_state: dict, global_step: int) -> Path:
-        """Call on every rank. Gathers per-rank state, then rank 0 writes; every rank learns whether it did."""
+        """Call on every rank. Gathers per-rank state, then rank 0 writes (in the background, it starts the
+        write and returns); every rank learns whether it did, at once or at the next :meth:`wait`."""
+        t0 = time.perf_counter()
+        self.wait()  # one write in flight: the previous one is whole (or its failure said) before the next
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
         gathered = [None] * self.ctx.world_size
@@ -160,29 +181,65 @@ class Checkpointer:
         else:
             gathered = [per_rank]
         path = self.path_of(global_step)
-
-        def write():
-            for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
-                stale.unlink(missing_ok=True)
-            snapshot = {
-                "format": FORMAT,
-                "config": self.key.to_dict(),
-                "config_hash": self.key.hash(),
-                "world_size": self.ctx.world_size,
-                "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
-                "global_step": global_step,
-                "trainer": trainer_state,
-                "ranks": gathered,
-            }
-            snapshot["checksums"] = checksums(snapshot)  # of everything above, on what is written
-            atomic_write(path, torch_bytes(snapshot))
-            atomic_write(self.dir / NEWEST, str(global_step).encode())  # after it: never names a file not whole
-            self.valid.add(path)
-            self._prune()
-
-        # also the barrier: nobody moves on (or reads) before the file is complete
-        on_rank0(self.ctx, write, f"saving {path.name}")
+        if not self.background:
+            # also the barrier: nobody moves on (or reads) before the file is complete
+            on_rank0(self.ctx, lambda: self._write(path, trainer_state, gathered, global_step), f"saving {path.name}")
+        elif self.ctx.is_main:
+            self._writing = _Write(self, path, trainer_state, gathered, global_step)
+        self.blocked_s.append(time.perf_counter() - t0)
         return path
+
+    def _write(self, path: Path, trainer_state: dict, gathered: list, global_step: int, moment=None) -> None:
+        """Rank 0: the snapshot file, whole or not at all, then ``newest``, then the pruning."""
+        moment = moment or (lambda name: None)
+        for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
+            stale.unlink(missing_ok=True)
+        snapshot = {
+            "format": FORMAT,
+            "config": self.key.to_dict(),
+            "config_hash": self.key.hash(),
+            "world_size": self.ctx.world_size,
+            "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+            "global_step": global_step,
+            "trainer": trainer_state,
+            "ranks": gathered,
+        }
+        snapshot["checksums"] = checksums(snapshot)  # of everything above, on what is written
+        data = torch_bytes(snapshot)
+        moment("serialised")
+        atomic_write(path, data, moment=moment)
+        atomic_write(self.dir / NEWEST, str(global_step).encode())  # after it: never names a file not whole
+        moment("newest")
+        self.valid.add(path)
+        self._prune()
+        moment("pruned")
+
+    def wait(self) -> None:
+        """Every rank: the background write in flight, if any, finished; its failure raised on every rank as
+        ``RunDirError`` (rank 0's says why). One all-reduce; nothing at all for synchronous saves."""
+        if not self.background:
+            return
+        error = None
+        if self.ctx.is_main and self._writing is not None:
+            with hangwatch.busy(f"finishing {self._writing.path.name}", announce=True):  # the others wait
+                error = self._writing.finish()
+            self._writing = None
+        agree(self.ctx, error)
+
+    def write_error(self) -> RunDirError | None:
+        """Rank 0: the failure of a background write that has ended, without waiting (None otherwise, and on
+        the other ranks). A safe point's all-reduce carries it, so every rank stops at the same step."""
+        writing = self._writing
+        if writing is None or writing.thread.is_alive():
+            return None
+        return writing.error
+
+    def close(self) -> None:
+        """This rank's write in flight finished, with no collective (a run ending on an error, where the
+        other ranks may be gone): the snapshot is whole or not there; a failure was said by the writer."""
+        if self._writing is not None:
+            self._writing.finish()
+            self._writing = None
 
     def path_of(self, global_step: int) -> Path:
         """The snapshot file of ``global_step`` (named alike on every rank, whether it sees the run dir or not)."""
@@ -322,6 +379,66 @@ class Checkpointer:
         refused = self.key.world_change(snap["world_size"], self.ctx.world_size)
         if snap["world_size"] != self.ctx.world_size and refused:
             raise RunDirError(f"snapshot {path} was made at world size {snap['world_size']} {refused}")
+
+
+class _Write:
+    """Rank 0's background write of one snapshot: the state staged now (``run/staging.py``), then written by a
+    thread as :meth:`Checkpointer._write` writes it. Not a daemon: an interpreter that exits (an error in the
+    step) lets the write end first, so the snapshot is whole or not there."""
+
+    def __init__(self, ckpt: Checkpointer, path: Path, trainer_state: dict, gathered: list, global_step: int):
+        self.path, self.error = path, None
+        try:
+            staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered})
+        except Exception as exc:  # noqa: BLE001 - said at the next safe point, on every rank
+            self.error = RunDirError(f"global rank 0 failed copying {path.name} aside: {type(exc).__name__}: {exc}")
+            self.thread = threading.Thread(target=lambda: None)
+            self.thread.start()
+            return
+
+        def write() -> None:
+            moment, t0 = _kill_hook(global_step), time.perf_counter()
+            try:
+                moment("staged")
+                ckpt._stager.ready()
+                ckpt._write(path, staged["trainer"], staged["ranks"], global_step, moment)
+            except RunDirError as exc:
+                self.error = exc
+            except Exception as exc:  # noqa: BLE001 - any failure: the run stops at its next safe point
+                self.error = RunDirError(f"global rank 0 failed saving {path.name}: {type(exc).__name__}: {exc}")
+            finally:
+                ckpt.write_s.append(time.perf_counter() - t0)
+
+        self.thread = threading.Thread(target=write, name=f"ddpkit-write-{path.name}")
+        self.thread.start()
+
+    def finish(self) -> RunDirError | None:
+        self.thread.join()
+        return self.error
+
+
+# A test hook, for the kill-anywhere-in-a-write tests (tests/system/test_async_snapshots.py):
+# DDPKIT_TEST_KILL_WRITE="FOLDER:FIRST_STEP:MOMENT,MOMENT,..." SIGKILLs this process at the first listed moment
+# of a background write of a snapshot at FIRST_STEP or later that FOLDER has no file of yet (it writes one
+# first), so each restart of the job is killed one moment further on.
+_KILL_ENV = "DDPKIT_TEST_KILL_WRITE"
+
+
+def _kill_hook(global_step: int):
+    spec = os.environ.get(_KILL_ENV)
+    if not spec:
+        return lambda name: None
+    folder, first, moments = spec.rsplit(":", 2)
+    if global_step < int(first):
+        return lambda name: None
+
+    def moment(name: str) -> None:
+        mark = Path(folder) / name
+        if name in moments.split(",") and not mark.exists():
+            mark.write_text(str(global_step))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return moment
 
 
 def _step(path: Path) -> int:

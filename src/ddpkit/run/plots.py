@@ -33,6 +33,13 @@ RUN_STYLES = [
     ((0, (1, 2)), "P", "tab:brown"),
 ]
 
+# Step-record fields that get no plot of their own (each metric of the model does): the run's timing
+# (samples/s has the throughput plot), the lr, and the seconds snapshots held the steps or were written
+NOT_CURVES = frozenset(
+    {"event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm", "tflops", "mfu"}
+    | {"snapshot_blocked_s", "snapshot_write_s"}
+)
+
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
@@ -106,8 +113,7 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str 
             for run in runs
             for r in run["steps"]
             for k in r
-            if k not in ("event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm", "tflops", "mfu")
-            and isinstance(r[k], (int, float))
+            if k not in NOT_CURVES and isinstance(r[k], (int, float))
         )
     )
     written = []

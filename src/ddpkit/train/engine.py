@@ -174,7 +174,13 @@ class Engine:
             metric_names=task.names,
         )
         self.session = Session(
-            ctx, cfg.run_dir, cfg, self.log, keep=cfg.keep_snapshots, every_steps=cfg.save_every_steps
+            ctx,
+            cfg.run_dir,
+            cfg,
+            self.log,
+            keep=cfg.keep_snapshots,
+            every_steps=cfg.save_every_steps,
+            background=cfg.async_snapshots,
         )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
         self.interval, self._t_last = Interval(totals=[0.0] * (2 * len(self.acc.names))), time.perf_counter()
@@ -318,10 +324,12 @@ class Engine:
                     and not self.stopped_early
                 ):
                     self._run_epoch()
+            self.session.finish()  # the last snapshot whole before model.pt and summary.json say the run ended
             summary = self._finish()
             ok = True
             return summary
         finally:
+            self.session.close()  # however it ends: the write in flight, if any, ends first
             self.log.close(ok)
 
     def _run_epoch(self) -> None:
@@ -484,6 +492,7 @@ class Engine:
             lr=self.sched.get_last_lr()[0],
             samples_per_s=rate,
             **report.utilisation(self, rate),
+            **self.session.interval_figures(),
         )
         self.log.interval(self.pos.global_step, self.pos.epoch, means.get("loss"), rate)
         self._interval_start(now, totals)

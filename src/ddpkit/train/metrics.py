@@ -180,9 +180,10 @@ def sync_interval(
     a failed write and a bad weight are known to every rank at the same step, and every rank then decides
     the same.
 
-    Raised on every rank together: rank 0's error writing ``metrics.jsonl`` (``log_error``, the message
-    printed there), ranks that accumulated different metric names (a 16-bit hash of the names, any number
-    of them), and ranks in different collectives (one in ``loop.reduce()`` while another is here)."""
+    Raised on every rank together: rank 0's error writing ``metrics.jsonl`` or a snapshot in the background
+    (``log_error``, the message printed there), ranks that accumulated different metric names (a 16-bit hash
+    of the names, any number of them), and ranks in different collectives (one in ``loop.reduce()`` while
+    another is here)."""
     names = acc.names if acc is not None else ()
     local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
     flags = torch.tensor([float(stop), 0.0, float(log_error is not None)], dtype=torch.float64).to(ctx.device)
@@ -190,7 +191,10 @@ def sync_interval(
         flags[1] = torch.stack([~w.detach().isfinite().all() for w in weights]).any()
     totals, (stopping, bad, failed) = framed_sums(ctx, "safe point", names, local, flags)
     if failed > 0:
-        raise log_error or RunDirError("global rank 0 could not write metrics.jsonl (its message is the one printed)")
+        raise log_error or RunDirError(
+            "global rank 0 could not write to the run directory (metrics.jsonl or a snapshot; its message is the "
+            "one printed)"
+        )
     if totals is None:
         raise ConfigError(
             f"the ranks logged different metric names (this rank: {', '.join(names) or 'none'}): log the same "

@@ -66,6 +66,7 @@ def summary(e: Engine, result: dict, per_rank: list[dict]) -> dict:
         **({f"final_{k}": v for k, v in e.last_val[1].items()} if e.last_val is not None else {}),
         "best": {"metric": e.best.metric, "value": e.best.value, "step": e.best.step} if e.best is not None else None,
         "early_stopped_at_step": e.pos.global_step if e.stopped_early else None,
+        **e.session.snapshot_figures(),  # what the snapshots held the steps for (rank 0's)
     }
 
 

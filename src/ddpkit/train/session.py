@@ -64,13 +64,16 @@ class Session:
         every_steps: int = 0,
         new_run: str = "pass a new --run-dir",
         signal: StopSignal | None = None,
+        background: bool = False,
     ):
         self.ctx, self.log, self.every_steps = ctx, log, every_steps
         self.files = RunFiles(run_dir)
-        self.ckpt = Checkpointer(run_dir, ctx, key, keep=keep, new_run=new_run)
+        # background: a snapshot is copied aside and written by a thread on rank 0 while the steps go on
+        self.ckpt = Checkpointer(run_dir, ctx, key, keep=keep, new_run=new_run, background=background)
         # Entered by the face around its steps; a face may enter its own earlier (Loop: before anything else)
         self.signal = signal if signal is not None else StopSignal()
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
+        self._told = (0, 0)  # how many of the checkpointer's held and write times the records have given
 
     # ------------------------------------------------------------------ snapshots
     def snapshot_due(self, step: int, epoch_end: bool = False) -> bool:
@@ -105,15 +108,16 @@ class Session:
     def sync(self, acc: Accumulator | None, weights: list[torch.Tensor] | None = None) -> Synced:
         """The safe point's one collective (``metrics.sync_interval``): the metric totals, the stop flag of
         every rank, and (``weights`` given) whether any rank holds a non-finite weight."""
-        return sync_interval(
-            self.ctx, acc, stop=self.signal.received is not None, log_error=self.log.error, weights=weights
-        )
+        # rank 0's failed write, of the records or of a snapshot written in the background: every rank stops here
+        error = self.log.error or self.ckpt.write_error()
+        return sync_interval(self.ctx, acc, stop=self.signal.received is not None, log_error=error, weights=weights)
 
     def stop(self, step: int, epoch: int, state: Callable[[], dict], again: str = RESUME) -> NoReturn:
         """Every rank, once the all-reduced flag says a rank was signalled: the snapshot (unless this step's
         is saved already), the ``stopped`` record, and :class:`ddpkit.errors.Stopped` with the signal's exit
         status. A rank told only through the flag stops as for SIGTERM."""
         path = self.save(state, step) if step != self.last_saved else self.ckpt.path_of(step)
+        self.ckpt.wait()  # the process ends next: the snapshot it names is whole first
         name = self.signal.received or "SIGTERM"
         self.log.log("stopped", reason="signal", signal=name, step=step)
         raise Stopped(f"stopped on {name} at step {step} (epoch {epoch}); saved {path}; {again}", name)
@@ -122,6 +126,7 @@ class Session:
         """Every rank, once the all-reduced metrics say ``what`` became NaN or Inf (``--on-nan stop``): the
         ``stopped`` record and :class:`ddpkit.errors.NonFiniteLoss`, naming the last good snapshot; nothing is
         saved (a snapshot of non-finite weights would be resumed into the same NaN)."""
+        self.ckpt.wait()  # the write in flight, if any, is of good weights (the check runs before each snapshot)
         last = self.ckpt.snapshots()
         self.log.log("stopped", reason="non-finite", step=step)
         raise NonFiniteLoss(
@@ -130,6 +135,41 @@ class Session:
             f"the data, or prefer --amp bf16 to fp16; --on-nan warn trains on regardless."
         )
 
+    def snapshot_figures(self) -> dict:
+        """How long this attempt's snapshots held the step, on this rank (rank 0's, which writes, is the one
+        summary.json and a Loop's ``end`` record give): in the background the gather and the copy aside,
+        in the step the whole write."""
+        held = sorted(self.ckpt.blocked_s)
+        return {
+            "snapshots": "background" if self.ckpt.background else "in the step",
+            "snapshots_saved": len(held),
+            "snapshot_blocked_ms_median": round(1e3 * held[len(held) // 2], 3) if held else None,
+            "snapshot_blocked_s_total": round(sum(held), 4),
+        }
+
+    def interval_figures(self) -> dict:
+        """For a step record (rank 0's is written): the seconds snapshots held the steps since the last record
+        (``snapshot_blocked_s``) and the seconds of the background writes that ended meanwhile
+        (``snapshot_write_s``: a record's samples/s beside it shows what a write running on a core of its own
+        costs the steps, on a machine with no core to spare). Empty when no snapshot was taken or written."""
+        held, wrote = self.ckpt.blocked_s[self._told[0] :], self.ckpt.write_s[self._told[1] :]
+        self._told = (self._told[0] + len(held), self._told[1] + len(wrote))
+        out = {}
+        if held:
+            out["snapshot_blocked_s"] = round(sum(held), 4)
+        if wrote:
+            out["snapshot_write_s"] = round(sum(wrote), 4)
+        return out
+
+    def finish(self) -> None:
+        """Every rank, at the end of the steps: the snapshot write in flight, if any, whole (or its failure
+        raised on every rank) before the run's last files are written."""
+        self.ckpt.wait()
+
+    def close(self) -> None:
+        """This rank, however the run ends (an error included): the write in flight ended, with no collective."""
+        self.ckpt.close()
+
     # ------------------------------------------------------------------ the run record
     def begin(self, step: int, epoch: int, write_record: Callable[[], None], **start: Any) -> None:
         """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
@@ -137,7 +177,17 @@ class Session:
         on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
         write_record()
         ctx = self.ctx
-        self.log.log("start", world_size=ctx.world_size, backend=ctx.backend, device=str(ctx.device), **start)
+        # How snapshots are written: in the background (copied aside at the step, then written by a thread on
+        # rank 0), or in the step (every rank waits while rank 0 writes)
+        snapshots = "background" if self.ckpt.background else "in the step"
+        self.log.log(
+            "start",
+            world_size=ctx.world_size,
+            backend=ctx.backend,
+            device=str(ctx.device),
+            **start,
+            snapshots=snapshots,
+        )
 
     # ------------------------------------------------------------------ best.pt
     def keep_best(self, watch: Watch, result: dict, step: int, modules: dict[str, nn.Module]) -> bool:
