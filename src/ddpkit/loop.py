@@ -16,11 +16,12 @@ owner; otherwise it makes one (:func:`ddpkit.ranks.context.distributed`) and des
 What it adds, and the parts it is built from (the same ones ``Trainer`` uses):
 
 - **snapshots** (``run/checkpoint.py``'s ``Checkpointer``: rank 0 writes, checksummed, pruned to
-  ``keep_snapshots``): what ``resume()`` names, every rank's RNG states (torch, CUDA, numpy,
-  random) and each ``data()`` loader's position, at every ``save_every_steps``-th step, at each
-  ``epochs()`` end, at the end, and at the next log interval after SIGTERM/SIGUSR1/Ctrl-C (then
-  :class:`ddpkit.errors.Stopped`). Rerunning the same command resumes there, bitwise at the same
-  world size; at another, the RNG streams are reseeded from (seed, step, rank), said in one line.
+  ``keep_snapshots``; by default copied aside at the step and written by a thread, ``async_snapshots``):
+  what ``resume()`` names, every rank's RNG states (torch, CUDA, numpy, random) and each ``data()``
+  loader's position, at every ``save_every_steps``-th step, at each ``epochs()`` end, at the end, and
+  at the next log interval after SIGTERM/SIGUSR1/Ctrl-C (then :class:`ddpkit.errors.Stopped`).
+  Rerunning the same command resumes there, bitwise at the same world size; at another, the RNG
+  streams are reseeded from (seed, step, rank), said in one line.
 - **metrics** (``train/metrics.py``'s ``Accumulator``): ``log()`` adds (sum, count) pairs on the
   device; every ``log_every`` steps one all-reduce makes exact means over ranks, written by rank 0
   to ``metrics.jsonl`` (``run/recorder.py``) and shown on the console. ``evaluate()`` runs over a

@@ -1,6 +1,7 @@
 """Snapshots written in the background (run/staging.py, ``Checkpointer(background=True)``), in one process: the
 state is the step's whatever the step does next, the buffers are allocated once, one write is in flight, and a
-failed write is raised by the next wait. The kills in a write and the faces are tests/system/test_async_snapshots.py."""
+failed write is raised by the next wait or save. The kills inside a write, under both faces, are in
+tests/system/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
@@ -111,6 +112,18 @@ def test_a_failed_background_write_is_said_by_the_safe_point_and_the_next_wait(t
         ckpt.wait()
     assert [p.name for p in ckpt.snapshots()] == ["snapshot-000000001.pt"]
     assert ckpt.write_error() is None  # said once
+
+
+def test_the_next_save_raises_a_failed_background_write_before_it_stages_anything(tmp_path):
+    """Where no safe point came between (a snapshot every step), the next save says the failure: the
+    previous write's end travels with the save's own gather, and nothing new is written."""
+    ckpt = make(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "snapshot-000000001.pt.tmp").mkdir()
+    ckpt.save({"x": torch.ones(3)}, 1)
+    with pytest.raises(RunDirError, match="snapshot-000000001.pt"):
+        ckpt.save({"x": torch.ones(3)}, 2)
+    assert ckpt.snapshots() == [] and ckpt._writing is None
 
 
 def test_the_writer_passes_its_moments_in_order(tmp_path, monkeypatch):

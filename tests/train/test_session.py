@@ -236,3 +236,29 @@ def test_a_stop_while_a_snapshot_is_written_in_the_background_waits_for_it_and_r
     assert snaps == ["snapshot-000000001.pt", "snapshot-000000002.pt"]
     resumed = _regression_loop(str(tmp_path / "cut"))
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        (float("nan"), True),
+        (float("inf"), True),
+        (-float("inf"), True),
+        (1e300, False),  # float64's huge but finite: no false alarm from a float32 cast
+        (None, False),
+    ],
+)
+def test_the_safe_point_finds_a_non_finite_weight_in_any_float_type(bad, expected):
+    """``Session.sync(weights=...)`` (``--on-nan``'s check before each snapshot): NaN and either infinity in
+    any weight, of any float type, empty ones included; a finite weight is never one."""
+    from ddpkit.train.metrics import sync_interval
+
+    ctx = DistContext(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    weights = [torch.ones(3, dtype=torch.bfloat16), torch.empty(0), torch.zeros(2, 2), torch.ones(4).double()]
+    if bad is not None:
+        weights[3][2] = bad
+    synced = sync_interval(ctx, None, stop=False, log_error=None, weights=weights)
+    assert synced.bad_weights is expected
+    half = [torch.tensor([1.0, bad if bad is not None else 2.0]).half()] if bad != 1e300 else []
+    if half:
+        assert sync_interval(ctx, None, stop=False, log_error=None, weights=half).bad_weights is expected

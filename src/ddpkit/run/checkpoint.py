@@ -160,7 +160,6 @@ class Checkpointer:
         self.background = background
         self._stager = Stager()
         self._writing: _Write | None = None  # rank 0's write in flight (or finished, its outcome not yet said)
-        self.blocked_s: list[float] = []  # per save, the seconds the calling step was held (rank 0's)
         self.write_s: list[float] = []  # per background write ended, its seconds from start to end (rank 0)
 
     def snapshots(self) -> list[Path]:
@@ -171,22 +170,25 @@ class Checkpointer:
     def save(self, trainer_state: dict, global_step: int) -> Path:
         """Call on every rank. Gathers per-rank state, then rank 0 writes (in the background, it starts the
         write and returns); every rank learns whether it did, at once or at the next :meth:`wait`."""
-        t0 = time.perf_counter()
-        self.wait()  # one write in flight: the previous one is whole (or its failure said) before the next
+        # One write in flight: rank 0 ends the previous one first, and its failure travels with the gather
+        # below (no collective of its own), so every rank raises it here, before anything new is staged
+        failed = self._end_write() if self.ctx.is_main else None
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
-        gathered = [None] * self.ctx.world_size
+        told = [None] * self.ctx.world_size
         if self.ctx.world_size > 1:
-            dist.all_gather_object(gathered, per_rank)  # a collective: outside any rank-0 branch
+            dist.all_gather_object(told, (failed is not None, per_rank))  # a collective: outside any rank-0 branch
         else:
-            gathered = [per_rank]
+            told = [(failed is not None, per_rank)]
+        if told[0][0]:
+            raise failed if self.ctx.is_main else RunDirError(_OTHERS_FAILED)
+        gathered = [mine for _, mine in told]
         path = self.path_of(global_step)
         if not self.background:
             # also the barrier: nobody moves on (or reads) before the file is complete
             on_rank0(self.ctx, lambda: self._write(path, trainer_state, gathered, global_step), f"saving {path.name}")
         elif self.ctx.is_main:
             self._writing = _Write(self, path, trainer_state, gathered, global_step)
-        self.blocked_s.append(time.perf_counter() - t0)
         return path
 
     def _write(self, path: Path, trainer_state: dict, gathered: list, global_step: int, moment=None) -> None:
@@ -214,23 +216,32 @@ class Checkpointer:
         self._prune()
         moment("pruned")
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the copies aside hold (rank 0, background writes; 0 otherwise)."""
+        return self._stager.nbytes
+
     def wait(self) -> None:
         """Every rank: the background write in flight, if any, finished; its failure raised on every rank as
         ``RunDirError`` (rank 0's says why). One all-reduce; nothing at all for synchronous saves."""
         if not self.background:
             return
-        error = None
-        if self.ctx.is_main and self._writing is not None:
-            with hangwatch.busy(f"finishing {self._writing.path.name}", announce=True):  # the others wait
-                error = self._writing.finish()
-            self._writing = None
-        agree(self.ctx, error)
+        agree(self.ctx, self._end_write() if self.ctx.is_main else None)
+
+    def _end_write(self) -> RunDirError | None:
+        """Rank 0: the write in flight, if any, ended; its failure, if it failed."""
+        if self._writing is None:
+            return None
+        with hangwatch.busy(f"finishing {self._writing.path.name}", announce=True):  # the others wait
+            error = self._writing.finish()
+        self._writing = None
+        return error
 
     def write_error(self) -> RunDirError | None:
         """Rank 0: the failure of a background write that has ended, without waiting (None otherwise, and on
         the other ranks). A safe point's all-reduce carries it, so every rank stops at the same step."""
         writing = self._writing
-        if writing is None or writing.thread.is_alive():
+        if writing is None or writing.running:
             return None
         return writing.error
 
@@ -387,13 +398,11 @@ class _Write:
     step) lets the write end first, so the snapshot is whole or not there."""
 
     def __init__(self, ckpt: Checkpointer, path: Path, trainer_state: dict, gathered: list, global_step: int):
-        self.path, self.error = path, None
+        self.path, self.error, self.thread = path, None, None
         try:
             staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered})
         except Exception as exc:  # noqa: BLE001 - said at the next safe point, on every rank
             self.error = RunDirError(f"global rank 0 failed copying {path.name} aside: {type(exc).__name__}: {exc}")
-            self.thread = threading.Thread(target=lambda: None)
-            self.thread.start()
             return
 
         def write() -> None:
@@ -412,12 +421,20 @@ class _Write:
         self.thread = threading.Thread(target=write, name=f"ddpkit-write-{path.name}")
         self.thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
     def finish(self) -> RunDirError | None:
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
         return self.error
 
 
-# A test hook, for the kill-anywhere-in-a-write tests (tests/system/test_async_snapshots.py):
+_OTHERS_FAILED = "global rank 0 could not write a snapshot in the background (its message is the one printed)"
+
+
+# A test hook, for the kill-anywhere-in-a-write tests (tests/system/test_fault_tolerance.py):
 # DDPKIT_TEST_KILL_WRITE="FOLDER:FIRST_STEP:MOMENT,MOMENT,..." SIGKILLs this process at the first listed moment
 # of a background write of a snapshot at FIRST_STEP or later that FOLDER has no file of yet (it writes one
 # first), so each restart of the job is killed one moment further on.

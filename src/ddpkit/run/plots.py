@@ -109,11 +109,7 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str 
         raise RunDirError(describe_io_error(exc, out, flag=flag)) from None
     metrics = list(
         dict.fromkeys(
-            k
-            for run in runs
-            for r in run["steps"]
-            for k in r
-            if k not in NOT_CURVES and isinstance(r[k], (int, float))
+            k for run in runs for r in run["steps"] for k in r if k not in NOT_CURVES and isinstance(r[k], (int, float))
         )
     )
     written = []

@@ -207,6 +207,11 @@ def bench(
                     row.update(
                         step_s=s, samples_per_s=global_batch / s["median"], ddp_timers=result.summary.get("ddp_timers")
                     )
+                    # The run's one snapshot, at its end: how long it held the step, and how
+                    row["snapshot"] = {
+                        "mode": result.summary.get("snapshots"),
+                        "blocked_ms": result.summary.get("snapshot_blocked_ms_median"),
+                    }
                     flops, peak = result.summary.get("flops_per_step"), result.summary.get("peak_tflops")
                     if flops:  # one rank's step (train/flops.py), at the median step time
                         row["tflops_per_device"] = flops / s["median"] / 1e12
@@ -467,6 +472,16 @@ def markdown(rep: dict) -> str:
             _utilisation(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    held = [(r["world_size"], r["snapshot"]) for r in rep["rows"] if (r.get("snapshot") or {}).get("blocked_ms")]
+    if held:
+        lines += [
+            "",
+            "A snapshot held the step "
+            + ", ".join(f"{snap['blocked_ms']:.1f} ms at world {n}" for n, snap in held)
+            + f" (the run's last, {held[0][1]['mode']}; not in the windows above). Written in the background, its "
+            "thread on rank 0 takes a core while it writes: where the ranks use every core, the steps meanwhile "
+            "are slower (the step records' snapshot_write_s, beside samples_per_s).",
+        ]
     return _predictions_md(rep, lines)
 
 

@@ -188,7 +188,12 @@ def sync_interval(
     local = acc.local() if acc is not None else torch.zeros(0, dtype=torch.float64, device=ctx.device)
     flags = torch.tensor([float(stop), 0.0, float(log_error is not None)], dtype=torch.float64).to(ctx.device)
     if weights is not None:
-        flags[1] = torch.stack([~w.detach().isfinite().all() for w in weights]).any()
+        # Each tensor's least and greatest value: NaN propagates into both, an infinity shows in one. One pass
+        # with no tensor of flags (isfinite().all() made one per weight: 20-30 ms for ResNet-9 on one CPU
+        # thread, 3 ms so), in float64, which holds every float type's values and infinities exactly
+        ends = [torch.stack(torch.aminmax(w.detach())).double() for w in weights if w.numel()]
+        if ends:
+            flags[1] = ~torch.cat(ends).isfinite().all()
     totals, (stopping, bad, failed) = framed_sums(ctx, "safe point", names, local, flags)
     if failed > 0:
         raise log_error or RunDirError(

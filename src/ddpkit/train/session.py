@@ -26,6 +26,8 @@ A snapshot's own parts are checked here too, before anything is loaded (:func:`m
 from __future__ import annotations
 
 import collections
+import statistics
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -73,6 +75,7 @@ class Session:
         # Entered by the face around its steps; a face may enter its own earlier (Loop: before anything else)
         self.signal = signal if signal is not None else StopSignal()
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
+        self.blocked_s: list[float] = []  # per snapshot, the seconds it held this rank's step (state, checks, save)
         self._told = (0, 0)  # how many of the checkpointer's held and write times the records have given
 
     # ------------------------------------------------------------------ snapshots
@@ -83,8 +86,10 @@ class Session:
 
     def save(self, state: dict | Callable[[], dict], step: int) -> Path:
         """Snapshot ``state`` (or what the callable returns) at ``step``: every rank; rank 0 writes."""
+        t0 = time.perf_counter()
         path = self.ckpt.save(state() if callable(state) else state, step)
         self.last_saved = step
+        self.blocked_s.append(time.perf_counter() - t0)
         return path
 
     def save_if_due(self, step: int, state: Callable[[], dict], epoch_end: bool = False) -> Path | None:
@@ -139,12 +144,14 @@ class Session:
         """How long this attempt's snapshots held the step, on this rank (rank 0's, which writes, is the one
         summary.json and a Loop's ``end`` record give): in the background the gather and the copy aside,
         in the step the whole write."""
-        held = sorted(self.ckpt.blocked_s)
+        held = self.blocked_s
         return {
             "snapshots": "background" if self.ckpt.background else "in the step",
             "snapshots_saved": len(held),
-            "snapshot_blocked_ms_median": round(1e3 * held[len(held) // 2], 3) if held else None,
+            "snapshot_blocked_ms_median": round(1e3 * statistics.median(held), 3) if held else None,
             "snapshot_blocked_s_total": round(sum(held), 4),
+            # host memory held for the copy aside (rank 0's; background only): the snapshot's state, once
+            "snapshot_staging_mb": round(self.ckpt.staging_bytes / 2**20, 1),
         }
 
     def interval_figures(self) -> dict:
@@ -152,7 +159,7 @@ class Session:
         (``snapshot_blocked_s``) and the seconds of the background writes that ended meanwhile
         (``snapshot_write_s``: a record's samples/s beside it shows what a write running on a core of its own
         costs the steps, on a machine with no core to spare). Empty when no snapshot was taken or written."""
-        held, wrote = self.ckpt.blocked_s[self._told[0] :], self.ckpt.write_s[self._told[1] :]
+        held, wrote = self.blocked_s[self._told[0] :], self.ckpt.write_s[self._told[1] :]
         self._told = (self._told[0] + len(held), self._told[1] + len(wrote))
         out = {}
         if held:
