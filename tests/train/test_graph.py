@@ -38,6 +38,7 @@ BASE = dict(
     progress=False,
 )
 TIMES = {"time", "samples_per_s", "epoch_time_s", "peak_memory_mb", "startup_s", "finished_at", "train_time_s"}
+TIMES |= {"snapshot_blocked_s", "snapshot_write_s"}  # how long snapshots held the steps, were written
 
 
 @pytest.fixture(autouse=True)
