@@ -96,8 +96,13 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_finishes_bitwise_identical(t
     run_dir = tmp_path / "run"
     proc = start(spec(run_dir, "slow", seconds=0.03, save_every_steps=5, log_every=1, max_restarts=2))
     try:
-        # Mid-epoch 2 (steps 21..40), past the snapshot at step 25 and before the next one.
+        # Mid-epoch 2 (steps 21..40), past the snapshot at step 25 (whole: it is written in the background
+        # while the next steps run) and before the next one.
         wait_for_step(run_dir, proc, lambda step: 26 <= step <= 28)
+        snapshot = run_dir / "checkpoints" / "snapshot-000000025.pt"
+        while not snapshot.exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.005)
         killed_at = time.monotonic()
         pids = worker_pids(proc.pid)
         assert len(pids) == 2, pids
