@@ -351,7 +351,7 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module, stag
     past the memory. Each spawned rank holds what this process holds now (torch, the data)
     plus its model, gradients and optimizer state (about 4 copies of the weights); with ``staging``
     (``--async-snapshots``) rank 0 also holds a copy of a snapshot's state (about 3 copies: the weights
-    and an optimizer's two moments at most)."""
+    and an optimizer's two moments; more with EMA or AMSGrad)."""
     if spec.in_process or spec.device_type != "cpu":
         return
     cores = cpu_cores()

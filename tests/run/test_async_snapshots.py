@@ -5,8 +5,8 @@ tests/system/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
+import errno
 import threading
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -27,49 +27,66 @@ def make(tmp_path, background=True, **kw) -> Checkpointer:
 
 
 def test_a_staged_tree_is_a_copy_in_buffers_reused_and_keeps_tied_tensors_one():
-    w = torch.arange(6.0).reshape(2, 3)
+    """A module's own state_dict, with tied weights (a language model's embedding and output layer: one
+    parameter under two names, each detached anew), and the containers a schedule hands out."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
     lr = [0.1]
-    tree = {"model": OrderedDict(a=w, tied=w), "sched": {"_last_lr": lr}, "step": 3, "pair": (w[0], "x")}
+    tree = {"model": model.state_dict(), "sched": {"_last_lr": lr}, "step": 3, "pair": (model[0].weight[0], "x")}
+    before = model[0].weight.detach().clone()
     stager = Stager()
     staged = stager.stage(tree)
-    w.add_(100)  # the next optimizer step, in place
+    with torch.no_grad():
+        model[0].weight.add_(100)  # the next optimizer step, in place
     lr.append(0.2)
-    assert torch.equal(staged["model"]["a"], torch.arange(6.0).reshape(2, 3))
-    assert staged["model"]["tied"] is staged["model"]["a"] and type(staged["model"]) is OrderedDict
+    sd = staged["model"]
+    assert type(sd) is type(tree["model"]) and list(sd) == ["0.weight", "1.weight"]
+    assert sd["1.weight"] is sd["0.weight"] and torch.equal(sd["0.weight"], before)  # one tensor, the step's
     assert staged["sched"]["_last_lr"] == [0.1] and staged["step"] == 3 and staged["pair"][1] == "x"
-    assert torch.equal(staged["pair"][0], torch.arange(3.0)) and isinstance(staged["pair"], tuple)
-    pointers = {k: staged["model"][k].data_ptr() for k in ("a",)}
+    assert torch.equal(staged["pair"][0], before[0]) and isinstance(staged["pair"], tuple)
+    assert stager.nbytes == 15 * 4 + 3 * 4  # the weight once, and the row of it in "pair" (its own view)
+    pointer = sd["0.weight"].data_ptr()
     again = stager.stage(tree)  # the next snapshot: the same buffers, the new values
-    assert again["model"]["a"].data_ptr() == pointers["a"] and torch.equal(again["model"]["a"], w)
-    assert stager.nbytes == 6 * 4 + 3 * 4  # the weight and the row of it in "pair" (a view: its own buffer)
+    assert again["model"]["0.weight"].data_ptr() == pointer and torch.equal(again["model"]["0.weight"], before + 100)
 
 
-def test_a_background_snapshot_holds_the_step_it_was_taken_at(tmp_path):
-    """The save returns at once; the weights then change in place (the next step) while the thread writes,
-    and the file holds the weights of the step that was saved."""
+def test_a_buffer_the_next_snapshot_does_not_use_is_freed():
+    """A per-rank value whose shape changes between snapshots (a prefetched batch of another length)."""
+    stager = Stager()
+    for n in (3, 4, 5):
+        stager.stage({"X": torch.ones(n), "w": torch.ones(2)})
+    assert stager.nbytes == (5 + 2) * 4
+
+
+def _held_at(monkeypatch, point: str, gate: threading.Event, passed: list) -> None:
+    """The writer stops at ``point`` until ``gate`` is set (run/checkpoint.py's test hook)."""
+
+    def hook(step):
+        def moment(name):
+            passed.append(name)
+            if name == point:
+                gate.wait(30)
+
+        return moment
+
+    monkeypatch.setattr(checkpoint, "_kill_hook", hook)
+
+
+def test_a_background_snapshot_holds_the_step_it_was_taken_at(tmp_path, monkeypatch):
+    """The save returns with the writer held before it serialises anything; the weights then change in place
+    (the next step), and the file holds the weights of the step that was saved."""
     ckpt = make(tmp_path)
     model = torch.nn.Linear(64, 64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    gate, written = threading.Event(), []
-    original = checkpoint.atomic_write
-
-    def held(path, data, *args, **kw):  # the writer waits until the step below has changed the weights
-        gate.wait(30)
-        original(path, data, *args, **kw)
-        written.append(path.name)
-
-    checkpoint.atomic_write = held
-    try:
-        ckpt.save({"model": model.state_dict(), "rank_state": None}, 1)
-        assert not written  # the write has not happened: the step goes on
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        gate.set()
-        ckpt.wait()
-    finally:
-        checkpoint.atomic_write = original
-    assert written == ["snapshot-000000001.pt", "newest"]
+    gate, passed = threading.Event(), []
+    _held_at(monkeypatch, "staged", gate, passed)
+    ckpt.save({"model": model.state_dict(), "rank_state": None}, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert passed == ["staged"]  # nothing serialised yet
+    gate.set()
+    ckpt.wait()
     snap = make(tmp_path).load_latest()
     assert all(torch.equal(snap["trainer"]["model"][k], before[k]) for k in before)
 
@@ -97,31 +114,59 @@ def test_one_write_is_in_flight_and_the_next_save_waits_for_it(tmp_path):
     assert torch.equal(make(tmp_path).load_latest()["trainer"]["x"], torch.full((3,), 2.0))
 
 
-def test_a_failed_background_write_is_said_by_the_safe_point_and_the_next_wait(tmp_path):
-    """A write that fails is known without waiting (``write_error``: what a safe point's all-reduce carries),
-    raised by the next wait, and leaves no partial file."""
+def _disk_fills(monkeypatch, at_step: int) -> None:
+    """ENOSPC half-way through the snapshot file of ``at_step`` (run/checkpoint.py's test hook)."""
+
+    def hook(step):
+        def moment(name):
+            if step == at_step and name == "half-written":
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        return moment
+
+    monkeypatch.setattr(checkpoint, "_kill_hook", hook)
+
+
+def test_a_failed_background_write_is_said_by_the_safe_point_and_the_next_wait(tmp_path, monkeypatch):
+    """A write that fails (a full disk, half-way through the file) is known without waiting (``write_error``:
+    what a safe point's all-reduce carries) and said once, or raised by the next wait; no partial file stays."""
+    _disk_fills(monkeypatch, at_step=2)
     ckpt = make(tmp_path)
     ckpt.save({"x": torch.ones(3)}, 1)
     ckpt.wait()
-    (tmp_path / "checkpoints" / "snapshot-000000002.pt.tmp").mkdir()  # the temporary file cannot be made
     ckpt.save({"x": torch.ones(3)}, 2)
     ckpt._writing.thread.join()
     error = ckpt.write_error()
-    assert isinstance(error, RunDirError) and "snapshot-000000002.pt" in str(error)
-    with pytest.raises(RunDirError, match="snapshot-000000002.pt"):
+    assert (
+        isinstance(error, RunDirError) and "no space left writing" in str(error) and "snapshot-000000002" in str(error)
+    )
+    assert ckpt.write_error() is None  # said once
+    ckpt.wait()  # and not raised again
+    ckpt.save({"x": torch.ones(3)}, 2)
+    ckpt._writing.thread.join()
+    with pytest.raises(RunDirError, match="no space left writing"):
         ckpt.wait()
     assert [p.name for p in ckpt.snapshots()] == ["snapshot-000000001.pt"]
-    assert ckpt.write_error() is None  # said once
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
-def test_the_next_save_raises_a_failed_background_write_before_it_stages_anything(tmp_path):
+def test_a_run_that_ends_on_another_error_still_says_a_failed_write(tmp_path, monkeypatch):
+    """``close()`` (a run ending on its own error: no collective) ends the write in flight and warns of its
+    failure, which no safe point will say."""
+    _disk_fills(monkeypatch, at_step=1)
+    ckpt, said = make(tmp_path), []
+    ckpt.save({"x": torch.ones(3)}, 1)
+    ckpt.close(warn=said.append)
+    assert len(said) == 1 and said[0].startswith("ddpkit: warning: ") and "no space left writing" in said[0]
+
+
+def test_the_next_save_raises_a_failed_background_write_before_it_stages_anything(tmp_path, monkeypatch):
     """Where no safe point came between (a snapshot every step), the next save says the failure: the
     previous write's end travels with the save's own gather, and nothing new is written."""
+    _disk_fills(monkeypatch, at_step=1)
     ckpt = make(tmp_path)
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "snapshot-000000001.pt.tmp").mkdir()
     ckpt.save({"x": torch.ones(3)}, 1)
-    with pytest.raises(RunDirError, match="snapshot-000000001.pt"):
+    with pytest.raises(RunDirError, match="no space left writing .*snapshot-000000001.pt"):
         ckpt.save({"x": torch.ones(3)}, 2)
     assert ckpt.snapshots() == [] and ckpt._writing is None
 

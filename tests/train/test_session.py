@@ -228,9 +228,19 @@ def test_a_stop_while_a_snapshot_is_written_in_the_background_waits_for_it_and_r
             events.append(f"{path.name[-4]} ends")
 
     monkeypatch.setattr(checkpoint, "atomic_write", slow)
+    stop, whole_at_stop = Session.stop, []
+
+    def stop_and_look(self, *args, **kw):  # what is on disk when the stop is raised, before the Loop closes
+        try:
+            stop(self, *args, **kw)
+        finally:
+            whole_at_stop.extend(sorted(p.name for p in self.ckpt.dir.glob("snapshot-*.pt")))
+
+    monkeypatch.setattr(Session, "stop", stop_and_look)
     with pytest.raises(Stopped, match=r"stopped on SIGTERM at step 2 .*snapshot-000000002.pt"):
         _regression_loop(str(tmp_path / "cut"), stop_in_step=1)
     assert events == ["1 begins", "1 ends", "2 ends"]
+    assert whole_at_stop == ["snapshot-000000001.pt", "snapshot-000000002.pt"]  # the stop waited for its own
     monkeypatch.setattr(checkpoint, "atomic_write", original)
     snaps = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("snapshot-*.pt"))
     assert snaps == ["snapshot-000000001.pt", "snapshot-000000002.pt"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -243,14 +244,19 @@ class Checkpointer:
         writing = self._writing
         if writing is None or writing.running:
             return None
+        if writing.error is not None:
+            self._writing = None  # handed to the safe point, which raises it: said once, not again by the next save
         return writing.error
 
-    def close(self) -> None:
+    def close(self, warn=None) -> None:
         """This rank's write in flight finished, with no collective (a run ending on an error, where the
-        other ranks may be gone): the snapshot is whole or not there; a failure was said by the writer."""
+        other ranks may be gone): the snapshot is whole or not there, and a failure of it is said in a warning
+        line (the run's own error is the one raised)."""
         if self._writing is not None:
-            self._writing.finish()
+            error = self._writing.finish()
             self._writing = None
+            if error is not None:
+                (warn or _stderr)(f"ddpkit: warning: {error}")
 
     def path_of(self, global_step: int) -> Path:
         """The snapshot file of ``global_step`` (named alike on every rank, whether it sees the run dir or not)."""
@@ -456,6 +462,10 @@ def _kill_hook(global_step: int):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return moment
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _step(path: Path) -> int:

@@ -33,6 +33,7 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._used: set[tuple] = set()  # the buffers the last stage() used
         self._event: torch.cuda.Event | None = None
 
     @property
@@ -42,9 +43,13 @@ class Stager:
 
     def stage(self, tree: Any) -> Any:
         """``tree`` with each tensor replaced by a copy in this stager's buffers, and each container rebuilt."""
-        seen: dict[int, torch.Tensor] = {}
+        seen: dict[tuple, torch.Tensor] = {}
         cuda = []
+        self._used: set[tuple] = set()
         staged = self._copy(tree, (), seen, cuda)
+        # A buffer this snapshot did not use is freed: a value whose shape changes from one snapshot to the
+        # next (a prefetched batch of another length) would otherwise add a buffer at each
+        self._buffers = {k: v for k, v in self._buffers.items() if k in self._used}
         self._event = None
         if cuda:
             self._event = torch.cuda.Event()
@@ -69,14 +74,21 @@ class Stager:
         return tree
 
     def _tensor(self, t: torch.Tensor, path: tuple, seen: dict, cuda: list) -> torch.Tensor:
-        ident = id(t)  # the tree's own object (alive while it is walked), not the detached view below
+        t = t.detach()
+        # One tensor met twice (tied weights: a state_dict detaches each name's anew, so not by object but by
+        # the memory it views) is copied once and stays one, as torch.save keeps it
+        ident = (
+            (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.layout == torch.strided and not t.is_quantized and not t.is_nested
+            else ("object", id(t))
+        )
         if ident in seen:
             return seen[ident]
-        t = t.detach()
         if t.layout != torch.strided or t.is_quantized or t.is_nested:  # rare: a fresh copy, not a buffer
             copy = t.to("cpu", copy=True)
         else:
             key = (path, tuple(t.shape), t.dtype)
+            self._used.add(key)
             buf = self._buffers.get(key)
             if buf is None:
                 pin = t.device.type == "cuda"
