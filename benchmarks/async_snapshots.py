@@ -3,9 +3,11 @@ written in the step (``--no-async-snapshots``) and against no snapshots during t
 
     python benchmarks/async_snapshots.py                  # ResNet-9 + SGD momentum, world 2 on the CPU
     python benchmarks/async_snapshots.py --steps 40 --every 10 --rounds 1    # a quick look
+    python benchmarks/async_snapshots.py --device cuda --nproc 1 --optimizer adam \
+        --model torchvision.models:vit_l_16 --model-args '{"num_classes": 10, "image_size": 32}'  # 3.4 GiB of state
 
-The run: ``ddpkit train`` of ResNet-9 (6.57 M parameters; with SGD's momentum a 50 MiB snapshot) on synthetic
-CIFAR-shaped data, 2 processes, one epoch of ``--steps`` optimizer steps, a snapshot every ``--every`` steps.
+The run (by default): ``ddpkit train`` of ResNet-9 (6.57 M parameters; with SGD's momentum a 50 MiB snapshot) on
+synthetic CIFAR-shaped data, 2 processes, one epoch of ``--steps`` optimizer steps, a snapshot every ``--every`` steps.
 The three modes run interleaved, round after round, so a slow spell of the machine hits each alike. Each
 run's figures come from its summary.json: ``snapshot_blocked_ms_median`` (rank 0's time held per snapshot: in
 the background the gather and the copy aside, in the step the whole write), ``train_time_s`` (the steps,
@@ -47,9 +49,10 @@ def run(mode: str, args, run_dir: Path) -> dict:
         "--image-size",
         "32",
         "--model",
-        "resnet9",
+        args.model,
+        *(["--model-args", args.model_args] if args.model_args else []),
         "--optimizer",
-        "sgd",
+        args.optimizer,
         "--lr",
         "0.05",
         "--batch-size",
@@ -59,9 +62,9 @@ def run(mode: str, args, run_dir: Path) -> dict:
         "--epochs",
         "1",
         "--nproc",
-        "2",
+        str(args.nproc),
         "--device",
-        "cpu",
+        args.device,
         "--no-progress",
         "--no-plots",
         "--run-dir",
@@ -91,6 +94,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64, help="the global batch")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; figures are medians")
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
+    p.add_argument("--model", default="resnet9", help="ddpkit train --model (a registry name or pkg.module:function)")
+    p.add_argument("--model-args", default="", help="ddpkit train --model-args (JSON)")
+    p.add_argument("--optimizer", default="sgd", help="sgd (with momentum), adam or adamw")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="ddpkit-async-snapshots-"))
     runs: dict = {mode: [] for mode in MODES}
@@ -104,7 +112,8 @@ def main(argv=None) -> int:
     }
     base = med["none"]
     print(
-        f"ResNet-9 + SGD momentum, world 2 on {platform.processor() or platform.machine()}, {args.steps} steps, "
+        f"{args.model} + {args.optimizer}, world {args.nproc} on {args.device} "
+        f"({platform.processor() or platform.machine()}), {args.steps} steps, "
         f"a snapshot every {args.every}; median of {args.rounds} interleaved round(s)\n"
     )
     print("| snapshots | held per snapshot (ms, median) | train time (s) | vs none | wall (s) | vs none |")
