@@ -63,12 +63,19 @@ from .types import DataSplits, ImageData, Meta, TensorData
 def epoch_order(
     n: int, world: int, rank: int, seed: int, epoch: int, drop_last: bool = True, shuffle_block: int = 0
 ) -> torch.Tensor:
-    """This rank's sample indices for ``epoch``: exactly DistributedSampler(drop_last=True); with
-    ``drop_last=False`` every index once, the ranks' shares differing by at most one (``--join``).
+    """This rank's sample indices for ``epoch``: torch's ``DistributedSampler(shuffle=True, drop_last=True)``
+    itself, the order a plain DDP loop reads (not a copy of it: the one epoch order, for every data path).
 
-    ``shuffle_block`` B > 1 (one micro-batch of every rank, in samples) reorders the samples of every
-    whole block of B in the epoch's permutation among themselves (``shuffle_in_batch``, ddpkit check's
-    noise run): each micro-batch holds the same samples, in another order."""
+    Two variants it has no form of are ddpkit's, on the same permutation (``data/seeds.order_generator``:
+    seed + epoch, as the sampler's; held equal by tests/data/test_data_loader.py): ``drop_last=False``, every
+    index once, the ranks' shares differing by at most one (``--join``); and ``shuffle_block`` B > 1 (one
+    micro-batch of every rank, in samples), which reorders the samples of every whole block of B among
+    themselves (``shuffle_in_batch``, ddpkit check's noise run): each micro-batch holds the same samples, in
+    another order."""
+    if drop_last and shuffle_block <= 1:
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        return torch.tensor(list(sampler), dtype=torch.long)
     gen = order_generator(seed, epoch)
     perm = torch.randperm(n, generator=gen)
     if shuffle_block > 1:
@@ -286,10 +293,10 @@ class TensorSource(_Source):
 
 
 class OrderSampler(Sampler):
-    """:func:`epoch_order` as a sampler. ``drop_last=False`` is DistributedSampler's shuffle without
-    its padding or dropping: rank r takes every world_size-th index of the epoch's permutation from r
-    on, so every sample is used once and the ranks' shares differ by at most one sample (``--join``).
-    ``shuffle_block``: as epoch_order's (``shuffle_in_batch``)."""
+    """:func:`epoch_order` as a sampler: torch's DistributedSampler's order, or one of ddpkit's two variants.
+    ``drop_last=False`` is DistributedSampler's shuffle without its padding or dropping: rank r takes every
+    world_size-th index of the epoch's permutation from r on, so every sample is used once and the ranks'
+    shares differ by at most one sample (``--join``). ``shuffle_block``: as epoch_order's (``shuffle_in_batch``)."""
 
     def __init__(self, n: int, world: int, rank: int, seed: int, drop_last: bool = False, shuffle_block: int = 0):
         self.n, self.world, self.rank, self.seed, self.epoch = n, world, rank, seed, 0
@@ -329,13 +336,8 @@ class LoaderSource(_Source):
             self.steps_per_epoch = -(-own // per_rank_batch)  # this rank's, the last batch partial
             self.max_steps_per_epoch = -(-len(range(0, self.n, ctx.world_size)) // per_rank_batch)  # rank 0's
         else:
-            self.sampler = (
-                OrderSampler(len(data), ctx.world_size, ctx.rank, cfg.seed, True, self.shuffle_block)
-                if self.shuffle_block
-                else DistributedSampler(
-                    data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed, drop_last=True
-                )
-            )
+            # epoch_order's: torch's DistributedSampler, or with shuffle_in_batch its reordered blocks
+            self.sampler = OrderSampler(len(data), ctx.world_size, ctx.rank, cfg.seed, True, self.shuffle_block)
             self.max_steps_per_epoch = self.steps_per_epoch
         # The epoch's batches from a step on, each keyed for its random draws: its samples by (seed, epoch,
         # sample), its collate by (seed, epoch, rank, batch)
