@@ -8,7 +8,8 @@ Streams and what seeds them (the key each is mixed from, with a tag that keeps e
   ``seed + 1 + rank``, numpy's and Python's from (seed, rank) (:func:`seed_rank`); saved in every
   snapshot (:func:`rng_state`, :func:`set_rng_state`) and, at another world size, where no rank's
   stream can be continued, started afresh from (seed, step, rank) (:func:`reseed`).
-* **The epoch order**: (seed + epoch) (:func:`order_generator`), as ``DistributedSampler``'s.
+* **The epoch order**: torch's ``DistributedSampler`` itself (``data/loader.epoch_order``); its seed + epoch
+  (:func:`order_generator`) for ddpkit's two variants of it.
 * **Built-in augmentation** (crop offsets, flips): (seed, epoch), drawn for every sample index at once
   (:func:`augment_generator`); the held-out split (``--val-fraction``): --seed (:func:`holdout_generator`);
   the synthetic dataset: a constant (:func:`synthetic_generator`).
