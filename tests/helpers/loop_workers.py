@@ -178,15 +178,19 @@ def per_rank_state(_ctx, run_dir: str, stop_at: int | None) -> dict:
     """nanoGPT's shape and an RNN's: each rank prefetches its next batch (X) before the step ends, a hidden
     state (h) carries from step to step, and a cursor of the rank's own moves on: all three differ by rank
     and are named in resume(). Stopped after ``stop_at`` steps (a snapshot, then Stopped); rerun, it resumes."""
-    with ddpkit.Loop(run_dir, log_every=1) as loop:
+    return _per_rank_loop(run_dir, 8, stop_at)
+
+
+def _per_rank_loop(run_dir: str, steps: int, stop_at: int | None, save_every_steps: int = 0, momentum=0.0) -> dict:
+    with ddpkit.Loop(run_dir, log_every=1, save_every_steps=save_every_steps) as loop:
         torch.manual_seed(0)
         model = loop.wrap(nn.Linear(4, 4).double())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
         torch.manual_seed(1 + loop.rank)
         cursor = Cursor(100 * loop.rank)
         x, h = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
         state = loop.resume(model=model, optimizer=opt, cursor=cursor, X=x, h=h)
-        for step in loop.steps(8):
+        for step in loop.steps(steps):
             out = model(state["X"] + 0.01 * cursor.at)
             loss = (out + state["h"]).pow(2).mean()
             loss.backward()
@@ -240,25 +244,6 @@ def bn_named_unwrapped(_ctx, run_dir: str) -> list:
 
 def snapshot_every_2_steps(_ctx, run_dir: str) -> dict:
     """``per_rank_state``'s loop (each rank's prefetched batch, hidden state and cursor named in resume()) for 12
-    steps with a snapshot every 2: the run tests/system/test_fault_tolerance.py kills inside snapshot writes."""
-    with ddpkit.Loop(run_dir, log_every=1, save_every_steps=2) as loop:
-        torch.manual_seed(0)
-        model = loop.wrap(nn.Linear(4, 4).double())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        torch.manual_seed(1 + loop.rank)
-        cursor = Cursor(100 * loop.rank)
-        x, h = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
-        state = loop.resume(model=model, optimizer=opt, cursor=cursor, X=x, h=h)
-        for _ in loop.steps(12):
-            out = model(state["X"] + 0.01 * cursor.at)
-            loss = (out + state["h"]).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            state["h"] = torch.tanh(out + state["h"]).detach()
-            cursor.at += 1
-            state["X"] = torch.randn(8, 4, dtype=torch.float64)
-        weights = {k: v.clone() for k, v in model.module.state_dict().items()}
-        ranks = [None] * loop.world_size
-        torch.distributed.all_gather_object(ranks, {"cursor": cursor.at, "h": state["h"], "X": state["X"]})
-        return {"weights": weights, "ranks": ranks}
+    steps with SGD's momentum and a snapshot every 2: the run tests/system/test_fault_tolerance.py kills inside
+    snapshot writes."""
+    return _per_rank_loop(run_dir, 12, None, save_every_steps=2, momentum=0.9)
