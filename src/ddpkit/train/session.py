@@ -76,7 +76,7 @@ class Session:
         self.signal = signal if signal is not None else StopSignal()
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
         self.blocked_s: list[float] = []  # per snapshot, the seconds it held this rank's step (state, checks, save)
-        self._told = (0, 0)  # how many of the checkpointer's held and write times the records have given
+        self._told = (0, 0)  # how many held times (above) and write times (the checkpointer's) records gave
 
     # ------------------------------------------------------------------ snapshots
     def snapshot_due(self, step: int, epoch_end: bool = False) -> bool:
