@@ -11,7 +11,8 @@ snapshot and reused by every later one (the same names and shapes come back each
 not one per snapshot). From a CUDA tensor the copy goes to pinned host memory without blocking the host, on the
 current stream: the next kernel that writes the parameter (the optimizer's) is queued after it, so the copy
 reads the values of the step that was saved; ``ready()`` waits on the event recorded after the copies. From a
-CPU tensor it is a plain copy (about 10 GB/s: 5 ms for ResNet-9's 50 MiB with momentum).
+CPU tensor it is a plain copy (ResNet-9's 50 MiB with momentum: 8.5 ms alone on the 2-core AVX2 VM, 11-16 ms
+with the other rank computing; BENCHMARKS.md, "Snapshots written in the background").
 
 The tree is rebuilt too (dicts, lists, tuples): a state dict may hand out a container the loop changes later
 (a scheduler's ``_last_lr``). Leaves that are not tensors are plain values (numbers, strings), which do not
