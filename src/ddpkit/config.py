@@ -154,6 +154,13 @@ class TrainConfig:
         "model",
         "wrap in DistributedDataParallel (default: when world size > 1; --ddp at world size 1 to measure the wrapper)",
     )
+    strategy: str = _f(
+        "auto",
+        "model",
+        "how the model is spread over the ranks: ddp, a whole replica on each (auto), or fsdp2, its parameters, "
+        "gradients and optimizer state sharded over them (when DDP's memory runs out; docs/fsdp2.md)",
+        ("auto", "ddp", "fsdp2"),
+    )
     find_unused_parameters: Optional[bool] = _f(
         None,
         "model",
@@ -429,6 +436,29 @@ class TrainConfig:
             raise ConfigError(
                 "--zero shards ddpkit's own optimizer; it cannot wrap your own optimizer or run with --ema"
             )
+        if self.strategy == "fsdp2":
+            clash = [
+                flag
+                for flag, on in (
+                    ("--cuda-graph on", self.cuda_graph == "on"),
+                    ("--join", self.join),
+                    ("--zero", self.zero),
+                    (f"--comm-hook {self.comm_hook}", self.comm_hook != "none"),
+                    ("--sync-bn", self.sync_bn),
+                    ("--ema", self.ema),
+                    ("--compile", self.compile),
+                    ("--amp fp16", self.amp == "fp16"),
+                    ("--ddp", self.ddp),
+                    ("--find-unused-parameters", self.find_unused_parameters),
+                    ("--channels-last", self.channels_last),
+                )
+                if on
+            ]
+            if clash:
+                raise ConfigError(
+                    f"--strategy fsdp2 cannot be combined with {', '.join(clash)}: "
+                    + "; ".join(FSDP2_REFUSED[flag.split()[0]] for flag in clash)
+                )
         if self.join:
             clash = [
                 flag
@@ -540,12 +570,14 @@ class TrainConfig:
             "local_addr",
             "max_restarts",
             "ddp",
+            "strategy",
             "find_unused_parameters",
             "log",
             "plots",
         }
-    )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py). Not cuda_graph: on CUDA it
-    # reads the lr as float32 (train/graph.py, DeviceLR)
+    )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py). strategy: FSDP2 computes what
+    # DDP does to float noise and its snapshots are DDP's layout (tests/train/test_fsdp2.py), so a run dir resumes
+    # under either, as at another world size. Not cuda_graph: on CUDA it reads the lr as float32 (DeviceLR)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}
@@ -841,6 +873,22 @@ def early_stop_rule(spec: str) -> tuple[str, str, int]:
 # ---------------------------------------------------------------------- a Loop's config
 # Beside TrainConfig: both are plain data saved into every run (config.toml, loop.json), and ddpkit.Loop,
 # like Trainer, is a face over the one run session (train/session.py).
+LOOP_STRATEGIES = ("auto", "ddp", "fsdp2")  # train/strategy.py
+# Why --strategy fsdp2 refuses each flag, in the one-line error (by flag name)
+FSDP2_REFUSED = {
+    "--cuda-graph": "the captured step is built on DDP's buckets",
+    "--join": "a rank out of batches cannot answer FSDP2's all-gathers (drop_last keeps the ranks even)",
+    "--zero": "FSDP2 shards the optimizer state already",
+    "--comm-hook": "DDP's communication hooks do not apply to FSDP2's reduce-scatter",
+    "--sync-bn": "SyncBatchNorm is not built for sharded modules (rank 0's BatchNorm statistics are broadcast, as "
+    "DDP does)",
+    "--ema": "its averaged copy would be a whole unsharded model on every rank",
+    "--compile": "torch.compile around a sharded model is not verified yet",
+    "--amp": "the fp16 loss scaler is not verified on sharded gradients (--amp bf16 needs none)",
+    "--ddp": "--ddp asks for the DDP wrapper",
+    "--find-unused-parameters": "FSDP2 has none: every rank must give every parameter a gradient",
+    "--channels-last": "FSDP2 shards contiguous parameters only, and NHWC conv weights are not",
+}
 LOOP_AMP = ("off", "bf16", "fp16")  # a Loop's autocast: "off" adds none and leaves the user's own
 
 
@@ -860,6 +908,8 @@ class LoopConfig:
     log_every: int = 50  # steps per record; a stop signal is acted on at the next one
     timeout_s: float = 600.0  # collectives and the hang watch (seconds)
     check_code: bool = True  # refuse a snapshot that other code (the loop function's) made
+    # auto (ddp), ddp, fsdp2 (train/fsdp2.py). Not in the run identity: a DDP run's snapshot resumes under FSDP2
+    strategy: str = "auto"
 
     # What a snapshot is matched on, with the loop's code: the rest may differ between runs.
     HASHED = ("seed", "amp", "sync_bn", "deterministic")
@@ -877,4 +927,17 @@ class LoopConfig:
             raise ConfigError(f"Loop(seed={self.seed!r}): expected an int")
         if not isinstance(self.async_snapshots, bool):
             raise ConfigError(f"Loop(async_snapshots={self.async_snapshots!r}): expected True or False")
+        if self.strategy not in LOOP_STRATEGIES:
+            raise ConfigError(f"Loop(strategy={self.strategy!r}): choose one of {', '.join(LOOP_STRATEGIES)}")
+        if self.strategy == "fsdp2" and self.sync_bn:
+            raise ConfigError(
+                "Loop(strategy='fsdp2', sync_bn=True): SyncBatchNorm's all-reduce in the forward is not built for "
+                "sharded modules; use plain BatchNorm (rank 0's statistics are broadcast, as DDP does), or "
+                "strategy='ddp'"
+            )
+        if self.strategy == "fsdp2" and self.amp == "fp16":
+            raise ConfigError(
+                "Loop(strategy='fsdp2', amp='fp16'): the fp16 loss scaler is not verified on sharded gradients; "
+                "use amp='bf16' (no scaler needed), or strategy='ddp'"
+            )
         check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")

@@ -102,6 +102,7 @@ class Loop:
         log_every: int = 50,
         timeout_s: float = 600.0,
         check_code: bool = True,
+        strategy: str = "auto",
     ):
         self.config = LoopConfig(
             str(run_dir),
@@ -116,6 +117,7 @@ class Loop:
             log_every,
             timeout_s,
             check_code,
+            strategy,
         )
         self.config.validate()
         stop_exits_with_its_status()  # an uncaught Stopped ends the script with 143, not a traceback and 1
@@ -127,7 +129,7 @@ class Loop:
         self._models: list[nn.Module] = []
         self._loaders: list[ShardedLoader] = []
         self._pending_loaders: list[dict] = []  # positions from a snapshot, for loaders made after resume()
-        self.strategy = strategy_for("ddp")
+        self.strategy = strategy_for(self.config.strategy)  # how wrap() spreads a model (train/strategy.py)
         self._acc: Accumulator | None = None
         self._changes: list[str] = []
         self._best: dict = {}
@@ -164,6 +166,7 @@ class Loop:
                 new_run="pass another run_dir to Loop",
                 signal=stop,
                 background=cfg.async_snapshots,
+                strategy=self.strategy,
             )
             self._stack.callback(self.session.close)  # however the loop ends: the write in flight ends first
             self.files = self.session.files
@@ -283,9 +286,16 @@ class Loop:
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         static_graph: bool = False,
+        shard: Callable[[nn.Module], bool] | None = None,
     ) -> nn.Module:
         """``model`` on this rank's device (SyncBatchNorm first if ``Loop(sync_bn=True)``), wrapped in
-        DDP as ``DDP(model)`` wraps it (its defaults; ``.module`` is your model). Every rank."""
+        DDP as ``DDP(model)`` wraps it (its defaults; ``.module`` is your model). Every rank.
+
+        Under ``Loop(strategy="fsdp2")`` it is sharded in place instead (``fully_shard``, train/fsdp2.py):
+        ``shard(module)`` says which submodules are units of their own (default: each holding 1M parameters
+        or more); build the optimizer after this, over the returned model's parameters."""
+        if shard is not None and self.strategy.name != "fsdp2":
+            raise ConfigError("Loop.wrap(shard=...) is FSDP2's sharding policy: pass Loop(strategy='fsdp2')")
         raw = model.to(self.ctx.device)
         if self.config.sync_bn:
             raw = convert_sync_batchnorm(raw, self.ctx.device)
@@ -296,7 +306,10 @@ class Loop:
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             sync_buffers=broadcast_buffers,
+            **({"policy": shard} if shard is not None else {}),
         )
+        if self.strategy.name == "fsdp2":
+            self._said("FSDP2: parameters, gradients and optimizer state sharded over the ranks")
         self._models.append(wrapped)
         return wrapped
 
@@ -360,7 +373,9 @@ class Loop:
         if self.state is not None:
             raise ConfigError("Loop.resume() was called twice: call it once, after building what it names")
         for name, value in state.items():
-            if not hasattr(value, "state_dict"):
+            if isinstance(value, torch.optim.Optimizer):
+                self.strategy.check_optimizer(value, f"Loop.resume({name}=...)")
+            elif not hasattr(value, "state_dict"):
                 check_plain(name, value, "Loop.resume()")
         self.state = State(state)
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
@@ -369,6 +384,7 @@ class Loop:
             self.state.step,
             self.state.epoch,
             lambda: on_rank0(self.ctx, self._write_config, "writing loop.json"),
+            self._models,
             run_dir=self.config.run_dir,
             resumed_at_step=self.state.step if snap is not None else None,
             resumed_from_world=resumed_from,
@@ -530,7 +546,8 @@ class Loop:
             return {k: v if isinstance(v, tuple) else (as_f64(v, dev) * n, n) for k, v in out.items()}
 
         batches = rank_share(data, self.ctx, batch_size)
-        names, totals, _ = evaluate_split(self.strategy.unwrap(model), batches, measure, self.ctx, self.amp)
+        with self.strategy.evaluating(model):  # FSDP2: the whole weights gathered once, for any count of batches
+            names, totals, _ = evaluate_split(self.strategy.unwrap(model), batches, measure, self.ctx, self.amp)
         return means(names, totals[:-1])
 
     def best(self, metric: str, value: float, mode: str = "min") -> bool:

@@ -38,6 +38,7 @@ from .run.checkpoint import check_weights_fit
 from .run.loggers import check_installed
 from .run.paths import RunFiles
 from .run.rundir import HorizonRefused, check_run_dir, unproven
+from .train.fsdp2 import available as fsdp2_available
 from .train.graph import blockers
 from .train.optim import lr_depends_on_total
 from .train.task import Classification, Task, resolve_task
@@ -100,6 +101,8 @@ def preflight(
             f"--cuda-graph on cannot capture this run: {'; '.join(cant_capture)}. Use --cuda-graph auto "
             f"(it says why it stays off) or off"
         )
+    if cfg.strategy == "fsdp2":
+        check_fsdp2(optimizer)
     if isinstance(optimizer, torch.optim.Optimizer) and model is None:
         raise ConfigError(
             "an optimizer object needs the model it was built on: pass model=... too, or a factory "
@@ -344,6 +347,21 @@ def content_fingerprints(cfg: TrainConfig, splits: DataSplits) -> dict[str, Fing
             raise ConfigError(f"--init-from {cfg.init_from}: cannot read it ({exc.strerror})") from None
         found["init_digest"] = Fingerprint(f"sha256:{digest}", {"sha256": digest})
     return found
+
+
+def check_fsdp2(optimizer: Any) -> None:
+    """``--strategy fsdp2``: this torch has it, and an optimizer passed in is a factory (called after the
+    sharding), not an object over the parameters the sharding replaces."""
+    missing = fsdp2_available()
+    if missing:
+        raise ConfigError(missing)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            "--strategy fsdp2 replaces the model's parameters with their shards, so an optimizer built on "
+            "model.parameters() before it would step tensors the model no longer uses: pass a factory, "
+            "optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...), which each rank calls after "
+            "the sharding"
+        )
 
 
 def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module, staging: bool = False) -> None:

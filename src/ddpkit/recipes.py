@@ -158,8 +158,9 @@ def apply(cfg: TrainConfig, flags: frozenset[str] | None = None):
         # NHWC pays off on both engines: cuDNN/tensor cores on CUDA, and oneDNN's NHWC kernels on
         # CPU (seed ConvNet fwd+bwd+step, batch 100, one thread: 29.3 ms NCHW vs 23.2 ms NHWC;
         # resnet9 batch 32: 582 vs 481 ms). The engine ignores it for models without convolutions.
-        # A model you pass in keeps its memory format unless you ask (--channels-last).
-        values["channels_last"] = not own_model
+        # A model you pass in keeps its memory format unless you ask (--channels-last). FSDP2 shards
+        # contiguous parameters only (torch 2.14: "FSDP does not support non-contiguous parameters yet").
+        values["channels_last"] = not own_model and cfg.strategy != "fsdp2"
     # The user's own optimizer or schedule (Python API) takes none of the built-in one's settings,
     # and the user's own optimizer runs at its own learning rate: no schedule unless one is asked
     # for (schedule=... in the config, or scheduler=...).

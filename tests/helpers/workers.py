@@ -337,8 +337,8 @@ def coalesced_engine(run_dir: str) -> dict:
     from ddpkit.config import TrainConfig
     from ddpkit.data import load_dataset
     from ddpkit.models import build_model
-    from ddpkit.train.ddp import wrap
     from ddpkit.train.engine import Engine
+    from ddpkit.train.strategy import DDPStrategy, prepare
 
     with distributed("cpu") as ctx:
         cfg = TrainConfig(
@@ -357,7 +357,7 @@ def coalesced_engine(run_dir: str) -> dict:
         _rank_buffers(expected, 0)
         n_buffers = len(list(model.buffers()))
         with _BroadcastCounter() as wrap_count:
-            raw, ddp, _ = wrap(model, cfg, ctx, static_graph=True)
+            raw, ddp, _, _ = prepare(model, cfg, ctx, DDPStrategy(), static_graph=True)
         wrap_equal = all(torch.equal(a, b) for a, b in zip(raw.buffers(), expected.buffers()))
 
         engine = Engine(

@@ -350,3 +350,20 @@ def test_check_is_inconclusive_on_data_that_draws_random_numbers_as_it_is_read()
     assert data_draws(DataSplits(plain, plain, None)) is None
     assert data_draws(DataSplits(plain, plain, None, lambda s: drawing_collate([x for x, _ in s]))) is not None
     assert data_draws(DataSplits(NoisyData(16), NoisyData(16), None)) is None  # keyed by sample
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_cls", [RegressionMLP, BatchNormMLP])
+def test_check_under_fsdp2_holds_it_to_one_process_and_to_ddp(model_cls):
+    """--strategy fsdp2: FSDP2 at 2 processes against DDP at 2, each tensor held to its rounding noise at 1
+    process; and against 1 process too where the model has no BatchNorm (FSDP2 has no SyncBN, so with one
+    each rank normalises over its own samples, as DDP without SyncBN does, and 1 process computes otherwise)."""
+    torch.manual_seed(0)
+    cfg = TrainConfig(**TINY, strategy="fsdp2")
+    report = check(model_cls(), uneven_data(128), config=cfg, nproc=2, steps=3, loss_fn=mse)
+    assert report.passed, report.text()
+    names = [t.name for t in report.tensors]
+    vs_ddp = [n for n in names if n.endswith("(vs DDP at 2)")]
+    assert vs_ddp and len(vs_ddp) == len(names) // (1 if model_cls is BatchNormMLP else 2)
+    assert report.to_dict()["strategy"] == "fsdp2"
+    assert report.text().startswith("ddpkit check: 2 processes under FSDP2 against ")

@@ -370,12 +370,12 @@ def write_summary(run_dir: Path, summary: dict, ctx: DistContext) -> None:
     on_rank0(ctx, lambda: atomic_write(RunFiles(run_dir).summary, summary_bytes(summary)))
 
 
-def write_model(run_dir: Path, model: nn.Module, ctx: DistContext) -> None:
-    """The unwrapped model's weights, loadable with plain ``model.load_state_dict``."""
+def write_model(run_dir: Path, state: dict, ctx: DistContext) -> None:
+    """The model's whole ``state_dict`` (as its strategy gives it: on global rank 0 at least), loadable with
+    plain ``model.load_state_dict``."""
 
     def write():
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        atomic_write(RunFiles(run_dir).model, torch_bytes(state))
+        atomic_write(RunFiles(run_dir).model, torch_bytes({k: v.detach().cpu() for k, v in state.items()}))
 
     on_rank0(ctx, write)
 

@@ -115,6 +115,8 @@ class CheckReport:
     error: str = ""
     inconclusive: list[str] = field(default_factory=list)  # why no verdict on the weights can be given
     seeds_diff: float | None = None  # the largest difference the seeds run made: 0 on CPU without randomness
+    strategy: str = "ddp"  # the N-process run's (--strategy)
+    against: str = "1 process"  # what it is compared with: "1 process", and DDP at N under FSDP2
 
     @property
     def worst(self) -> TensorDiff | None:
@@ -152,6 +154,8 @@ class CheckReport:
             "steps": self.steps,
             "dtype": self.dtype,
             "noise_run": self.noise_run,
+            "strategy": self.strategy,
+            "against": self.against,
             "noise_factor": NOISE_FACTOR,
             "floor": FLOOR[self.dtype],
             "worst": dataclasses.asdict(worst) if worst else None,
@@ -163,7 +167,10 @@ class CheckReport:
         }
 
     def text(self) -> str:
-        lines = [f"ddpkit check: {self.world} processes against 1, {self.steps} steps, {self.dtype}"]
+        under = " under FSDP2" if self.strategy == "fsdp2" else ""
+        lines = [
+            f"ddpkit check: {self.world} processes{under} against {self.against}, {self.steps} steps, {self.dtype}"
+        ]
         if self.error:
             lines.append(f"  FAILED: {self.error}")
         worst = self.worst
@@ -196,7 +203,7 @@ class CheckReport:
                 f"or switch it off in training for the check"
             )
         elif self.passed:
-            lines.append(f"PASSED: {self.world} processes compute what 1 process does")
+            lines.append(f"PASSED: {self.world} processes{under} compute what {self.against} computes")
         elif any(n.startswith("BatchNorm without SyncBN") for n in self.notes):
             lines.append(f"FAILED: {self.world} processes differ from 1, as expected for BatchNorm without SyncBN")
         else:
@@ -204,11 +211,12 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def compare(reference: dict, other: dict, noise: dict, dtype: str) -> list[TensorDiff]:
-    """Every tensor of ``other`` against ``reference``, with its tolerance from ``noise``."""
+def compare(reference: dict, other: dict, noise: dict, dtype: str, target: dict | None = None) -> list[TensorDiff]:
+    """Every tensor of ``other`` against ``target`` (default ``reference``), with its tolerance from how far
+    ``noise`` is from ``reference`` (the 1-process runs: rounding alone)."""
     out = []
     for name, ref in reference.items():
-        diffs = [_relative(ref, t) for t in (other[name], noise[name])]
+        diffs = [_relative((target or reference)[name], other[name]), _relative(ref, noise[name])]
         out.append(TensorDiff(name, diffs[0], diffs[1], max(NOISE_FACTOR * diffs[1], FLOOR[dtype])))
     return out
 
@@ -280,6 +288,13 @@ def check(
         model = model_for(cfg, splits.meta)
     model = without_randomness(copy.deepcopy(model), notes)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    fsdp2 = base.strategy == "fsdp2"
+    if fsdp2 and has_bn and not sync_bn:  # FSDP2 has no SyncBN (config.FSDP2_REFUSED)
+        sync_bn = False
+        notes.append(
+            "BatchNorm under FSDP2, which has no SyncBN: each rank normalises over its own B/N samples, so FSDP2 "
+            "at N processes is held to DDP at N (which does the same), not to 1 process"
+        )
     if sync_bn is None:
         sync_bn = has_bn or base.sync_bn
         if has_bn and not base.sync_bn:
@@ -331,11 +346,15 @@ def check(
     )
     cfg = dataclasses.replace(base, **common)
     cfg, noise_cfg, noise_run = noise_config(cfg, model)
+    # Under --strategy fsdp2 the 1-process runs are plain (DDP's: no wrapper at world 1), and FSDP2 at N is
+    # compared with them and with DDP at N
+    one = {"strategy": "ddp"} if fsdp2 else {}
     runs = {
-        "reference": dataclasses.replace(cfg, nproc="1"),
-        "seeds": dataclasses.replace(cfg, nproc="1"),  # the reference again, its generators seeded apart
-        "noise": dataclasses.replace(noise_cfg, nproc="1"),
+        "reference": dataclasses.replace(cfg, nproc="1", **one),
+        "seeds": dataclasses.replace(cfg, nproc="1", **one),  # the reference again, its generators seeded apart
+        "noise": dataclasses.replace(noise_cfg, nproc="1", **one),
         "test": dataclasses.replace(cfg, nproc=str(nproc)),
+        **({"ddp": dataclasses.replace(cfg, nproc=str(nproc), strategy="ddp")} if fsdp2 else {}),
     }
     if randomness is not None or drawn:  # no verdict on the weights can be given: only the data coverage is checked
         runs = {"test": runs["test"]}
@@ -368,17 +387,24 @@ def check(
     finally:
         if not work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    tensors = compare(weights["reference"], weights["test"], weights["noise"], dtype) if len(weights) == 4 else []
+    tensors = []
+    if len(weights) == len(runs) and "reference" in weights:
+        if not (fsdp2 and has_bn):  # N processes against 1 (BatchNorm without SyncBN computes something else)
+            tensors = compare(weights["reference"], weights["test"], weights["noise"], dtype)
+        if fsdp2:  # FSDP2 against DDP, both at N, each tensor held to its rounding noise at 1 process
+            vs_ddp = compare(weights["reference"], weights["test"], weights["noise"], dtype, target=weights["ddp"])
+            tensors += [dataclasses.replace(t, name=f"{t.name} (vs DDP at {nproc})") for t in vs_ddp]
     inconclusive = [randomness.describe()] if randomness is not None else []
     inconclusive += [drawn] if drawn else []
     seeds_diff = None
-    if len(weights) == 4:
+    if len(weights) == len(runs) and "seeds" in weights:
         # The same run with other seeds: on CPU bitwise the same unless a draw reaches the weights. On
         # a GPU nondeterministic kernels (atomics) move it too, by rounding: there the limit is each
         # tensor's own tolerance, so randomness shows only where it exceeds what rounding does.
         seeded = compare(weights["reference"], weights["seeds"], weights["seeds"], dtype)
         seeds_diff = max((t.diff for t in seeded), default=0.0)
-        limit = {t.name: FLOOR[dtype] if device == "cpu" else t.tol for t in tensors}
+        tolerance = compare(weights["reference"], weights["noise"], weights["noise"], dtype)  # each tensor's own
+        limit = {t.name: FLOOR[dtype] if device == "cpu" else t.tol for t in tolerance}
         moved = sorted((t for t in seeded if t.diff > limit[t.name]), key=lambda t: -t.diff)
         if moved:
             names = ", ".join(f"{t.name} ({t.diff:.2g})" for t in moved[:4])
@@ -389,7 +415,21 @@ def check(
                 f"{' ...' if len(moved) > 4 else ''}; a random draw ddpkit did not switch off reaches the weights "
                 f"(after the first step, or from a module it could not see)"
             )
-    return CheckReport(nproc, steps, dtype, noise_run, tensors, coverage, notes, error, inconclusive, seeds_diff)
+    against = f"DDP at {nproc}" if fsdp2 and has_bn else f"1 process and DDP at {nproc}" if fsdp2 else "1 process"
+    return CheckReport(
+        nproc,
+        steps,
+        dtype,
+        noise_run,
+        tensors,
+        coverage,
+        notes,
+        error,
+        inconclusive,
+        seeds_diff,
+        base.strategy if fsdp2 else "ddp",
+        against,
+    )
 
 
 def data_draws(splits: DataSplits) -> str | None:

@@ -1,13 +1,6 @@
 """DDP, the first strategy (``train/strategy.py``): every rank holds the whole model, and DDP all-reduces
-its gradients. :class:`DDPStrategy` answers the strategy's questions; :func:`wrap` prepares a model as the
-config asks, in one function (the engine's).
-
-    raw, ddp, model = wrap(model, cfg, ctx, static_graph=True)
-    # raw: the module itself (its state_dict is what model.pt holds); ddp: the DDP wrapper or None;
-    # model: what the loop calls (ddp or raw, compiled with --compile)
-
-Order matters: dtype, then SyncBatchNorm (before the wrap, so DDP sees the final modules), then
-channels-last, then DDP (with a communication hook), then torch.compile around the whole.
+its gradients. :class:`DDPStrategy` answers the strategy's questions; :func:`make_ddp` is the one place a
+DDP wrapper is built (for the engine's ``strategy.prepare`` and ``Loop.wrap`` alike).
 """
 
 from __future__ import annotations
@@ -20,11 +13,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import TrainConfig
-from ..models import to_channels_last, uses_conv
 from ..ranks.context import DistContext
 from .optim import optimizer_state
-from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
 SYNC_BUFFERS = (
@@ -58,19 +48,38 @@ class DDPStrategy:
         # all-reduce at every micro-step there, and keep doing so bitwise)
         return model.no_sync() if enabled and isinstance(model, DDP) else nullcontext()
 
+    def local_parameters(self, model: nn.Module) -> list[torch.Tensor]:
+        return list(self.unwrap(model).parameters())  # every rank's whole copy
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         # After DDP's all-reduce every rank holds the same whole gradient: its own norm is the global one.
         return nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm, foreach=foreach)
 
-    def replicated(self, model: nn.Module) -> bool:
-        # Gradients all-reduced from the same start, and buffers broadcast from rank 0 at every forward
-        return isinstance(model, DDP) and bool(model.broadcast_buffers)
+    def replicated(self, obj: Any) -> bool:
+        # Gradients all-reduced from the same start, and buffers broadcast from rank 0 at every forward.
+        # An optimizer's state is hashed: a user may step a rank's own one.
+        return isinstance(obj, DDP) and bool(obj.broadcast_buffers)
+
+    def model_state(self, model: nn.Module) -> dict:
+        return self.unwrap(model).state_dict()  # every rank holds the whole model
+
+    def load_model_state(self, model: nn.Module, state: dict) -> None:
+        self.unwrap(model).load_state_dict(state)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
         return optimizer_state(optimizer, ctx)
 
-    def refused_with(self, **flags: Any) -> str:
-        return ""  # DDP is what every flag was built on
+    @staticmethod
+    def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+    @staticmethod
+    def evaluating(model: nn.Module):
+        return nullcontext()  # each rank's forwards are its own: no collective in an evaluation
+
+    @staticmethod
+    def check_optimizer(optimizer: torch.optim.Optimizer, where: str) -> None:
+        return None  # any optimizer over the whole model's parameters
 
     @staticmethod
     def join(model: DDP, optimizer: torch.optim.Optimizer):
@@ -101,38 +110,6 @@ class DDPStrategy:
         ctx.broadcast_many([on_device for _, on_device in pairs])
         for kept, on_device in pairs:
             kept.copy_(on_device)
-
-
-def wrap(
-    model: nn.Module, cfg: TrainConfig, ctx: DistContext, static_graph: bool, find_unused_parameters: bool = False
-) -> tuple[nn.Module, DDP | None, nn.Module]:
-    """``(raw, ddp, wrapped)``: see the module docstring. ``static_graph``: every parameter is used in
-    every step (the registry models), so DDP may record the first iteration's graph.
-    ``find_unused_parameters``: as preflight decided it (the user's ask, or what its trial step found)."""
-    raw = model.to(ctx.device)
-    if cfg.dtype == "float64":  # float32 (the default) leaves a user's own float64 model as it is
-        raw = raw.double()
-    if cfg.sync_bn:
-        raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
-    if cfg.channels_last and uses_conv(raw):
-        raw = to_channels_last(raw, ctx.device.type)
-    ddp = None
-    # At world size 1 there is nothing to all-reduce, and the wrapper's per-step work (hooks,
-    # bucket copies, buffer broadcasts) took 20-37% of the MNIST ConvNet's step on an H100
-    # (BENCHMARKS.md), so it is left off there unless --ddp asks for it.
-    if cfg.ddp or (cfg.ddp is None and ctx.world_size > 1):
-        ddp = DDPStrategy().wrap(
-            raw,
-            ctx,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            sync_buffers=not only_batchnorm_buffers(raw),
-            comm_hook=cfg.comm_hook,
-        )
-    wrapped = ddp or raw
-    if cfg.compile:
-        wrapped = torch.compile(wrapped, mode=cfg.compile_mode)
-    return raw, ddp, wrapped
 
 
 def make_ddp(

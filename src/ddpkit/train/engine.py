@@ -38,7 +38,6 @@ from ..run.plots import draw_run_plots
 from ..run.recorder import MetricLogger
 from ..run.rundir import launcher_owns, write_config, write_model, write_summary
 from . import report
-from .ddp import DDPStrategy, wrap
 from .evaluate import evaluate
 from .flops import peak_flops, step_flops
 from .graph import GraphedSteps, decide, user_code
@@ -54,6 +53,7 @@ from .optim import (
 )
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
+from .strategy import prepare, strategy_for
 from .task import Task
 
 
@@ -134,14 +134,17 @@ class Engine:
         flops, self.flops_note = step_flops(model, task, flops_sample) if counted else (None, "")
         self.flops_per_step = flops / leading_size(flops_sample) * self.per_rank_batch if flops else None
         self.peak, self.peak_name = peak_flops(ctx.device, cfg)
-        self.strategy = DDPStrategy()  # what depends on how the model is spread over the ranks (train/strategy.py)
-        self.raw, self.ddp, self.model = wrap(model, cfg, ctx, static, bool(self.find_unused))
+        self.strategy = strategy_for(cfg.strategy)  # what depends on how the model is spread over the ranks
+        self.raw, self.ddp, self.synced, self.model = prepare(
+            model, cfg, ctx, self.strategy, static, bool(self.find_unused)
+        )
         seed_rank(cfg.seed, ctx.rank)  # torch's (dropout), numpy's and Python's: per rank, every rerun alike
         self.opt = (
             user_optimizer(optimizer, self.raw)
             if optimizer is not None
             else build_optimizer(self.raw, cfg, ctx.device, zero=cfg.zero)
         )
+        self.strategy.check_optimizer(self.opt, "Trainer(optimizer=...)")
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -181,6 +184,7 @@ class Engine:
             keep=cfg.keep_snapshots,
             every_steps=cfg.save_every_steps,
             background=cfg.async_snapshots,
+            strategy=self.strategy,
         )
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
         self.interval, self._t_last = Interval(totals=[0.0] * (2 * len(self.acc.names))), time.perf_counter()
@@ -198,23 +202,21 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _stateful(self) -> dict:
-        """The components that save and load their own state, by their key in the snapshot."""
+        """The components that save and load their own state, by their key in the snapshot (the model and
+        the optimizer: through the strategy, in :meth:`state_dict` and :meth:`load_state_dict`)."""
         return {
-            "model": self.raw,
-            "optimizer": self.opt,
             "scheduler": self.sched,
             "scaler": self.scaler,
             "ema": self.ema,
         }
 
     def state_dict(self) -> dict:
+        # The model's and the optimizer's through the strategy: under FSDP2 (and ZeRO, the optimizer's) a
+        # collective that gathers the whole state, which rank 0 alone then holds
         state = {
-            key: None
-            if part is None
-            else self.strategy.optimizer_state(part, self.ctx)
-            if key == "optimizer"
-            else part.state_dict()
-            for key, part in self._stateful().items()
+            "model": self.strategy.model_state(self.raw),
+            "optimizer": self.strategy.optimizer_state(self.opt, self.ctx),
+            **{key: None if part is None else part.state_dict() for key, part in self._stateful().items()},
         }
         if self.graph is not None:  # its lrs are device tensors; a snapshot keeps plain floats
             state["optimizer"] = self.graph.optimizer_state(state["optimizer"])
@@ -246,6 +248,8 @@ class Engine:
         ``Checkpointer.restore_rng``'s, after this)."""
         if self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent found a snapshot
             raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
+        self.strategy.load_model_state(self.raw, state["model"])
+        self.strategy.load_optimizer_state(self.opt, state["optimizer"])
         for key, part in self._stateful().items():
             if part is not None:
                 part.load_state_dict(state[key])
@@ -312,6 +316,7 @@ class Engine:
                 self.pos.global_step,
                 self.pos.epoch,
                 lambda: write_config(self.cfg, self.ctx, self.identity),
+                [self.raw],
                 **report.start_fields(self, snap),
             )
             with self.session.signal:
@@ -412,8 +417,8 @@ class Engine:
         for i, batch in enumerate(micro):
             # Every micro-step but the last skips DDP's all-reduce; the last one syncs the summed grads
             # (unless grad_sync is off: ddpkit bench's compute-only timing).
-            skip = self.ddp is not None and (i < k - 1 or not self.cfg.grad_sync)
-            with self.strategy.no_sync(self.ddp, skip) if skip else nullcontext():
+            skip = self.synced is not None and (i < k - 1 or not self.cfg.grad_sync)
+            with self.strategy.no_sync(self.synced, skip) if skip else nullcontext():
                 with self.autocast:
                     loss, outputs = self.task.loss(self.model, batch)
                 self.scaler.scale(loss / k if k > 1 else loss).backward()
@@ -455,7 +460,7 @@ class Engine:
         """At log intervals and snapshots only (``sync_interval``, one all-reduce): this epoch's metric
         totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
-        synced = self.session.sync(self.acc, list(self.raw.parameters()) if check_weights else None)
+        synced = self.session.sync(self.acc, self.strategy.local_parameters(self.raw) if check_weights else None)
         return synced.totals, synced.stop, synced.bad_weights
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:
@@ -564,7 +569,8 @@ class Engine:
         # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
         # what model.pt (rank 0's) will hold.
         self.ctx.broadcast_many(list(model.buffers()))
-        return evaluate(model, source or self.eval_src, self.task, self.cfg, self.ctx, prefix)
+        with self.strategy.evaluating(model):  # FSDP2: the whole weights gathered once, for any count of batches
+            return evaluate(model, source or self.eval_src, self.task, self.cfg, self.ctx, prefix)
 
     @property
     def stopped_early(self) -> bool:
@@ -606,7 +612,7 @@ class Engine:
             result, test_local = self._evaluate()  # with a validation split: the test set's one evaluation
         per_rank = report.per_rank(self, test_local)
         model = self.ema.module if self.ema is not None else self.raw
-        write_model(cfg.run_dir, model, ctx)
+        write_model(cfg.run_dir, self.strategy.model_state(model), ctx)
         summary = report.summary(self, result, per_rank)
         write_summary(cfg.run_dir, summary, ctx)
         # The run's last collective: rank 0's last record, plots (if it draws them) and loggers' close keep no rank

@@ -42,6 +42,7 @@ from ..run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
 from ..run.paths import RunFiles
 from ..run.recorder import MetricLogger
 from ..run.runkey import RunKey
+from .ddp import DDPStrategy
 from .metrics import Accumulator, Synced, sync_interval
 from .optim import NoAutocast
 from .selection import Watch
@@ -67,8 +68,11 @@ class Session:
         new_run: str = "pass a new --run-dir",
         signal: StopSignal | None = None,
         background: bool = False,
+        strategy: Any = None,
     ):
         self.ctx, self.log, self.every_steps = ctx, log, every_steps
+        # how the models are spread over the ranks (train/strategy.py): best.pt asks it for their weights
+        self.strategy = strategy if strategy is not None else DDPStrategy()
         self.files = RunFiles(run_dir)
         # background: a snapshot is copied aside and written by a thread on rank 0 while the steps go on
         self.ckpt = Checkpointer(run_dir, ctx, key, keep=keep, new_run=new_run, background=background)
@@ -178,9 +182,13 @@ class Session:
         self.ckpt.close()
 
     # ------------------------------------------------------------------ the run record
-    def begin(self, step: int, epoch: int, write_record: Callable[[], None], **start: Any) -> None:
+    def begin(
+        self, step: int, epoch: int, write_record: Callable[[], None], models: list[nn.Module] = (), **start: Any
+    ) -> None:
         """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
-        config written (``write_record``, which writes on rank 0 itself), and the ``start`` record."""
+        config written (``write_record``, which writes on rank 0 itself), and the ``start`` record, which
+        names the strategy and the parameter bytes each rank holds of ``models`` (its shards under FSDP2;
+        the gradients take as many again, and the optimizer state its own multiple: Adam's two moments)."""
         on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
         write_record()
         ctx = self.ctx
@@ -193,6 +201,10 @@ class Session:
             backend=ctx.backend,
             device=str(ctx.device),
             **start,
+            strategy=self.strategy.name,
+            param_mb_per_rank=round(
+                sum(t.numel() * t.element_size() for m in models for t in self.strategy.local_parameters(m)) / 2**20, 3
+            ),
             snapshots=snapshots,
         )
 
@@ -207,11 +219,14 @@ class Session:
 
     def write_best(self, modules: dict[str, nn.Module], metric: str, value: float, step: int) -> None:
         """The one ``best.pt`` writer, for ``--keep-best`` and ``Loop.best`` alike: each module's weights (the
-        unwrapped module's ``state_dict``) by name, with the metric, its value and the step. Rank 0 writes;
-        ``torch.load(path)["weights"]["model"]`` loads with ``load_state_dict``."""
+        whole ``state_dict``, as the strategy gathers it) by name, with the metric, its value and the step.
+        Rank 0 writes; ``torch.load(path)["weights"]["model"]`` loads with ``load_state_dict``."""
+
+        # Every rank: under a sharded strategy gathering the weights is a collective (rank 0 gets them)
+        states = {name: self.strategy.model_state(m) for name, m in modules.items()}
 
         def write():
-            weights = {name: to_host(m.state_dict()) for name, m in modules.items()}
+            weights = {name: to_host(state) for name, state in states.items()}
             blob = {"metric": metric, "value": value, "step": step, "weights": weights}
             atomic_write(self.files.best, torch_bytes(blob))
 
@@ -280,14 +295,36 @@ def named_state(ctx: DistContext, strategy: Any, state: dict, models: list, wher
     (``run/checkpoint.split_by_rank``): each object's ``state_dict`` (the strategy's module unwrapped) or plain
     value, on the host, checked readable by ``torch.load(weights_only=True)`` before anything is written. The
     ``models`` the strategy keeps equal on every rank (DDP with broadcast_buffers) are not hashed. Every rank."""
-    values = {
-        name: to_host(strategy.unwrap(v).state_dict() if hasattr(v, "state_dict") else v) for name, v in state.items()
-    }
+    values = {name: to_host(state_of(strategy, v, ctx)) for name, v in state.items()}
     for name, value in values.items():
         check_plain(name, value, where)
     kept = {id(strategy.unwrap(m)) for m in models if strategy.replicated(m)}
-    replicated = frozenset(name for name, v in state.items() if id(strategy.unwrap(v)) in kept)
+    replicated = frozenset(
+        name
+        for name, v in state.items()
+        if id(strategy.unwrap(v)) in kept or (isinstance(v, torch.optim.Optimizer) and strategy.replicated(v))
+    )
     return split_by_rank(ctx, values, replicated)
+
+
+def state_of(strategy: Any, obj: Any, ctx: DistContext) -> Any:
+    """What a snapshot holds of one named object: a model's and an optimizer's whole state as the strategy
+    gives it (a collective under a sharded one), another object's ``state_dict``, or the plain value."""
+    if isinstance(strategy.unwrap(obj), nn.Module):
+        return strategy.model_state(obj)
+    if isinstance(obj, torch.optim.Optimizer):
+        return strategy.optimizer_state(obj, ctx)
+    return obj.state_dict() if hasattr(obj, "state_dict") else obj
+
+
+def load_state(strategy: Any, obj: Any, value: Any) -> None:
+    """:func:`state_of`'s value back into ``obj``, through the strategy for models and optimizers."""
+    if isinstance(strategy.unwrap(obj), nn.Module):
+        strategy.load_model_state(obj, value)
+    elif isinstance(obj, torch.optim.Optimizer):
+        strategy.load_optimizer_state(obj, value)
+    else:
+        obj.load_state_dict(value)
 
 
 def load_named(state: dict, shared: dict, per_rank: list, mine: dict, strategy: Any, run_dir: str) -> None:
@@ -313,7 +350,7 @@ def load_named(state: dict, shared: dict, per_rank: list, mine: dict, strategy: 
             )
     for name, value in values.items():
         if hasattr(state[name], "load_state_dict"):
-            strategy.unwrap(state[name]).load_state_dict(value)
+            load_state(strategy, state[name], value)
         else:
             state[name] = value
 

@@ -1,0 +1,116 @@
+"""Loops run on every rank by tests/train/test_fsdp2.py (importable by the launched processes): one training
+function, the same code under Loop(strategy="ddp") and Loop(strategy="fsdp2"), in float64 on CPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.models import ConvNet
+
+GLOBAL_BATCH = 12  # whole at world 1, 2 and 3: each rank's batch is 12 / world, in two micro-batches
+STEPS = 20  # two epochs of 10 steps
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)  # causal
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class SmallGPT(nn.Module):
+    """A GPT of two blocks (token and position embeddings, causal attention, an MLP, a final LayerNorm)."""
+
+    def __init__(self, vocab: int = 16, d: int = 32, block: int = 8):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def data(kind: str, dtype: torch.dtype) -> tuple[TensorDataset, TensorDataset]:
+    gen = torch.Generator().manual_seed(1)
+    n = GLOBAL_BATCH * STEPS // 2  # one epoch: STEPS / 2 global batches
+    if kind == "gpt":
+        tokens = torch.randint(16, (n + 7, 9), generator=gen)
+        return TensorDataset(tokens[:n, :8], tokens[:n, 1:]), TensorDataset(tokens[n:, :8], tokens[n:, 1:])
+    x = torch.randn(n + 7, 1, 12, 12, generator=gen, dtype=torch.float64).to(dtype)
+    y = torch.randint(10, (n + 7,), generator=gen)
+    return TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
+
+
+def build(kind: str, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return (SmallGPT() if kind == "gpt" else ConvNet(1, 12, 12, 10)).to(dtype)
+
+
+def loss_of(kind: str, model: nn.Module, x, y) -> torch.Tensor:
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """What this rank holds of the parameters, their gradients and the optimizer state (a DTensor: its shard)."""
+    local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+    size = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
+    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    return total + sum(size(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+
+
+def train(
+    _ctx, run_dir: str, kind: str, strategy: str, stop_at: int | None = None, amp: str = "off", reverse: bool = False
+) -> dict:
+    """STEPS AdamW steps with two micro-batches each (the first under no_sync), clipping at norm 0.5, an
+    evaluation and best.pt at each epoch's end; ``stop_at``: a stop (snapshot, then Stopped) after that step;
+    ``reverse``: each micro-batch's samples in reverse order. Returns the whole weights, the evaluations, and
+    this rank's bytes (measured before the last zero_grad)."""
+    dtype = torch.float64 if amp == "off" else torch.float32  # autocast casts float32 only
+    train_set, val_set = data(kind, dtype)
+    with ddpkit.Loop(run_dir, log_every=1, strategy=strategy, amp=amp) as loop:
+        model = loop.wrap(build(kind, dtype), shard=(lambda m: isinstance(m, Block)) if strategy == "fsdp2" else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        loader = loop.data(train_set, batch_size=GLOBAL_BATCH // loop.world_size, drop_last=True)
+        loop.resume(model=model, optimizer=opt)
+        evals, held = [], 0
+        for _ in loop.epochs(2):
+            for x, y in loader:
+                half = len(x) // 2
+                if reverse:  # each micro-batch's samples in reverse: the same sums in another order (a noise run)
+                    x, y = (torch.cat([t[:half].flip(0), t[half:].flip(0)]) for t in (x, y))
+                with loop.no_sync(model):
+                    with loop.autocast():
+                        loss = loss_of(kind, model, x[:half], y[:half]) / 2
+                    loss.backward()
+                with loop.autocast():
+                    loss = loss_of(kind, model, x[half:], y[half:]) / 2
+                loss.backward()
+                loop.clip_grad_norm_(model, 0.5)
+                opt.step()
+                held = local_bytes(model, opt)
+                opt.zero_grad(set_to_none=True)
+                loop.log(loss=loss.detach() * 2)
+                if stop_at is not None and loop.state.step + 1 == stop_at:
+                    loop.session.signal.received = "SIGTERM"  # what the handler records on a real signal
+                loop.step()
+            result = loop.evaluate(model, val_set, lambda m, b: {"loss": loss_of(kind, m, *b)}, batch_size=2)
+            evals.append(result["loss"])
+            loop.best("val_loss", result["loss"])
+        weights = loop.strategy.model_state(model)  # every rank: gathered to rank 0 under FSDP2
+        return {"weights": {k: v.clone() for k, v in weights.items()}, "evals": evals, "bytes": held}

@@ -1,0 +1,249 @@
+"""FSDP2 as the second strategy (train/fsdp2.py) under ``ddpkit.Loop``: what a run computes equals the DDP run
+within the float noise measured beside it, each rank holds half the bytes at world 2, and snapshots resume
+bitwise at the same world size, within noise at another, and across strategies (the file is DDP's layout).
+
+One training function (tests/helpers/fsdp_workers.py: a GPT of two blocks, AdamW, two micro-batches under
+no_sync, clipping, an evaluation and best.pt per epoch), in float64 on CPU over gloo, launched in-process.
+The noise a verdict is held to is DDP's own at another world size: the same global batch summed in another
+order (9e-13 for the GPT here; FSDP2's difference from DDP 7e-13)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import custom_train
+import fsdp_workers as fw
+import pytest
+import torch
+from clirun import ROOT, read_jsonl, run_python
+from once import once
+
+import ddpkit
+from ddpkit.errors import ConfigError, Stopped
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = str(ROOT / "tests" / "helpers" / "custom_train.py")
+THREE = (("d2", "ddp", 2), ("d1", "ddp", 1), ("f2", "fsdp2", 2))  # (run, strategy, world): a verdict and its noise
+
+
+def drift(a: dict, b: dict) -> float:
+    assert a["weights"].keys() == b["weights"].keys()
+    return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
+
+
+def launch(run_dir, kind: str, strategy: str, world: int, stop_at=None, amp="off") -> dict:
+    return ddpkit.launch(fw.train, str(run_dir), kind, strategy, stop_at, amp, nproc=world, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory) -> dict:
+    """The uninterrupted references: DDP at world 2 and 1 (their difference is the noise), FSDP2 at world 2."""
+
+    def make(where):
+        runs = {name: launch(where / name, "gpt", s, w) for name, s, w in THREE}
+        torch.save(runs, where / "runs.pt")
+
+    return torch.load(once(tmp_path_factory, "fsdp2-gpt", make) / "runs.pt")
+
+
+def test_fsdp2_trains_what_ddp_trains_within_float_noise_on_half_the_bytes(gpt):
+    noise = drift(gpt["d2"], gpt["d1"])
+    assert 0 < noise < 1e-10  # float64 summation order, not a different computation
+    assert drift(gpt["f2"], gpt["d2"]) <= 4 * noise
+    assert gpt["f2"]["evals"] == pytest.approx(gpt["d2"]["evals"], rel=1e-10)  # evaluate() with 3 and 4 samples
+    # parameters + gradients + AdamW's two moments, this rank's: a half at world 2 (the issue asks <= 55%)
+    assert gpt["f2"]["bytes"] <= 0.55 * gpt["d2"]["bytes"], (gpt["f2"]["bytes"], gpt["d2"]["bytes"])
+
+
+def test_fsdp2_best_pt_holds_the_whole_plain_weights(gpt, tmp_path_factory):
+    where = once(tmp_path_factory, "fsdp2-gpt", lambda w: None)
+    best = torch.load(where / "f2" / "best.pt")
+    plain = fw.SmallGPT().double()
+    plain.load_state_dict(best["weights"]["model"])  # whole tensors, the model's own names: no FSDP2 to load it
+    assert best["metric"] == "val_loss" and best["value"] == min(gpt["f2"]["evals"])
+
+
+def test_an_fsdp2_snapshot_resumes_bitwise_and_resharded_at_world_1_and_3(gpt, tmp_path):
+    run = tmp_path / "cut"
+    with pytest.raises(Stopped):
+        launch(run, "gpt", "fsdp2", 2, stop_at=7)  # mid-epoch: 7 of 10 steps
+    for world in (1, 3):
+        shutil.copytree(run, tmp_path / f"w{world}")
+    same = launch(run, "gpt", "fsdp2", 2)
+    assert drift(same, gpt["f2"]) == 0.0 and same["evals"] == gpt["f2"]["evals"]
+    noise = drift(gpt["d2"], gpt["d1"])
+    for world in (1, 3):  # the shards cut anew (1/3 each at world 3), the loaders' position remapped
+        assert drift(launch(tmp_path / f"w{world}", "gpt", "fsdp2", world), gpt["f2"]) <= 4 * noise, world
+
+
+@pytest.mark.slow
+def test_a_ddp_snapshot_resumes_under_fsdp2_and_back(gpt, tmp_path):
+    noise = drift(gpt["d2"], gpt["d1"])
+    for first, then in (("ddp", "fsdp2"), ("fsdp2", "ddp")):
+        with pytest.raises(Stopped):
+            launch(tmp_path / first, "gpt", first, 2, stop_at=7)
+        assert drift(launch(tmp_path / first, "gpt", then, 2), gpt["d2"]) <= 4 * noise, (first, then)
+
+
+@pytest.mark.slow
+def test_fsdp2_broadcasts_batchnorm_statistics_as_ddp_does(tmp_path):
+    """The MNIST ConvNet (BatchNorm): rank 0's running statistics go to every rank before the first
+    micro-step's forward only, as DDP's broadcast_buffers does, so the evaluations (which read them) agree.
+    Broadcast before every forward, they differed by 6e-4."""
+    d2, f2 = (launch(tmp_path / n, "convnet", s, 2) for n, s in (("d2", "ddp"), ("f2", "fsdp2")))
+    # The noise: DDP with each micro-batch's samples reversed (the same sums in another order; world 1 would
+    # normalise over other samples, 2e-2 away)
+    noise = drift(d2, ddpkit.launch(fw.train, str(tmp_path / "n2"), "convnet", "ddp", None, "off", True, nproc=2))
+    assert 0 < noise < 1e-9
+    assert drift(f2, d2) <= 4 * noise
+    assert f2["evals"] == pytest.approx(d2["evals"], rel=1e-10)
+
+
+@pytest.mark.slow
+def test_fsdp2_under_bf16_autocast_stays_within_ddps_own_noise(tmp_path):
+    """amp="bf16" (float32 weights): FSDP2 autocasts as DDP does, so its difference from DDP at world 2 is
+    the size of DDP's own between world 2 and 1 or less (here 0.002 against 0.04)."""
+    d2, d1, f2 = (launch(tmp_path / n, "gpt", s, w, amp="bf16") for n, s, w in THREE)
+    assert drift(f2, d2) <= drift(d2, d1)
+
+
+# ---------------------------------------------------------------- refused, each in one line (world 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"sync_bn": True}, "SyncBatchNorm"),
+        ({"amp": "fp16"}, "amp='bf16'"),
+        ({"strategy": "zero"}, "choose one of auto, ddp, fsdp2"),
+    ],
+)
+def test_loop_settings_fsdp2_cannot_take_are_refused(kwargs, says, tmp_path):
+    with pytest.raises(ConfigError, match=says):
+        ddpkit.Loop(str(tmp_path / "r"), **{"strategy": "fsdp2", **kwargs})
+
+
+def test_an_optimizer_built_before_the_sharding_is_refused(tmp_path):
+    with ddpkit.Loop(str(tmp_path / "r"), strategy="fsdp2") as loop:
+        model = fw.SmallGPT()
+        opt = torch.optim.AdamW(model.parameters())  # over the whole parameters fully_shard replaces
+        model = loop.wrap(model)
+        with pytest.raises(ConfigError, match=r"resume\(optimizer=...\).*build it after the wrap"):
+            loop.resume(model=model, optimizer=opt)
+
+
+def test_wrap_options_fsdp2_has_no_answer_for_are_refused(tmp_path):
+    with ddpkit.Loop(str(tmp_path / "r"), strategy="fsdp2") as loop:
+        with pytest.raises(ConfigError, match="no find_unused_parameters"):
+            loop.wrap(fw.SmallGPT(), find_unused_parameters=True)
+    with ddpkit.Loop(str(tmp_path / "d")) as loop:
+        with pytest.raises(ConfigError, match="shard=.*strategy='fsdp2'"):
+            loop.wrap(fw.SmallGPT(), shard=lambda m: False)
+
+
+def test_the_default_policy_makes_units_of_blocks_above_the_size():
+    from ddpkit.train.fsdp2 import units
+
+    model = fw.SmallGPT(d=64)  # a block: 64*64*4 (attention) + 2*64*256 (MLP) + norms: ~50k parameters
+    chosen = units(model, min_params=40_000)
+    assert chosen == list(model.blocks)  # the blocks; not their MLPs (33k), nor the ModuleList (its blocks taken)
+
+
+# ---------------------------------------------------------------- the Trainer: --strategy fsdp2
+
+
+def trainer_spec(run_dir, strategy: str, world: int = 2, **kw) -> dict:
+    """The MNIST ConvNet (tests/helpers/custom_train.py: 2,000 images, global batch 100) in float64, with two
+    micro-batches a step, clipping, a validation split and --keep-best."""
+    config = dict(
+        custom_train.BASE,
+        run_dir=str(run_dir),
+        nproc=str(world),
+        strategy=strategy,
+        dtype="float64",
+        grad_accum=2,
+        clip_grad_norm=1.0,
+        val_fraction=0.1,
+        keep_best="val_loss",
+    )
+    return {"fault": "none", "config": {**config, **kw}}
+
+
+def weights(path) -> dict:
+    return {"weights": torch.load(path, weights_only=True)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Trainer runs at world 2, uninterrupted: DDP, DDP in NHWC (the noise), FSDP2."""
+
+    def make(where):
+        for name, strategy, kw in (("d2", "ddp", {}), ("n2", "ddp", {"channels_last": True}), ("f2", "fsdp2", {})):
+            custom_train.trainer(trainer_spec(where / name, strategy, save_every_steps=5, **kw)).fit()
+
+    return once(tmp_path_factory, "fsdp2-trainer", make)
+
+
+def test_a_trainer_under_fsdp2_trains_what_ddp_trains(trained):
+    # The noise: DDP at world 2 in NHWC kernels, another summation order (not world 1: BatchNorm without
+    # SyncBN normalises over each rank's own samples, so world 1 computes something else, 2e-2 away)
+    noise = drift(weights(trained / "d2" / "model.pt"), weights(trained / "n2" / "model.pt"))
+    assert 0 < noise < 1e-9
+    assert drift(weights(trained / "f2" / "model.pt"), weights(trained / "d2" / "model.pt")) <= 4 * noise
+    best = {n: torch.load(trained / n / "best.pt", weights_only=True) for n in ("d2", "f2")}
+    assert best["f2"]["step"] == best["d2"]["step"]
+    assert best["f2"]["value"] == pytest.approx(best["d2"]["value"], rel=1e-10)
+    start = next(r for r in read_jsonl(trained / "f2" / "metrics.jsonl") if r["event"] == "start")
+    ddp_start = next(r for r in read_jsonl(trained / "d2" / "metrics.jsonl") if r["event"] == "start")
+    assert start["strategy"] == "fsdp2" and ddp_start["strategy"] == "ddp"
+    assert start["param_mb_per_rank"] == pytest.approx(ddp_start["param_mb_per_rank"] / 2, rel=0.01)
+
+
+@pytest.mark.slow
+def test_a_trainer_under_fsdp2_killed_in_a_snapshot_write_resumes_bitwise(tmp_path, trained):
+    """Rank 0 SIGKILLed as the snapshot of step 10 is opened (run/checkpoint.py's test hook): the job's
+    restart resumes from step 5's and ends with the uninterrupted FSDP2 run's weights, bitwise."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    s = trainer_spec(tmp_path / "run", "fsdp2", save_every_steps=5, max_restarts=1)
+    proc = run_python(SCRIPT, json.dumps(s), DDPKIT_TEST_KILL_WRITE=f"{marks}:10:opened")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    starts = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "start"]
+    assert [r["resumed_at_step"] for r in starts] == [None, 5], starts
+    assert drift(weights(tmp_path / "run" / "model.pt"), weights(trained / "f2" / "model.pt")) == 0.0
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ({"join": True}, "--join: a rank out of batches"),
+        ({"zero": True}, "--zero: FSDP2 shards the optimizer state already"),
+        ({"comm_hook": "bf16"}, "--comm-hook bf16"),
+        ({"sync_bn": True}, "--sync-bn"),
+        ({"ema": 0.99}, "--ema"),
+        ({"compile": True}, "--compile"),
+        ({"amp": "fp16"}, "--amp fp16"),
+        ({"cuda_graph": "on"}, "--cuda-graph on"),
+        ({"channels_last": True}, "--channels-last"),
+        ({"find_unused_parameters": True}, "--find-unused-parameters"),
+    ],
+)
+def test_flags_fsdp2_cannot_take_are_refused_in_one_line(flags, says):
+    from ddpkit.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=f"--strategy fsdp2 cannot be combined with {says}"):
+        TrainConfig(dataset="mnist", strategy="fsdp2", **flags).resolved()
+
+
+def test_a_ready_made_optimizer_under_fsdp2_is_refused_before_launch(tmp_path):
+    from ddpkit.config import TrainConfig
+
+    model = fw.SmallGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    base = {k: v for k, v in custom_train.BASE.items() if k != "lr"}  # the optimizer's own lr, not the config's
+    cfg = TrainConfig(**{**base, "run_dir": str(tmp_path / "r"), "strategy": "fsdp2"})
+    with pytest.raises(ConfigError, match="pass a factory, optimizer=lambda model"):
+        ddpkit.Trainer(cfg, model=model, optimizer=opt).fit()
+    assert not (tmp_path / "r").exists()  # refused before anything was made
