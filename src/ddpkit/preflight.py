@@ -158,7 +158,7 @@ def preflight(
         raise RunDirError(
             f"--resume never: {cfg.run_dir} already holds a run; pass a new --run-dir, or --resume auto to continue it"
         )
-    check_processes(spec, splits, model, cfg.async_snapshots)
+    check_processes(spec, splits, model, cfg.async_snapshots, cfg.strategy == "fsdp2")
     identity = {**(fingerprints or {}), **{k: fp.to_json() for k, fp in found.items()}}
     cfg, finished = settle_run_dir(
         cfg, identity, named=bool(config.run_dir), lr_total=lr_depends_on_total(cfg, scheduler)
@@ -364,12 +364,16 @@ def check_fsdp2(optimizer: Any) -> None:
         )
 
 
-def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module, staging: bool = False) -> None:
+def check_processes(
+    spec: LaunchSpec, splits: DataSplits, model: nn.Module, staging: bool = False, sharded: bool = False
+) -> None:
     """More processes than the node can hold: a warning past the core count (on CPU), an error
     past the memory. Each spawned rank holds what this process holds now (torch, the data)
-    plus its model, gradients and optimizer state (about 4 copies of the weights); with ``staging``
+    plus its model, gradients and optimizer state (about 4 copies of the weights; ``sharded``, under
+    FSDP2: 4 / world of them, and up to one whole copy gathered for a forward); with ``staging``
     (``--async-snapshots``) rank 0 also holds a copy of a snapshot's state (about 3 copies: the weights
-    and an optimizer's two moments; more with EMA or AMSGrad)."""
+    and an optimizer's two moments; more with EMA or AMSGrad). Where DDP would not fit and FSDP2 would,
+    the error says so."""
     if spec.in_process or spec.device_type != "cpu":
         return
     cores = cpu_cores()
@@ -380,15 +384,23 @@ def check_processes(spec: LaunchSpec, splits: DataSplits, model: nn.Module, stag
             file=sys.stderr,
         )
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    per_rank = rss_bytes() + 4 * weights
+    held = lambda shard: rss_bytes() + (weights * (4 / spec.world_size + 1) if shard else 4 * weights)  # noqa: E731
+    per_rank = held(sharded)
     staged = 3 * weights if staging else 0
     available = available_memory_bytes()
     if available is not None and spec.nproc * per_rank + staged > available:
         also = f", and {staged / 2**30:.2f} GiB for rank 0's copy of a snapshot (--async-snapshots)" if staged else ""
+        fits_sharded = not sharded and spec.nproc * held(True) + staged <= available
         raise ConfigError(
             f"--nproc {spec.nproc} needs about {(spec.nproc * per_rank + staged) / 2**30:.1f} GiB ({spec.nproc} x "
             f"{per_rank / 2**30:.2f} GiB per process: torch, the data and the model{also}), but "
-            f"{available / 2**30:.1f} GiB are available; lower --nproc"
+            f"{available / 2**30:.1f} GiB are available; "
+            + (
+                "pass --strategy fsdp2 (the model's state sharded over the ranks: docs/fsdp2.md), or "
+                if fits_sharded
+                else ""
+            )
+            + "lower --nproc"
             + (", or pass --no-async-snapshots" if staged else "")
         )
 

@@ -114,3 +114,38 @@ def train(
             loop.best("val_loss", result["loss"])
         weights = loop.strategy.model_state(model)  # every rank: gathered to rank 0 under FSDP2
         return {"weights": {k: v.clone() for k, v in weights.items()}, "evals": evals, "bytes": held}
+
+
+def two_models(_ctx, run_dir: str, strategy: str, reverse: bool = False, stop_at: int | None = None) -> dict:
+    """A GAN's shape: two models, each with its own optimizer, trained in turn on each step (an encoder
+    regressing a target, and a critic scoring the encoder's detached output), in float64. Returns both
+    models' whole weights under one dict; ``stop_at``: a stop after that step."""
+    gen = torch.Generator().manual_seed(2)
+    x, y = (
+        torch.randn(96, 8, generator=gen, dtype=torch.float64),
+        torch.randn(96, 4, generator=gen, dtype=torch.float64),
+    )
+    with ddpkit.Loop(run_dir, log_every=1, strategy=strategy) as loop:
+        torch.manual_seed(0)
+        enc = loop.wrap(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).double())
+        critic = loop.wrap(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).double())
+        opt_e = torch.optim.Adam(enc.parameters(), lr=1e-2)
+        opt_c = torch.optim.SGD(critic.parameters(), lr=1e-2, momentum=0.9)
+        loader = loop.data(TensorDataset(x, y), batch_size=12 // loop.world_size, drop_last=True)
+        loop.resume(enc=enc, critic=critic, opt_e=opt_e, opt_c=opt_c)
+        for _ in loop.epochs(2):
+            for xb, yb in loader:
+                if reverse:
+                    xb, yb = xb.flip(0), yb.flip(0)
+                out = enc(xb)
+                F.mse_loss(out, yb).backward()
+                opt_e.step()
+                opt_e.zero_grad()
+                critic(out.detach()).pow(2).mean().backward()
+                opt_c.step()
+                opt_c.zero_grad()
+                if stop_at is not None and loop.state.step + 1 == stop_at:
+                    loop.session.signal.received = "SIGTERM"
+                loop.step()
+        states = {"enc": loop.strategy.model_state(enc), "critic": loop.strategy.model_state(critic)}
+        return {"weights": {f"{m}.{k}": v.clone() for m, sd in states.items() for k, v in sd.items()}}

@@ -165,6 +165,22 @@ def test_more_processes_than_memory_holds_is_one_line_before_launch(tmp_path, ca
     assert not run_dir.exists()
 
 
+@pytest.mark.multiprocess
+def test_a_model_ddp_cannot_hold_but_fsdp2_can_is_told_to_shard(tmp_path, capsys, monkeypatch):
+    """The memory check counts 4 copies of the weights per rank under DDP (weights, gradients, two moments),
+    4 / world plus one gathered copy under FSDP2: where only the second fits, the one line says to shard."""
+    from ddpkit.models import build_model
+
+    weights = sum(t.numel() * t.element_size() for t in build_model("convnet", 1, 28, 28, 10).state_dict().values())
+    monkeypatch.setattr(ddpkit.preflight, "rss_bytes", lambda: 0)
+    # world 4, no staging: DDP 4 x 4 = 16 copies; FSDP2 4 x (1 + 1) = 8
+    monkeypatch.setattr(ddpkit.preflight, "available_memory_bytes", lambda: 12 * weights)
+    args = [*TINY, "--nproc", "4", "--batch-size", "48", "--no-async-snapshots", "--run-dir", str(tmp_path / "run")]
+    code, out, err = run_main(capsys, "train", *args)
+    check_one_line(code, out, err, ["--nproc 4 needs about", "pass --strategy fsdp2 (the model's state sharded"])
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("case", TOML_CASES)
 def test_bad_config_files_name_the_key_and_the_expected_type(tmp_path, capsys, case):
     text, fragments = TOML_CASES[case]

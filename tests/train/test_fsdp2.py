@@ -109,6 +109,21 @@ def test_fsdp2_under_bf16_autocast_stays_within_ddps_own_noise(tmp_path):
     assert drift(f2, d2) <= drift(d2, d1)
 
 
+def test_two_models_with_their_own_optimizers_train_under_fsdp2_as_under_ddp(tmp_path):
+    """A GAN's shape on Loop: each optimizer's state is found through its own model, and a stop mid-epoch
+    resumes bitwise."""
+    d2, f2, n2 = (
+        ddpkit.launch(fw.two_models, str(tmp_path / n), s, rev, nproc=2, device="cpu")
+        for n, s, rev in (("d2", "ddp", False), ("f2", "fsdp2", False), ("n2", "ddp", True))
+    )
+    noise = drift(d2, n2)  # each batch's samples in reverse: the same sums in another order
+    assert 0 < noise < 1e-10
+    assert drift(f2, d2) <= 4 * noise
+    with pytest.raises(Stopped):
+        ddpkit.launch(fw.two_models, str(tmp_path / "cut"), "fsdp2", False, 5, nproc=2, device="cpu")
+    assert drift(ddpkit.launch(fw.two_models, str(tmp_path / "cut"), "fsdp2", nproc=2, device="cpu"), f2) == 0.0
+
+
 # ---------------------------------------------------------------- refused, each in one line (world 1)
 
 
