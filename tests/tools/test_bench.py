@@ -19,10 +19,13 @@ from ddpkit.tools.check import FLOOR
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path, strategy):
     out = tmp_path / "bench"
     proc = run_cli(
         "bench",
+        "--strategy",
+        strategy,
         "--nproc",
         "1,2",
         "--model",
@@ -57,6 +60,11 @@ def test_bench_at_world_1_and_2_writes_json_table_and_plot(tmp_path):
     assert [p["world"] for p in rep["predictions"]["h100-nvlink"]] == [1, 2, 4, 8]
     table = (out / "bench.md").read_text()
     assert "| world | global batch | samples/s" in table and "Predicted from the world-1 step with h100-nvlink" in table
+    # the parameters each rank held: the whole at every world under DDP, a half at world 2 under FSDP2
+    held = {n: rows[n]["memory"]["param_mb_per_rank"] for n in rows}
+    assert {rows[n]["memory"]["strategy"] for n in rows} == {strategy} and held[1] > 0
+    assert held[2] == pytest.approx(held[1] / (2 if strategy == "fsdp2" else 1), rel=0.01)
+    assert f"Parameters held per rank ({strategy}): " in table
     png = (out / "scaling.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 

@@ -212,6 +212,12 @@ def bench(
                         "mode": result.summary.get("snapshots"),
                         "blocked_ms": result.summary.get("snapshot_blocked_ms_median"),
                     }
+                    # The strategy and the parameter bytes each rank held (its shards under FSDP2), as the
+                    # start record says them; with gradients and an optimizer's state, a multiple of them
+                    start = next(
+                        (r for r in read_records(RunFiles(result.run_dir).metrics) if r["event"] == "start"), {}
+                    )
+                    row["memory"] = {k: start.get(k) for k in ("strategy", "param_mb_per_rank")}
                     flops, peak = result.summary.get("flops_per_step"), result.summary.get("peak_tflops")
                     if flops:  # one rank's step (train/flops.py), at the median step time
                         row["tflops_per_device"] = flops / s["median"] / 1e12
@@ -481,6 +487,21 @@ def markdown(rep: dict) -> str:
             + f" (the run's last, {held[0][1]['mode']}; not in the windows above). Written in the background, its "
             "thread on rank 0 takes a core while it writes: where the ranks use every core, the steps meanwhile "
             "are slower (the step records' snapshot_write_s, beside samples_per_s).",
+        ]
+    held_mb = [(r["world_size"], r["memory"]) for r in rep["rows"] if (r.get("memory") or {}).get("param_mb_per_rank")]
+    if held_mb:
+        strategy = held_mb[0][1]["strategy"]
+        lines += [
+            "",
+            f"Parameters held per rank ({strategy}): "
+            + ", ".join(f"{m['param_mb_per_rank']:.3g} MiB at world {n}" for n, m in held_mb)
+            + (
+                "; sharded over the ranks, with their gradients and optimizer state (DDP holds the whole at "
+                f"every world size: {held_mb[0][1]['param_mb_per_rank'] * held_mb[0][0]:.3g} MiB)."
+                if strategy == "fsdp2"
+                else "; with their gradients and an optimizer's state, a multiple of that on every rank "
+                "(--strategy fsdp2 divides all of it by the world size: docs/fsdp2.md)."
+            ),
         ]
     return _predictions_md(rep, lines)
 
