@@ -353,7 +353,7 @@ def test_check_is_inconclusive_on_data_that_draws_random_numbers_as_it_is_read()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model_cls", [RegressionMLP, BatchNormMLP])
+@pytest.mark.parametrize("model_cls", [RegressionMLP, pytest.param(BatchNormMLP, marks=pytest.mark.slow)])
 def test_check_under_fsdp2_holds_it_to_one_process_and_to_ddp(model_cls):
     """--strategy fsdp2: FSDP2 at 2 processes against DDP at 2, each tensor held to its rounding noise at 1
     process; and against 1 process too where the model has no BatchNorm (FSDP2 has no SyncBN, so with one

@@ -109,6 +109,7 @@ def test_fsdp2_under_bf16_autocast_stays_within_ddps_own_noise(tmp_path):
     assert drift(f2, d2) <= drift(d2, d1)
 
 
+@pytest.mark.slow
 def test_two_models_with_their_own_optimizers_train_under_fsdp2_as_under_ddp(tmp_path):
     """A GAN's shape on Loop: each optimizer's state is found through its own model, and a stop mid-epoch
     resumes bitwise."""
