@@ -401,7 +401,8 @@ class Loop:
         # Each rank's own values go back to the rank that had them; at another world size a rank's value
         # cannot follow its rank, and keeps what this resume() was given (said below).
         mine = (saved["rank_state"] or {}).get("state", {}) if saved["same_world"] else {}
-        load_named(self.state, saved["state"], per_rank, mine, self.strategy, self.config.run_dir)
+        models = [self.strategy.unwrap(m) for m in self._models]
+        load_named(self.state, saved["state"], per_rank, mine, self.strategy, self.config.run_dir, models)
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
         if self.amp.scaling and saved.get("scaler"):

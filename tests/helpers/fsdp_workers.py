@@ -75,15 +75,23 @@ def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def train(
-    _ctx, run_dir: str, kind: str, strategy: str, stop_at: int | None = None, amp: str = "off", reverse: bool = False
+    _ctx,
+    run_dir: str,
+    kind: str,
+    strategy: str,
+    stop_at: int | None = None,
+    amp: str = "off",
+    reverse: bool = False,
+    save_every: int = 0,
 ) -> dict:
     """STEPS AdamW steps with two micro-batches each (the first under no_sync), clipping at norm 0.5, an
     evaluation and best.pt at each epoch's end; ``stop_at``: a stop (snapshot, then Stopped) after that step;
-    ``reverse``: each micro-batch's samples in reverse order. Returns the whole weights, the evaluations, and
+    ``reverse``: each micro-batch's samples in reverse order; ``save_every``: a snapshot every that many
+    steps. Returns the whole weights, the evaluations, and
     this rank's bytes (measured before the last zero_grad)."""
     dtype = torch.float64 if amp == "off" else torch.float32  # autocast casts float32 only
     train_set, val_set = data(kind, dtype)
-    with ddpkit.Loop(run_dir, log_every=1, strategy=strategy, amp=amp) as loop:
+    with ddpkit.Loop(run_dir, log_every=1, strategy=strategy, amp=amp, save_every_steps=save_every) as loop:
         model = loop.wrap(build(kind, dtype), shard=(lambda m: isinstance(m, Block)) if strategy == "fsdp2" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         loader = loop.data(train_set, batch_size=GLOBAL_BATCH // loop.world_size, drop_last=True)

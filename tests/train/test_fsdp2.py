@@ -219,16 +219,58 @@ def test_a_trainer_under_fsdp2_trains_what_ddp_trains(trained):
 
 @pytest.mark.slow
 def test_a_trainer_under_fsdp2_killed_in_a_snapshot_write_resumes_bitwise(tmp_path, trained):
-    """Rank 0 SIGKILLed as the snapshot of step 10 is opened (run/checkpoint.py's test hook): the job's
-    restart resumes from step 5's and ends with the uninterrupted FSDP2 run's weights, bitwise."""
+    """Rank 0 SIGKILLed when every rank has written its shards of step 10 and before the snapshot file names
+    them, then (the restart's) as that file is opened (run/checkpoint.py's test hook): each restart resumes
+    from step 5's, the unnamed shards are removed, and the run ends with the uninterrupted FSDP2 run's
+    weights, bitwise (BatchNorm's statistics too: written by rank 0, whose they are; DCP's default had
+    rank 1 write some, and a resume gave rank 0 rank 1's)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    s = trainer_spec(tmp_path / "run", "fsdp2", save_every_steps=5, max_restarts=1)
-    proc = run_python(SCRIPT, json.dumps(s), DDPKIT_TEST_KILL_WRITE=f"{marks}:10:opened")
+    s = trainer_spec(tmp_path / "run", "fsdp2", save_every_steps=5, max_restarts=2)
+    proc = run_python(SCRIPT, json.dumps(s), DDPKIT_TEST_KILL_WRITE=f"{marks}:10:sharded,opened")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["opened", "sharded"]
     starts = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "start"]
-    assert [r["resumed_at_step"] for r in starts] == [None, 5], starts
+    assert [r["resumed_at_step"] for r in starts] == [None, 5, 5], starts
     assert drift(weights(tmp_path / "run" / "model.pt"), weights(trained / "f2" / "model.pt")) == 0.0
+    folders = sorted((tmp_path / "run" / "checkpoints").glob("*.shards"))
+    assert folders and all(f.with_suffix(".pt").exists() for f in folders)  # none left that no snapshot names
+
+
+def test_fsdp2_snapshots_are_shards_beside_a_small_file_and_read_whole_elsewhere(trained):
+    """Each rank writes its own shards (DCP) beside the snapshot file, which holds references to them and
+    every shard file's CRC32; --init-from and `ddpkit eval` read a sharded snapshot whole, in one process."""
+    from ddpkit.run.checkpoint import read_weights
+
+    newest = sorted((trained / "f2" / "checkpoints").glob("snapshot-*.pt"))[-1]
+    snap = torch.load(newest, weights_only=True)
+    files = sorted(p.name for p in newest.with_suffix(".shards").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"] and sorted(snap["trainer"]["shard_files"]) == files
+    assert set(snap["trainer"]["model"]) == {"__shards__"}  # a reference, no tensors
+    whole = read_weights(newest)  # the run's last snapshot: its final weights, as model.pt holds them
+    assert drift({"weights": whole}, weights(trained / "f2" / "model.pt")) == 0.0
+
+
+def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_path, gpt):
+    run = tmp_path / "cut"
+    with pytest.raises(Stopped):
+        ddpkit.launch(fw.train, str(run), "gpt", "fsdp2", 7, "off", False, 3, nproc=2, device="cpu")
+    shard = run / "checkpoints" / "snapshot-000000007.shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, in the middle of rank 1's shards
+    shard.write_bytes(bytes(data))
+    from ddpkit.run import shards
+
+    snap = torch.load(run / "checkpoints" / "snapshot-000000007.pt", weights_only=True)
+    said = shards.damage_of(snap["trainer"], shard.parent)
+    assert (
+        said
+        == "the CRC32 of its shard file snapshot-000000007.shards/__1_0.distcp differs from the one written with it"
+    )
+    rest = ddpkit.launch(fw.train, str(run), "gpt", "fsdp2", None, "off", False, 3, nproc=2, device="cpu")
+    corrupt = run / "checkpoints" / "corrupt"
+    assert sorted(p.name for p in corrupt.iterdir()) == ["snapshot-000000007.pt", "snapshot-000000007.shards"]
+    assert drift(rest, gpt["f2"]) == 0.0  # resumed at step 6, bitwise
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -48,6 +49,7 @@ from ..files import atomic_write, torch_bytes
 from ..ranks import hangwatch
 from ..ranks.context import DistContext, agree, on_rank0
 from ..version import __version__
+from . import shards
 from .checksums import checksums, first_difference
 from .paths import RunFiles
 from .staging import Stager
@@ -108,6 +110,8 @@ def read_weights(path: str | Path, what: str = "weights file") -> dict:
                 f"pass an intact copy, or the snapshot before it"
             )
         obj = obj["trainer"]["model"]  # a snapshot
+        if shards.is_ref(obj):  # its model in shards beside it: read whole, in this process alone
+            obj = shards.read_whole(shards.folder_of(Path(path)), obj[shards.REF])
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise RunDirError(f"{what} {path}: expected a state_dict (name -> tensor), as model.pt holds")
     return {k.removeprefix("module."): v for k, v in obj.items()}
@@ -174,17 +178,30 @@ class Checkpointer:
         # One write in flight: rank 0 ends the previous one first, and its failure travels with the gather
         # below (no collective of its own), so every rank raises it here, before anything new is staged
         failed = self._end_write() if self.ctx.is_main else None
+        path = self.path_of(global_step)
+        # The sharded parts (FSDP2's, run/shards.py): written now by every rank into the snapshot's own folder
+        # (a collective), each file's CRC32 travelling with the gather below; the snapshot file, written
+        # after, holds references to them and stays the one commit marker
+        found = shards.find(trainer_state)
+        crcs = {}
+        if found:
+            keys = {id(part): f"s{i}" for i, (_, part) in enumerate(found)}
+            crcs = shards.save_shards({keys[id(p)]: p.state for _, p in found}, shards.folder_of(path), self.ctx)
+            trainer_state = shards.replace_found(trainer_state, keys)
+            if self.ctx.is_main:
+                _kill_hook(global_step)("sharded")
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
         told = [None] * self.ctx.world_size
-        if self.ctx.world_size > 1:
-            dist.all_gather_object(told, (failed is not None, per_rank))  # a collective: outside any rank-0 branch
+        if self.ctx.world_size > 1:  # a collective: outside any rank-0 branch
+            dist.all_gather_object(told, (failed is not None, per_rank, crcs))
         else:
-            told = [(failed is not None, per_rank)]
+            told = [(failed is not None, per_rank, crcs)]
         if told[0][0]:
             raise failed if self.ctx.is_main else RunDirError(_OTHERS_FAILED)
-        gathered = [mine for _, mine in told]
-        path = self.path_of(global_step)
+        gathered = [mine for _, mine, _ in told]
+        if found:  # every rank's files, by name: the snapshot file records them
+            trainer_state = {**trainer_state, shards.FILES: {name: crc for _, _, c in told for name, crc in c.items()}}
         if not self.background:
             # also the barrier: nobody moves on (or reads) before the file is complete
             on_rank0(self.ctx, lambda: self._write(path, trainer_state, gathered, global_step), f"saving {path.name}")
@@ -197,6 +214,9 @@ class Checkpointer:
         moment = moment or (lambda name: None)
         for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
             stale.unlink(missing_ok=True)
+        for folder in self.dir.glob(f"*{shards.SUFFIX}"):  # shards no snapshot names: a save killed part-way
+            if folder != shards.folder_of(path) and not folder.with_suffix(".pt").exists():
+                shutil.rmtree(folder, ignore_errors=True)
         snapshot = {
             "format": FORMAT,
             "config": self.key.to_dict(),
@@ -297,6 +317,7 @@ class Checkpointer:
         for p in files:
             if _step(p) < oldest_kept:
                 p.unlink(missing_ok=True)
+                shutil.rmtree(shards.folder_of(p), ignore_errors=True)
                 self.valid.discard(p)
 
     def load_latest(self, fits=lambda snap: None, warn=print) -> dict | None:
@@ -313,10 +334,12 @@ class Checkpointer:
             except Exception as exc:  # truncated zip, bad pickle, wrong layout
                 skipped.append((path, f"is corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
                 continue
-            damage = _damage(snap)  # before the config checks: damage there is damage, not another config
+            damage = _damage(snap) or shards.damage_of(snap["trainer"], shards.folder_of(path))
+            # (before the config checks: damage there is damage, not another config)
             if damage:
                 skipped.append((path, f"is damaged ({damage})"))
                 continue
+            snap["trainer"] = shards.resolved(snap["trainer"], shards.folder_of(path))  # its parts loadable
             self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
             try:
                 fits(snap)
@@ -507,5 +530,7 @@ def _move_aside(path: Path, folder: Path) -> None:
     try:
         folder.mkdir(exist_ok=True)
         os.replace(path, folder / path.name)
+        if shards.folder_of(path).is_dir():
+            os.replace(shards.folder_of(path), folder / shards.folder_of(path).name)
     except OSError:  # read-only storage: leave it; it is skipped again next time
         pass

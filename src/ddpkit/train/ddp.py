@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..ranks.context import DistContext
+from ..run import shards
 from .optim import optimizer_state
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
@@ -63,14 +64,25 @@ class DDPStrategy:
     def model_state(self, model: nn.Module) -> dict:
         return self.unwrap(model).state_dict()  # every rank holds the whole model
 
+    def snapshot_model(self, model: nn.Module) -> dict:
+        return self.model_state(model)  # the whole, in the snapshot file
+
     def load_model_state(self, model: nn.Module, state: dict) -> None:
+        if shards.is_ref(state):  # an FSDP2 run's snapshot: its shards read whole
+            shards.load_model(self.unwrap(model), state)
+            return
         self.unwrap(model).load_state_dict(state)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
         return optimizer_state(optimizer, ctx)
 
-    @staticmethod
-    def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def snapshot_optimizer(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
+        return optimizer_state(optimizer, ctx)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
+        if shards.is_ref(state):  # an FSDP2 run's snapshot: keyed by parameter names, found through the model
+            shards.load_optimizer(shards.owner(optimizer, [self.unwrap(m) for m in models]), optimizer, state)
+            return
         optimizer.load_state_dict(state)
 
     @staticmethod

@@ -214,8 +214,8 @@ class Engine:
         # The model's and the optimizer's through the strategy: under FSDP2 (and ZeRO, the optimizer's) a
         # collective that gathers the whole state, which rank 0 alone then holds
         state = {
-            "model": self.strategy.model_state(self.raw),
-            "optimizer": self.strategy.optimizer_state(self.opt, self.ctx),
+            "model": self.strategy.snapshot_model(self.raw),
+            "optimizer": self.strategy.snapshot_optimizer(self.opt, self.ctx),
             **{key: None if part is None else part.state_dict() for key, part in self._stateful().items()},
         }
         if self.graph is not None:  # its lrs are device tensors; a snapshot keeps plain floats
@@ -249,7 +249,7 @@ class Engine:
         if self.cfg.comm_hook == "powersgd":  # a restart under torchrun's own agent found a snapshot
             raise RunDirError(f"{POWERSGD_NO_RESUME}; delete {self.cfg.run_dir} to train again from the start")
         self.strategy.load_model_state(self.raw, state["model"])
-        self.strategy.load_optimizer_state(self.opt, state["optimizer"])
+        self.strategy.load_optimizer_state(self.opt, state["optimizer"], [self.raw])
         for key, part in self._stateful().items():
             if part is not None:
                 part.load_state_dict(state[key])

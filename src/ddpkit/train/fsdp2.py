@@ -32,6 +32,7 @@ from torch import nn
 from ..config import FSDP2_REFUSED
 from ..errors import ConfigError
 from ..ranks.context import DistContext
+from ..run import shards
 
 # What a sharding unit holds at least, by default (parameters not in a smaller unit already): a
 # transformer block of a 100M-parameter GPT (7M) is one, a LayerNorm is not. Below it, the root's unit.
@@ -188,11 +189,30 @@ class FSDP2Strategy:
             return model.state_dict()
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def snapshot_model(self, model: nn.Module) -> Any:
+        """What a snapshot holds of the model: each rank's shards, which it writes itself (run/shards.py)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model = self.unwrap(model)
+        return shards.Sharded(get_model_state_dict(model)) if is_sharded(model) else model.state_dict()
+
+    def snapshot_optimizer(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> Any:
+        """As :meth:`snapshot_model`, for an optimizer over sharded parameters (its state keyed by their names)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if not sharded_params(optimizer):
+            return optimizer.state_dict()
+        return shards.Sharded(get_optimizer_state_dict(self._owner(optimizer), optimizer))
+
     def load_model_state(self, model: nn.Module, state: dict) -> None:
-        """A whole ``state_dict`` (every rank holds it: each read the snapshot) into the shards."""
+        """A snapshot's model: its shards (this run's own, resharded by DCP to this world), or a whole
+        ``state_dict`` (a DDP run's: every rank holds it, each read the snapshot) cut into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model = self.unwrap(model)
+        if shards.is_ref(state):
+            shards.load_model(model, state)
+            return
         if not is_sharded(model):
             model.load_state_dict(state)
             return
@@ -221,10 +241,15 @@ class FSDP2Strategy:
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]],
         }
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """What :meth:`optimizer_state` (or a DDP run's snapshot) holds, into this optimizer's shards."""
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
+        """What :meth:`snapshot_optimizer` wrote (shards), or a whole state in ``Optimizer.state_dict``'s
+        layout (:meth:`optimizer_state`'s, a DDP run's snapshot's), into this optimizer's shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if shards.is_ref(state):
+            owner = self._owner(optimizer) if sharded_params(optimizer) else shards.owner(optimizer, models)
+            shards.load_optimizer(owner, optimizer, state)
+            return
         if not sharded_params(optimizer):
             optimizer.load_state_dict(state)
             return

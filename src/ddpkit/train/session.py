@@ -38,6 +38,7 @@ from torch import nn
 from ..errors import ConfigError, NonFiniteLoss, RunDirError, Stopped
 from ..files import atomic_write, torch_bytes
 from ..ranks.context import DistContext, on_rank0
+from ..run import shards
 from ..run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
 from ..run.paths import RunFiles
 from ..run.recorder import MetricLogger
@@ -279,7 +280,12 @@ def misfit(target: Any, saved: Any) -> str:
         if not isinstance(saved, dict):
             return "the snapshot holds no module weights there"
         tensors = lambda sd: {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}  # noqa: E731 - not extra state
+        if shards.is_ref(saved):  # sharded: the names and whole shapes DCP's metadata records
+            found = shards.saved_shapes(Path(saved["folder"]), saved["key"])
+            saved = {name: torch.empty(shape, device="meta") for name, shape in found.items()}
         return weights_mismatch(tensors(target.state_dict()), tensors(saved))
+    if shards.is_ref(saved):
+        return ""  # a sharded optimizer state, keyed by parameter names: DCP matches them as it loads
     if isinstance(target, torch.optim.Optimizer):
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if not isinstance(groups, list):
@@ -308,26 +314,29 @@ def named_state(ctx: DistContext, strategy: Any, state: dict, models: list, wher
 
 
 def state_of(strategy: Any, obj: Any, ctx: DistContext) -> Any:
-    """What a snapshot holds of one named object: a model's and an optimizer's whole state as the strategy
-    gives it (a collective under a sharded one), another object's ``state_dict``, or the plain value."""
+    """What a snapshot holds of one named object: a model's and an optimizer's state as the strategy gives
+    it (under FSDP2 each rank's shards, which it writes itself: run/shards.py), another object's
+    ``state_dict``, or the plain value."""
     if isinstance(strategy.unwrap(obj), nn.Module):
-        return strategy.model_state(obj)
+        return strategy.snapshot_model(obj)
     if isinstance(obj, torch.optim.Optimizer):
-        return strategy.optimizer_state(obj, ctx)
+        return strategy.snapshot_optimizer(obj, ctx)
     return obj.state_dict() if hasattr(obj, "state_dict") else obj
 
 
-def load_state(strategy: Any, obj: Any, value: Any) -> None:
+def load_state(strategy: Any, obj: Any, value: Any, models: list) -> None:
     """:func:`state_of`'s value back into ``obj``, through the strategy for models and optimizers."""
     if isinstance(strategy.unwrap(obj), nn.Module):
         strategy.load_model_state(obj, value)
     elif isinstance(obj, torch.optim.Optimizer):
-        strategy.load_optimizer_state(obj, value)
+        strategy.load_optimizer_state(obj, value, models)
     else:
         obj.load_state_dict(value)
 
 
-def load_named(state: dict, shared: dict, per_rank: list, mine: dict, strategy: Any, run_dir: str) -> None:
+def load_named(
+    state: dict, shared: dict, per_rank: list, mine: dict, strategy: Any, run_dir: str, models: list = ()
+) -> None:
     """A snapshot's named state into ``state`` (what :func:`named_state` saved: ``shared``, the names saved
     ``per_rank``, and this rank's own values ``mine``): objects loaded in place, plain values replaced. Every
     name and every part is checked (:func:`misfit`) before anything is loaded: nothing half-resumed."""
@@ -350,15 +359,15 @@ def load_named(state: dict, shared: dict, per_rank: list, mine: dict, strategy: 
             )
     for name, value in values.items():
         if hasattr(state[name], "load_state_dict"):
-            load_state(strategy, state[name], value)
+            load_state(strategy, state[name], value, models)
         else:
             state[name] = value
 
 
 def check_plain(name: str, value: Any, where: str) -> None:
     """Raise unless ``value`` is what ``torch.load(weights_only=True)`` reads back; ``where`` names the call."""
-    if type(value) in PLAIN or isinstance(value, torch.Tensor):  # exact types: numpy's float64 is a float too,
-        return  # and torch.load(weights_only=True) refuses it
+    if type(value) in PLAIN or isinstance(value, (torch.Tensor, shards.Sharded)):  # exact types: numpy's
+        return  # float64 is a float too, and torch.load(weights_only=True) refuses it; shards are DCP's to write
     if type(value) in (list, tuple):
         for v in value:
             check_plain(name, v, where)

@@ -61,15 +61,24 @@ class Strategy(Protocol):
         """The model's whole ``state_dict`` for a snapshot, ``model.pt`` and ``best.pt`` (every rank calls it:
         it may be a collective, after which only global rank 0 holds the values)."""
 
+    def snapshot_model(self, model: nn.Module) -> Any:
+        """What a snapshot holds of the model: :meth:`model_state`'s whole state, or each rank's shards
+        (``run/shards.Sharded``: every rank writes its own beside the snapshot file)."""
+
     def load_model_state(self, model: nn.Module, state: dict) -> None:
-        """A whole ``state_dict`` (what :meth:`model_state` gave, at any world size, under any strategy)."""
+        """A snapshot's model, under this strategy or another, at any world size: a whole ``state_dict``
+        (:meth:`model_state`'s) or a reference to shards (``run/shards.py``)."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
         """The optimizer's whole state for a snapshot, in ``Optimizer.state_dict``'s layout (every rank calls
         it: it may be a collective)."""
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """What :meth:`optimizer_state` gave, under this strategy or another."""
+    def snapshot_optimizer(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> Any:
+        """As :meth:`snapshot_model`, for an optimizer."""
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
+        """What :meth:`snapshot_optimizer` gave, under this strategy or another; ``models``: the loop's, one of
+        which the optimizer steps (sharded state is keyed by parameter names)."""
 
     def evaluating(self, model: nn.Module) -> AbstractContextManager:
         """Around an evaluation, where each rank may run another number of batches (every rank enters it)."""

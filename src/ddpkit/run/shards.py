@@ -1,0 +1,177 @@
+"""A snapshot's sharded parts: each rank writes its own shards (``torch.distributed.checkpoint``, DCP), and the
+snapshot file (``run/checkpoint.py``) holds a reference to them, so that file stays the commit marker.
+
+    state = {"model": Sharded(get_model_state_dict(fsdp_model))}   # what a strategy gives a snapshot
+    crcs = save_shards({"s0": state["model"].state}, folder, ctx)  # every rank: its files, checksummed
+    ...the snapshot file written with {"model": ref("s0")} and every rank's crcs...
+    load_model(model, ref)                                          # resharded to this run's ranks
+
+The layout on disk: ``checkpoints/snapshot-000000010.pt`` (written last) and ``snapshot-000000010.shards/``
+(DCP's files: ``.metadata`` and one ``__<rank>_0.distcp`` per rank). A kill before the snapshot file is
+whole leaves a folder no snapshot names, removed at the next write; a shard file whose bytes changed is
+found by its CRC32 before anything loads, and the snapshot skipped for the one before it. DCP reshards on
+load: a world-2 snapshot loads into 1 or 3 ranks, into FSDP2 or into a whole (DDP) model alike.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RunDirError
+from ..ranks.context import DistContext
+
+REF = "__shards__"  # the key that makes a dict in a snapshot a reference to its shards
+FILES = "shard_files"  # the snapshot's record of every shard file's CRC32, by name
+SUFFIX = ".shards"
+
+
+@dataclass
+class Sharded:
+    """A state dict of DTensors (each rank's own shards), to be written by every rank with DCP."""
+
+    state: dict
+
+
+def ref(key: str) -> dict:
+    """What the snapshot file holds in a sharded part's place (the folder is the snapshot's own)."""
+    return {REF: key}
+
+
+def is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and REF in value
+
+
+def folder_of(snapshot: Path) -> Path:
+    """``snapshot-000000010.pt`` -> ``snapshot-000000010.shards``."""
+    return snapshot.with_suffix(SUFFIX)
+
+
+def find(tree: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every :class:`Sharded` in ``tree`` (dicts), with where it is; in the tree's order, the same on every rank."""
+    if isinstance(tree, Sharded):
+        return [(path, tree)]
+    if isinstance(tree, dict):
+        return [found for k, v in tree.items() for found in find(v, f"{path}/{k}")]
+    return []
+
+
+def replace_found(tree: Any, keys: dict[int, str]) -> Any:
+    """``tree`` with each :class:`Sharded` (by id) replaced by its reference."""
+    if isinstance(tree, Sharded):
+        return ref(keys[id(tree)])
+    if isinstance(tree, dict):
+        return {k: replace_found(v, keys) for k, v in tree.items()}
+    return tree
+
+
+def damage_of(trainer: dict, folder: Path) -> str:
+    """A snapshot's shards against the CRCs its file records ("" when it has none, or they are whole)."""
+    crcs = trainer.get(FILES)
+    return damage(folder, crcs) if crcs else ""
+
+
+def resolved(tree: Any, folder: Path) -> Any:
+    """``tree`` with each reference made loadable: ``{"key": its part, "folder": the shards' path}``."""
+    if is_ref(tree):
+        return {"key": tree[REF], "folder": str(folder), REF: tree[REF]}
+    if isinstance(tree, dict):
+        return {k: resolved(v, folder) for k, v in tree.items()}
+    return tree
+
+
+def owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
+    """The model among ``models`` whose parameters ``optimizer`` steps (DCP keys its state by their names)."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if mine <= {id(p) for p in model.parameters()}:
+            return model
+    raise RunDirError(
+        "a snapshot's sharded optimizer state is keyed by parameter names, and this optimizer steps the parameters "
+        "of no one model passed to the loop (or of several): build one optimizer per model"
+    )
+
+
+def save_shards(entries: dict[str, dict], folder: Path, ctx: DistContext) -> dict[str, int]:
+    """Every rank: ``entries`` (key -> a state dict of shards) written into ``folder`` by DCP (a collective).
+    Returns the CRC32 of each file this rank wrote (rank 0: with the metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    # A tensor every rank holds whole (a buffer: BatchNorm's running statistics) is written once, and by global
+    # rank 0, whose buffers are the model's (DDP broadcasts them from rank 0; model.pt holds rank 0's): DCP's
+    # default spreads such writes over the ranks, so a resume gave rank 0 rank 1's statistics
+    dcp.save(entries, checkpoint_id=str(folder), planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    mine = sorted(folder.glob(f"__{ctx.rank}_*.distcp")) + ([folder / ".metadata"] if ctx.is_main else [])
+    return {p.name: file_crc(p) for p in mine}
+
+
+def file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def damage(folder: Path, crcs: dict[str, int]) -> str:
+    """How the shards in ``folder`` differ from their recorded CRCs ("" when whole)."""
+    if not folder.is_dir():
+        return f"its shards folder {folder.name} is gone"
+    for name, crc in sorted(crcs.items()):
+        path = folder / name
+        if not path.exists():
+            return f"its shard file {folder.name}/{name} is gone"
+        if file_crc(path) != crc:
+            return f"the CRC32 of its shard file {folder.name}/{name} differs from the one written with it"
+    return ""
+
+
+def saved_shapes(folder: Path, key: str) -> dict[str, tuple]:
+    """The tensors a sharded part holds, by name (within the part) -> whole shape, from DCP's metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    prefix = f"{key}."
+    return {k[len(prefix) :]: tuple(m.size) for k, m in meta.items() if k.startswith(prefix) and hasattr(m, "size")}
+
+
+def read_whole(folder: Path, key: str) -> dict:
+    """A sharded part as whole tensors on the CPU, in this process alone (no process group: ``--init-from``
+    a snapshot, or ``ddpkit eval``)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    prefix = f"{key}."
+    target = {
+        k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith(prefix) and hasattr(m, "size")
+    }
+    dcp.load({key: target}, checkpoint_id=str(folder), no_dist=True)
+    return target
+
+
+def load_model(model: nn.Module, part: dict) -> None:
+    """A sharded part (``part``: a reference :meth:`Checkpointer.restore` made absolute) into ``model``,
+    sharded or whole: DCP reads what this rank's tensors cover."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    dcp.load({part["key"]: state}, checkpoint_id=part["folder"])
+    set_model_state_dict(model, state)
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, part: dict) -> None:
+    """As :func:`load_model`, for the optimizer of ``model`` (its state made first, to be read into)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    dcp.load({part["key"]: state}, checkpoint_id=part["folder"])
+    set_optimizer_state_dict(model, optimizer, state)
