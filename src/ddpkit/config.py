@@ -576,8 +576,8 @@ class TrainConfig:
             "plots",
         }
     )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py). strategy: FSDP2 computes what
-    # DDP does to float noise and its snapshots are DDP's layout (tests/train/test_fsdp2.py), so a run dir resumes
-    # under either, as at another world size. Not cuda_graph: on CUDA it reads the lr as float32 (DeviceLR)
+    # DDP does to float noise and each reads the other's snapshots (tests/train/test_fsdp2.py), so a run dir
+    # resumes under either, as at another world size. Not cuda_graph: on CUDA it reads the lr as float32 (DeviceLR)
 
     def identity(self) -> dict:
         return {k: v for k, v in self.to_dict().items() if k not in self.NON_IDENTITY}

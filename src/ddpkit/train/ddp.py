@@ -73,11 +73,8 @@ class DDPStrategy:
             return
         self.unwrap(model).load_state_dict(state)
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
-        return optimizer_state(optimizer, ctx)
-
     def snapshot_optimizer(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
-        return optimizer_state(optimizer, ctx)
+        return optimizer_state(optimizer, ctx)  # ZeRO: its shards gathered to rank 0 (a collective)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
         if shards.is_ref(state):  # an FSDP2 run's snapshot: keyed by parameter names, found through the model

@@ -5,20 +5,20 @@ and gathers a unit's whole parameters only for its forward and backward.
     strategy = FSDP2Strategy()
     model = strategy.wrap(raw, ctx)                     # fully_shard on the units, then on the root
     opt = torch.optim.AdamW(model.parameters())         # after the wrap: over the shards
-    strategy.model_state(model)                         # the whole state_dict, gathered to rank 0's host
+    strategy.snapshot_model(model)                      # each rank's shards, for a snapshot (run/shards.py)
+    strategy.model_state(model)                         # the whole state_dict on rank 0: best.pt, model.pt
 
 What DDP gives, this gives as well, computed alike: gradients averaged over ranks (reduce-scatter of the
-mean), rank 0's buffers broadcast before each training forward (DDP's ``broadcast_buffers``), clipping by
-the global norm, a snapshot holding the model's and the optimizer's whole state in torch's own layout (a
-snapshot of a DDP run loads here and back, at any world size), and an evaluation whose ranks may run
-different numbers of batches (:meth:`FSDP2Strategy.evaluating`). Autocast stays ``--amp``'s, as under DDP,
-so a run computes what the DDP run computes (``MixedPrecisionPolicy`` is not used: it would cast the
-parameters themselves, a change of numerics nobody asked for).
+mean), rank 0's buffers broadcast when DDP broadcasts them (:class:`BufferSync`), clipping by the global
+norm, and an evaluation whose ranks may run different numbers of batches (:meth:`FSDP2Strategy.evaluating`).
+Autocast stays ``--amp``'s, as under DDP, so a run computes what the DDP run computes
+(``MixedPrecisionPolicy`` is not used: it would cast the parameters themselves, a change of numerics
+nobody asked for).
 
-A snapshot gathers the whole state to rank 0 (``torch.distributed.checkpoint.state_dict`` with
-``full_state_dict``): simple and exact, and the same file as DDP's, at the cost of one whole copy on rank
-0's host at a save. Sharded files, each rank writing its own (``torch.distributed.checkpoint.save``), are
-the step beyond.
+A snapshot holds each rank's shards of the model and the optimizer, written by every rank itself with
+``torch.distributed.checkpoint`` beside the snapshot file, and resharded on load to the world that resumes
+(``run/shards.py``): no rank holds the whole state. A DDP run's snapshot (whole tensors) loads here, cut
+into the shards, and a DDP run reads this one's shards whole.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ class FSDP2Strategy:
         return norm
 
     def replicated(self, obj: Any) -> bool:
-        """A sharded module's state, and its optimizer's, is gathered whole for a snapshot: the same on every
-        rank by construction (only rank 0 holds it), never hashed."""
+        """A sharded module's snapshot state, and its optimizer's, is each rank's shards, which every rank
+        writes itself: never hashed as a value that may differ by rank."""
         if isinstance(obj, torch.optim.Optimizer):
             return sharded_params(obj)
         return is_sharded(self.unwrap(obj))
@@ -218,32 +218,9 @@ class FSDP2Strategy:
             return
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
-        """The whole optimizer state in torch's own layout (parameters numbered in group order, as
-        ``Optimizer.state_dict`` numbers them: a DDP run's snapshot holds the same): a collective; rank 0
-        holds the values, the other ranks an empty dict."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        if not sharded_params(optimizer):
-            return optimizer.state_dict()
-        model = self._owner(optimizer)
-        by_name = get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if not by_name:
-            return {}
-        index = {}
-        for group in by_name["param_groups"]:
-            for name in group["params"]:
-                index[name] = len(index)
-        return {
-            "state": {index[name]: value for name, value in by_name["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]],
-        }
-
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
-        """What :meth:`snapshot_optimizer` wrote (shards), or a whole state in ``Optimizer.state_dict``'s
-        layout (:meth:`optimizer_state`'s, a DDP run's snapshot's), into this optimizer's shards."""
+        """What :meth:`snapshot_optimizer` wrote (shards), or a whole state in ``Optimizer.state_dict``'s layout
+        (a DDP run's snapshot's: parameters numbered in group order), into this optimizer's shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if shards.is_ref(state):

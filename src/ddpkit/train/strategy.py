@@ -58,7 +58,7 @@ class Strategy(Protocol):
         (not hashed at a snapshot)."""
 
     def model_state(self, model: nn.Module) -> dict:
-        """The model's whole ``state_dict`` for a snapshot, ``model.pt`` and ``best.pt`` (every rank calls it:
+        """The model's whole ``state_dict`` for ``model.pt`` and ``best.pt`` (every rank calls it:
         it may be a collective, after which only global rank 0 holds the values)."""
 
     def snapshot_model(self, model: nn.Module) -> Any:
@@ -68,10 +68,6 @@ class Strategy(Protocol):
     def load_model_state(self, model: nn.Module, state: dict) -> None:
         """A snapshot's model, under this strategy or another, at any world size: a whole ``state_dict``
         (:meth:`model_state`'s) or a reference to shards (``run/shards.py``)."""
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict | None:
-        """The optimizer's whole state for a snapshot, in ``Optimizer.state_dict``'s layout (every rank calls
-        it: it may be a collective)."""
 
     def snapshot_optimizer(self, optimizer: torch.optim.Optimizer, ctx: DistContext) -> Any:
         """As :meth:`snapshot_model`, for an optimizer."""
