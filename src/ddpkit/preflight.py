@@ -386,7 +386,7 @@ def check_processes(
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     held = lambda shard: rss_bytes() + (weights * (4 / spec.world_size + 1) if shard else 4 * weights)  # noqa: E731
     per_rank = held(sharded)
-    staged = 3 * weights if staging else 0
+    staged = 3 * weights if staging and not sharded else 0  # FSDP2: each rank writes its shards itself
     available = available_memory_bytes()
     if available is not None and spec.nproc * per_rank + staged > available:
         also = f", and {staged / 2**30:.2f} GiB for rank 0's copy of a snapshot (--async-snapshots)" if staged else ""
