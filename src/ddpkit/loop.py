@@ -296,6 +296,12 @@ class Loop:
         or more); build the optimizer after this, over the returned model's parameters."""
         if shard is not None and self.strategy.name != "fsdp2":
             raise ConfigError("Loop.wrap(shard=...) is FSDP2's sharding policy: pass Loop(strategy='fsdp2')")
+        if self.strategy.name == "fsdp2" and not broadcast_buffers and any(True for _ in model.buffers()):
+            raise ConfigError(
+                "Loop.wrap(broadcast_buffers=False) under FSDP2: its snapshots hold rank 0's buffers alone (a "
+                "sharded model's state is not saved per rank), so each rank's own would not resume; keep "
+                "broadcast_buffers=True, or use strategy='ddp'"
+            )
         raw = model.to(self.ctx.device)
         if self.config.sync_bn:
             raw = convert_sync_batchnorm(raw, self.ctx.device)
@@ -308,8 +314,6 @@ class Loop:
             sync_buffers=broadcast_buffers,
             **({"policy": shard} if shard is not None else {}),
         )
-        if self.strategy.name == "fsdp2":
-            self._said("FSDP2: parameters, gradients and optimizer state sharded over the ranks")
         self._models.append(wrapped)
         return wrapped
 

@@ -157,3 +157,56 @@ def two_models(_ctx, run_dir: str, strategy: str, reverse: bool = False, stop_at
                 loop.step()
         states = {"enc": loop.strategy.model_state(enc), "critic": loop.strategy.model_state(critic)}
         return {"weights": {f"{m}.{k}": v.clone() for m, sd in states.items() for k, v in sd.items()}}
+
+
+class WithUnused(nn.Module):
+    """A model with a head its loss never reaches (no gradient, so no optimizer state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_and_late(_ctx, run_dir: str, strategy: str, stop_at: int | None = None) -> dict:
+    """A parameter that never gets a gradient, and a second model whose optimizer takes its first step at
+    step 6: a snapshot before then holds neither's state, and a resume must not make any up (torch's
+    state-dict API steps an optimizer with no state at lr 0, which sets Adam's step count to 1)."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = (
+        torch.randn(96, 8, generator=gen, dtype=torch.float64),
+        torch.randn(96, 4, generator=gen, dtype=torch.float64),
+    )
+    with ddpkit.Loop(run_dir, log_every=1, strategy=strategy) as loop:
+        torch.manual_seed(0)
+        model = loop.wrap(WithUnused().double(), find_unused_parameters=strategy == "ddp")  # DDP must be told
+        late = loop.wrap(nn.Linear(4, 4).double())
+        opt, opt_late = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(late.parameters(), lr=1e-2)
+        loader = loop.data(TensorDataset(x, y), batch_size=12 // loop.world_size, drop_last=True)
+        loop.resume(model=model, late=late, opt=opt, opt_late=opt_late)
+        for _ in loop.epochs(2):
+            for xb, yb in loader:
+                out = model(xb)
+                F.mse_loss(out, yb).backward()
+                opt.step()
+                opt.zero_grad()
+                if loop.state.step >= 6:
+                    F.mse_loss(late(out.detach()), yb).backward()
+                    opt_late.step()
+                    opt_late.zero_grad()
+                if stop_at is not None and loop.state.step + 1 == stop_at:
+                    loop.session.signal.received = "SIGTERM"
+                loop.step()
+        states = {"model": loop.strategy.model_state(model), "late": loop.strategy.model_state(late)}
+        return {"weights": {f"{m}.{k}": v.clone() for m, sd in states.items() for k, v in sd.items()}}
+
+
+def first_weights(_ctx, run_dir: str, strategy: str) -> dict:
+    """Each rank seeds apart before building the model (as an unseeded script does): after wrap(), the
+    model every rank trains is rank 0's, as DDP's constructor makes it."""
+    with ddpkit.Loop(run_dir, strategy=strategy) as loop:
+        torch.manual_seed(100 + loop.rank)
+        model = loop.wrap(SmallGPT().double())
+        return {"weights": {k: v.clone() for k, v in loop.strategy.model_state(model).items()}}

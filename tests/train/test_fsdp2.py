@@ -125,6 +125,40 @@ def test_two_models_with_their_own_optimizers_train_under_fsdp2_as_under_ddp(tmp
     assert drift(ddpkit.launch(fw.two_models, str(tmp_path / "cut"), "fsdp2", nproc=2, device="cpu"), f2) == 0.0
 
 
+def test_no_optimizer_state_is_made_up_by_a_snapshot_or_a_resume(tmp_path):
+    """An unused head (never a gradient, never a state) and an optimizer whose first step is at step 6: a
+    stop at step 4 and its resume end bitwise as the run that never stopped, under FSDP2 and across to DDP.
+    Before: the resume failed on the unused head's missing state, and a snapshot of the late optimizer set
+    its Adam step count to 1 (torch's state-dict API steps an optimizer with no state, at lr 0)."""
+    runs = {}
+    for strategy in ("fsdp2", "ddp"):
+        runs[strategy] = ddpkit.launch(fw.unused_and_late, str(tmp_path / strategy), strategy, nproc=2, device="cpu")
+    for then in ("fsdp2", "ddp"):
+        cut = str(tmp_path / f"cut-{then}")
+        with pytest.raises(Stopped):
+            ddpkit.launch(fw.unused_and_late, cut, "fsdp2", 4, nproc=2, device="cpu")
+        assert drift(ddpkit.launch(fw.unused_and_late, cut, then, nproc=2, device="cpu"), runs[then]) == 0.0, then
+
+
+def test_every_rank_starts_from_rank_0s_weights_as_under_ddp(tmp_path):
+    """DDP's constructor broadcasts rank 0's parameters and buffers; fully_shard does not, and a script that
+    seeded each rank apart trained rows of rank 0's weights beside rows of rank 1's (6.4 away)."""
+    ddp = ddpkit.launch(fw.first_weights, str(tmp_path / "d"), "ddp", nproc=2, device="cpu")
+    fsdp2 = ddpkit.launch(fw.first_weights, str(tmp_path / "f"), "fsdp2", nproc=2, device="cpu")
+    assert drift(ddp, fsdp2) == 0.0
+
+
+def test_a_tied_weight_is_never_split_between_units():
+    """An embedding tied to the output head: the default policy leaves it to the unit above both (torch
+    refuses one parameter in two units at the first forward), and a policy that picks it is refused."""
+    from ddpkit.train.fsdp2 import units
+
+    model = fw.SmallGPT(vocab=4096, d=64)  # the embedding: 262k parameters, the largest module
+    model.head.weight = model.emb.weight
+    chosen = units(model, min_params=40_000)
+    assert model.emb not in chosen and model.head not in chosen and chosen == list(model.blocks)
+
+
 # ---------------------------------------------------------------- refused, each in one line (world 1)
 
 
@@ -154,6 +188,16 @@ def test_wrap_options_fsdp2_has_no_answer_for_are_refused(tmp_path):
     with ddpkit.Loop(str(tmp_path / "r"), strategy="fsdp2") as loop:
         with pytest.raises(ConfigError, match="no find_unused_parameters"):
             loop.wrap(fw.SmallGPT(), find_unused_parameters=True)
+        with pytest.raises(ConfigError, match=r"broadcast_buffers=False\) under FSDP2: its snapshots hold rank 0"):
+            loop.wrap(fw.build("convnet", torch.float64), broadcast_buffers=False)
+        tied = fw.SmallGPT()
+        tied.head.weight = tied.emb.weight
+        with pytest.raises(ConfigError, match="shares a parameter with a module outside it"):
+            loop.wrap(tied, shard=lambda m: m is tied.emb)
+        a, b = loop.wrap(fw.SmallGPT()), loop.wrap(fw.SmallGPT())
+        both = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+        with pytest.raises(ConfigError, match="steps the parameters of one wrapped model"):
+            loop.resume(a=a, b=b, opt=both)
     with ddpkit.Loop(str(tmp_path / "d")) as loop:
         with pytest.raises(ConfigError, match="shard=.*strategy='fsdp2'"):
             loop.wrap(fw.SmallGPT(), shard=lambda m: False)

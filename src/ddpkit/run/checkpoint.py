@@ -109,9 +109,21 @@ def read_weights(path: str | Path, what: str = "weights file") -> dict:
                 f"{what} {path} is a damaged snapshot ({damage}): its bytes changed after ddpkit wrote it; "
                 f"pass an intact copy, or the snapshot before it"
             )
+        folder = shards.folder_of(Path(path))
+        damage = shards.damage_of(obj["trainer"], folder)
+        if damage:
+            raise RunDirError(
+                f"{what} {path} is a damaged snapshot ({damage}); pass an intact copy, or the snapshot before it"
+            )
         obj = obj["trainer"]["model"]  # a snapshot
         if shards.is_ref(obj):  # its model in shards beside it: read whole, in this process alone
-            obj = shards.read_whole(shards.folder_of(Path(path)), obj[shards.REF])
+            try:
+                obj = shards.read_whole(folder, obj[shards.REF])
+            except Exception as exc:  # noqa: BLE001 - DCP's own errors (a folder without metadata, bad bytes)
+                raise RunDirError(
+                    f"{what} {path}: its shards in {folder.name} cannot be read ({type(exc).__name__}: "
+                    f"{_first_line(exc)}); pass an intact copy, or the snapshot before it"
+                ) from None
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise RunDirError(f"{what} {path}: expected a state_dict (name -> tensor), as model.pt holds")
     return {k.removeprefix("module."): v for k, v in obj.items()}

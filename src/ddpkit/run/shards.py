@@ -172,6 +172,20 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, part: dic
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer)
-    dcp.load({part["key"]: state}, checkpoint_id=part["folder"])
+    state = get_optimizer_state_dict(model, optimizer)  # torch makes state for every parameter to read into
+    key, folder = part["key"], part["folder"]
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    # A parameter the saved run had no state for (no gradient yet: an unused head, a branch not taken) is
+    # not read, and has none again after the load, as in the run that saved it
+    missing = [name for name in state["state"] if not any(k.startswith(f"{key}.state.{name}.") for k in saved)]
+    loadable = {**state, "state": {n: v for n, v in state["state"].items() if n not in missing}}
+    dcp.load({key: loadable}, checkpoint_id=folder)  # into the same per-parameter dicts, and the groups
     set_optimizer_state_dict(model, optimizer, state)
+    drop_state(model, optimizer, missing)
+
+
+def drop_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+    """The optimizer's state of the parameters ``names`` removed (what torch's state-dict API made up)."""
+    params = dict(model.named_parameters())
+    for name in names:
+        optimizer.state.pop(params[name], None)

@@ -37,15 +37,18 @@ from ..run import shards
 # What a sharding unit holds at least, by default (parameters not in a smaller unit already): a
 # transformer block of a 100M-parameter GPT (7M) is one, a LayerNorm is not. Below it, the root's unit.
 MIN_UNIT_PARAMS = 1_000_000
-# torch's public fully_shard (torch.distributed.fsdp): 2.6. Before it, only the private _composable path.
-NEEDS = "FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6"
+# torch's public fully_shard came in 2.6; FSDPModule.set_reshard_after_forward, which an evaluation uses,
+# in 2.7 (pytorch PR 149103). Detected, not compared by version number.
+NEEDS = "FSDP2 needs torch >= 2.7 (torch.distributed.fsdp.fully_shard with FSDPModule.set_reshard_after_forward)"
 
 
 def available() -> str:
-    """ "" when this torch has the public ``fully_shard``; else why not, in one line."""
+    """ "" when this torch has what FSDP2 here uses; else why not, in one line."""
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
     except ImportError:
+        FSDPModule = None
+    if FSDPModule is None or not hasattr(FSDPModule, "set_reshard_after_forward"):
         return f"{NEEDS}; this is torch {torch.__version__}: upgrade torch, or use --strategy ddp"
     return ""
 
@@ -64,14 +67,17 @@ def sharded_params(optimizer: torch.optim.Optimizer) -> bool:
 
 def units(raw: nn.Module, min_params: int = MIN_UNIT_PARAMS) -> list[nn.Module]:
     """The default policy: submodules, innermost first, each holding at least ``min_params`` parameters not
-    in a unit below it (a transformer block, a ResNet stage); the root is a unit of its own after them."""
+    in a unit below it (a transformer block, a ResNet stage); the root is a unit of its own after them. A
+    module that shares a parameter with one outside it (an embedding tied to the output head) is never a
+    unit: the tied weight stays in the unit above both."""
     chosen: list[nn.Module] = []
     taken: set[int] = set()
+    shared = shared_outside(raw)
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             visit(child)
-        if module is raw:
+        if module is raw or id(module) in shared:
             return
         free = [p for p in module.parameters() if id(p) not in taken]
         if sum(p.numel() for p in free) >= min_params:
@@ -80,6 +86,22 @@ def units(raw: nn.Module, min_params: int = MIN_UNIT_PARAMS) -> list[nn.Module]:
 
     visit(raw)
     return chosen
+
+
+def shared_outside(raw: nn.Module) -> set[int]:
+    """The ids of the submodules holding a parameter that a module outside them holds too (tied weights):
+    ``fully_shard`` refuses such a unit at its first forward ("shared with a parameter already managed by
+    another FSDP group")."""
+    owners: dict[int, set[int]] = {}
+    for module in raw.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    out = set()
+    for module in raw.modules():
+        inside = {id(m) for m in module.modules()}
+        if any(not owners[id(p)] <= inside for p in module.parameters()):
+            out.add(id(module))
+    return out
 
 
 class FSDP2Strategy:
@@ -112,10 +134,26 @@ class FSDP2Strategy:
                 "FSDP2 has no find_unused_parameters: every rank must give every sharded parameter a gradient "
                 "(or none) in a step; use every parameter in each forward, or use strategy='ddp'"
             )
+        from torch.distributed.device_mesh import init_device_mesh
+
         chosen = [m for m in raw.modules() if m is not raw and policy(m)] if policy else units(raw)
+        tied = [type(m).__name__ for m in chosen if id(m) in shared_outside(raw)]
+        if tied:
+            raise ConfigError(
+                f"Loop.wrap(shard=...) chose {', '.join(tied[:3])}, which shares a parameter with a module outside "
+                f"it (a tied weight): FSDP2 cannot shard one parameter in two units; leave it to the unit above both"
+            )
+        # DDP's constructor makes every rank start from rank 0's parameters and buffers; fully_shard does not:
+        # a script that seeds each rank apart (or loads weights on rank 0) would train a patchwork of them
+        ctx.broadcast_many([*raw.parameters(), *raw.buffers()])
+        # The mesh on the run's own device type: left to torch, it is the machine's accelerator, even for a
+        # --device cpu run on a GPU machine
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        # Explicit, so that an evaluation can set them back: the units free their gathered weights after the
+        # forward, the root keeps its own for the backward (torch's default for the root)
         for module in reversed(chosen) if policy else chosen:  # innermost first: a unit excludes its sub-units
-            fully_shard(module)
-        fully_shard(raw)
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        fully_shard(raw, mesh=mesh, reshard_after_forward=False)
         if sync_buffers and ctx.world_size > 1 and any(True for _ in raw.buffers()):
             self._buffers[id(raw)] = BufferSync(ctx)
             raw.register_forward_pre_hook(self._buffers[id(raw)])
@@ -170,13 +208,16 @@ class FSDP2Strategy:
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, where: str) -> None:
         """An optimizer built before the wrap holds the whole parameters that ``fully_shard`` replaced: it
-        would step tensors the model no longer uses. Refused, saying to build it after."""
+        would step tensors the model no longer uses. Refused, saying to build it after; and one over the
+        parameters of several wrapped models, whose sharded state is keyed by one model's names."""
         if self.models and not sharded_params(optimizer):
             raise ConfigError(
                 f"{where}: the optimizer was built over the model's parameters before FSDP2 sharded them (the "
                 f"model trains new ones, its shards): build it after the wrap, over model.parameters() of the "
                 f"model wrap() returned"
             )
+        if self.models:
+            self._owner(optimizer, where)
 
     # ------------------------------------------------------------------ a snapshot's state
     def model_state(self, model: nn.Module) -> dict:
@@ -200,7 +241,9 @@ class FSDP2Strategy:
         """As :meth:`snapshot_model`, for an optimizer over sharded parameters (its state keyed by their names)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        if not sharded_params(optimizer):
+        if not sharded_params(optimizer) or not optimizer.state:
+            # No state yet (no step taken): torch's state-dict API would make some with a step at lr 0
+            # (_init_optim_state), setting Adam's step count to 1 under the run's feet; its groups alone
             return optimizer.state_dict()
         return shards.Sharded(get_optimizer_state_dict(self._owner(optimizer), optimizer))
 
@@ -221,14 +264,18 @@ class FSDP2Strategy:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, models: list = ()) -> None:
         """What :meth:`snapshot_optimizer` wrote (shards), or a whole state in ``Optimizer.state_dict``'s layout
         (a DDP run's snapshot's: parameters numbered in group order), into this optimizer's shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if shards.is_ref(state):
             owner = self._owner(optimizer) if sharded_params(optimizer) else shards.owner(optimizer, models)
             shards.load_optimizer(owner, optimizer, state)
             return
-        if not sharded_params(optimizer):
-            optimizer.load_state_dict(state)
+        if not sharded_params(optimizer) or not state.get("state"):
+            optimizer.load_state_dict(state)  # whole tensors, or no state at all: torch's own load
             return
         model = self._owner(optimizer)
         name_of = {id(p): name for name, p in model.named_parameters()}
@@ -237,16 +284,24 @@ class FSDP2Strategy:
             "state": {names[i]: value for i, value in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
         }
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        # torch's load wants a state for every parameter: one the saved run had none for gets a made-up one,
+        # removed after the load, so it has none again, as in the run that saved it
+        whole = StateDictOptions(full_state_dict=True)
+        made = get_optimizer_state_dict(model, optimizer, options=whole)["state"]
+        missing = [name for name in made if name not in by_name["state"]]
+        by_name["state"].update({name: made[name] for name in missing})
+        set_optimizer_state_dict(model, optimizer, by_name, options=whole)
+        shards.drop_state(model, optimizer, missing)
 
-    def _owner(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+    def _owner(self, optimizer: torch.optim.Optimizer, where: str = "an optimizer") -> nn.Module:
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for model in self.models:
             if mine <= {id(p) for p in model.parameters()}:
                 return model
         raise ConfigError(
-            "an optimizer over FSDP2-sharded parameters of more than one wrapped model, or of none: build "
-            "one optimizer per model, after wrapping it"
+            f"{where}: under FSDP2 an optimizer steps the parameters of one wrapped model (its sharded state is "
+            f"saved by that model's parameter names), and this one's are of several or of none: build one "
+            f"optimizer per model, after wrapping it"
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -271,7 +326,8 @@ class FSDP2Strategy:
             yield
         finally:
             buffers.paused = False
-            model.set_reshard_after_forward(True, recurse=True)
+            model.set_reshard_after_forward(True, recurse=True)  # as wrap() set them: the units free theirs,
+            model.set_reshard_after_forward(False, recurse=False)  # the root keeps its own
             for m in shards:
                 m.reshard()
 

@@ -78,6 +78,7 @@ def blockers(cfg: TrainConfig, device_type: str, world_size: int) -> list[str]:
     for flag, on in (
         ("--grad-accum > 1", cfg.grad_accum > 1),  # no_sync micro-steps: DDP's Python decides per micro-step
         ("--join", cfg.join),
+        ("--strategy fsdp2", cfg.strategy == "fsdp2"),  # its step is FSDP2's hooks, not DDP's buckets
         ("--compile", cfg.compile),
         ("--amp fp16", cfg.amp == "fp16"),  # GradScaler reads found_inf on the host to skip a step
         ("--zero", cfg.zero),
