@@ -226,8 +226,10 @@ class Checkpointer:
         moment = moment or (lambda name: None)
         for stale in self.dir.glob("*.tmp"):  # left by a save that was killed part-way
             stale.unlink(missing_ok=True)
-        for folder in self.dir.glob(f"*{shards.SUFFIX}"):  # shards no snapshot names: a save killed part-way
-            if folder != shards.folder_of(path) and not folder.with_suffix(".pt").exists():
+        # Shards no snapshot names (a save killed part-way), older than this one: a newer folder may be the next
+        # save's, which the other ranks start writing while this thread still writes (background snapshots)
+        for folder in self.dir.glob(f"*{shards.SUFFIX}"):
+            if _step(folder.with_suffix(".pt")) < global_step and not folder.with_suffix(".pt").exists():
                 shutil.rmtree(folder, ignore_errors=True)
         snapshot = {
             "format": FORMAT,
