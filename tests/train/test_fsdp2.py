@@ -216,7 +216,7 @@ def test_the_default_policy_makes_units_of_blocks_above_the_size():
 
 def trainer_spec(run_dir, strategy: str, world: int = 2, **kw) -> dict:
     """The MNIST ConvNet (tests/helpers/custom_train.py: 2,000 images, global batch 100) in float64, with two
-    micro-batches a step, clipping, a validation split and --keep-best."""
+    micro-batches a step, clipping, a validation split, --keep-best and --early-stop."""
     config = dict(
         custom_train.BASE,
         run_dir=str(run_dir),
@@ -227,6 +227,10 @@ def trainer_spec(run_dir, strategy: str, world: int = 2, **kw) -> dict:
         clip_grad_norm=1.0,
         val_fraction=0.1,
         keep_best="val_loss",
+        # --early-stop on a rule that ends the run at its second evaluation that does not lower the accuracy's
+        # minimum (any gain in accuracy): the patience is counted, saved and acted on under FSDP2 as under DDP
+        eval_every_steps=12,
+        early_stop="val_accuracy:1:min",
     )
     return {"fault": "none", "config": {**config, **kw}}
 
@@ -254,6 +258,8 @@ def test_a_trainer_under_fsdp2_trains_what_ddp_trains(trained):
     assert drift(weights(trained / "f2" / "model.pt"), weights(trained / "d2" / "model.pt")) <= 4 * noise
     best = {n: torch.load(trained / n / "best.pt", weights_only=True) for n in ("d2", "f2")}
     assert best["f2"]["step"] == best["d2"]["step"]
+    steps = {n: json.loads((trained / n / "summary.json").read_text())["steps"] for n in ("d2", "f2")}
+    assert steps["f2"] == steps["d2"] < 36  # stopped early, at the same step (2 epochs of 18 steps otherwise)
     assert best["f2"]["value"] == pytest.approx(best["d2"]["value"], rel=1e-10)
     start = next(r for r in read_jsonl(trained / "f2" / "metrics.jsonl") if r["event"] == "start")
     ddp_start = next(r for r in read_jsonl(trained / "d2" / "metrics.jsonl") if r["event"] == "start")
