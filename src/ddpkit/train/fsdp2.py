@@ -127,6 +127,7 @@ class FSDP2Strategy:
         """``raw`` sharded in place (its class becomes an ``FSDPModule`` subclass: still the user's module).
         ``policy(module)``: which submodules are units of their own (default :func:`units`).
         ``static_graph`` is DDP's hint and means nothing here."""
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         if find_unused_parameters:
@@ -134,10 +135,10 @@ class FSDP2Strategy:
                 "FSDP2 has no find_unused_parameters: every rank must give every sharded parameter a gradient "
                 "(or none) in a step; use every parameter in each forward, or use strategy='ddp'"
             )
-        from torch.distributed.device_mesh import init_device_mesh
 
         chosen = [m for m in raw.modules() if m is not raw and policy(m)] if policy else units(raw)
-        tied = [type(m).__name__ for m in chosen if id(m) in shared_outside(raw)]
+        shared = shared_outside(raw)  # once: it walks every module's subtree
+        tied = [type(m).__name__ for m in chosen if id(m) in shared]
         if tied:
             raise ConfigError(
                 f"Loop.wrap(shard=...) chose {', '.join(tied[:3])}, which shares a parameter with a module outside "
