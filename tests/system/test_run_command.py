@@ -40,7 +40,8 @@ def main(run_dir, steps, mode):
     if rank == "0":
         (pids / "argv.json").write_text(json.dumps({"argv": sys.argv, "name": __name__}))
     with ddpkit.Loop(run_dir, log_every=2, device="cpu") as loop:
-        model = loop.wrap(torch.nn.Linear(4, 1))
+        # mode "shard": a ddpkit error every rank meets alike (Loop.wrap's shard= needs strategy='fsdp2')
+        model = loop.wrap(torch.nn.Linear(4, 1), **({"shard": lambda m: False} if mode == "shard" else {}))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loop.resume(model=model, optimizer=opt)
         for step in loop.steps(steps):
@@ -118,6 +119,15 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     # the rank's own traceback, once: not one per rank, nor torchrun's ChildFailedError and its box
     assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
+
+
+def test_a_ddpkit_error_every_rank_meets_in_a_loop_is_said_once(tmp_path, script):
+    """Before: each rank's process-group teardown printed it, one line per rank."""
+    proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "5", "shard")
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(said) == 1 and "strategy='fsdp2'" in said[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

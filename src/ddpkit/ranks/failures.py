@@ -1,13 +1,13 @@
 """Where a failure becomes one line: said once for the job, by the process that knows why.
 
-A rank's own error (:func:`report_failure`) is printed by that rank and left in the elastic
-agent's per-worker error file (:func:`write_error_file`), with its class; the launcher reads those
-files back (:func:`worker_reports`) and turns a failed job into one error (:func:`launch_failure`) of
-the class the worker raised (a :mod:`ddpkit.errors` class, so ``fit()`` raises the same class at every
-world size; anything else is :class:`WorkersFailed`), naming the cause, not its consequences. A rank
-that only lost a peer, or timed out waiting for one, leaves its line to ddpkit's launcher, which
-prints it only when the agent saw no rank die first: a rank killed by a signal prints nothing, and
-the launcher names it from the agent's record of its exit. The CLI prints whatever reaches it once
+A rank's own error (:func:`report_failure`) is printed by that rank (by the first of them, when several meet
+the same one) and left in the elastic agent's per-worker error file (:func:`write_error_file`), with its
+class; the launcher reads those files back (:func:`worker_reports`) and turns a failed job into one error
+(:func:`launch_failure`) of the class the worker raised (a :mod:`ddpkit.errors` class, so ``fit()`` raises the
+same class at every world size; anything else is :class:`WorkersFailed`), naming the cause, not its
+consequences. A rank that only lost a peer, or timed out waiting for one, leaves its line to ddpkit's
+launcher, which prints it only when the agent saw no rank die first: a rank killed by a signal prints nothing,
+and the launcher names it from the agent's record of its exit. The CLI prints whatever reaches it once
 (:func:`exit_status`).
 
     try: ...
@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 
 # inside the training loop, where SIGTERM is only noted, costs the job this second.
 CONSEQUENCE_EXIT_DELAY_S = 1.0
 _CAUSE_KEY = "ddpkit/cause-reported"
+_SAID_KEY = "ddpkit/said"  # + an error's checksum: how many ranks met it (_first_to_say)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,13 @@ def report_failure(exc: BaseException, rank: int) -> None:
     # says the first it reads, once
     said_once = launcher and bool(getattr(exc, "said_by_launcher", False))
     already = getattr(exc, "already_said", False)  # by the script's excepthook (a Loop.start()-ed script's end)
+    printed = not (quiet or deferred or said_once)
     if isinstance(exc, DdpkitError):
         line, code = f"rank {rank}: {exc}", exc.exit_code
-        if not (quiet or deferred or said_once or already):
-            print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
+        if printed and not already:
+            printed = _first_to_say(exc)
+            if printed:
+                print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
     else:
         if not already:
             traceback.print_exc()  # a bug keeps its traceback
@@ -114,9 +119,23 @@ def report_failure(exc: BaseException, rank: int) -> None:
         text=str(exc),
         rank=rank,
         consequence=consequence,
-        printed=not (quiet or deferred or said_once),
+        printed=printed,
     )
     exc.reported, exc.deferred = True, deferred and not quiet
+
+
+def _first_to_say(exc: DdpkitError) -> bool:
+    """Whether this rank is the first of its group to say ``exc`` (its class and text, an atomic count in the
+    group's store): an error every rank meets alike, such as a bad argument to a Loop, is one line for the job,
+    not one per rank; a different error on another rank is its own line. True when the store cannot answer (it
+    went with a dead peer): then each rank says its own."""
+    import torch.distributed as dist
+
+    said = zlib.crc32(f"{type(exc).__name__}: {exc}".encode())
+    try:
+        return dist.distributed_c10d._get_default_store().add(f"{_SAID_KEY}/{said:08x}", 1) == 1
+    except Exception:
+        return True
 
 
 def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> BaseException:
@@ -323,7 +342,8 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
     reports = [r for r in worker_reports(failures) if not r["quiet"]]
     causes = [r for r in reports if not r.get("consequence")]
     if causes:
-        cause = causes[0]
+        # One a rank printed already, if any: the others met the same error and left it unsaid (_first_to_say)
+        cause = next((r for r in causes if r.get("printed")), causes[0])
         if cause.get("traceback", cause["exit_code"] == 1):  # a bug: its rank printed the traceback, not a line
             return WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1)
         return _from_report(cause)
