@@ -3,6 +3,7 @@ written in the step (``--no-async-snapshots``) and against no snapshots during t
 
     python benchmarks/async_snapshots.py                  # ResNet-9 + SGD momentum, world 2 on the CPU
     python benchmarks/async_snapshots.py --steps 40 --every 10 --rounds 1    # a quick look
+    python benchmarks/async_snapshots.py --strategy fsdp2                    # every rank writes its shards
     python benchmarks/async_snapshots.py --device cuda --nproc 1 --optimizer adam \
         --model torchvision.models:vit_l_16 --model-args '{"num_classes": 10, "image_size": 32}'  # 3.4 GiB of state
 
@@ -69,6 +70,8 @@ def run(mode: str, args, run_dir: Path) -> dict:
         "--no-plots",
         "--run-dir",
         str(run_dir),
+        "--strategy",
+        args.strategy,
         *every,
         *MODES[mode],
     ]
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="resnet9", help="ddpkit train --model (a registry name or pkg.module:function)")
     p.add_argument("--model-args", default="", help="ddpkit train --model-args (JSON)")
     p.add_argument("--optimizer", default="sgd", help="sgd (with momentum), adam or adamw")
+    p.add_argument("--strategy", default="ddp", help="ddp, or fsdp2 (each rank's shards written by every rank)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="ddpkit-async-snapshots-"))
     runs: dict = {mode: [] for mode in MODES}
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
     }
     base = med["none"]
     print(
-        f"{args.model} + {args.optimizer}, world {args.nproc} on {args.device} "
+        f"{args.model} + {args.optimizer} under {args.strategy}, world {args.nproc} on {args.device} "
         f"({platform.processor() or platform.machine()}), {args.steps} steps, "
         f"a snapshot every {args.every}; median of {args.rounds} interleaved round(s)\n"
     )

@@ -210,3 +210,48 @@ def first_weights(_ctx, run_dir: str, strategy: str) -> dict:
         torch.manual_seed(100 + loop.rank)
         model = loop.wrap(SmallGPT().double())
         return {"weights": {k: v.clone() for k, v in loop.strategy.model_state(model).items()}}
+
+
+def slow_shard_writes(ctx, run_dir: str, stop_at: int, delay_s: float) -> dict:
+    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, each rank's shard writes slowed by
+    ``delay_s`` before they start (DCP's file writer), so that the steps after a snapshot change the weights in
+    place while it is written; the name of the thread each write ran on is kept in the run dir."""
+    import json
+    import threading
+    import time
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    names, original = [], _FileSystemWriter.write_data
+
+    def slow(self, plan, planner):
+        names.append(threading.current_thread().name)
+        time.sleep(delay_s)
+        return original(self, plan, planner)
+
+    _FileSystemWriter.write_data = slow
+    try:
+        return train(ctx, run_dir, "gpt", "fsdp2", stop_at=stop_at, save_every=2)
+    finally:
+        _FileSystemWriter.write_data = original
+        Path(run_dir, f"writer-threads-{ctx.rank}.json").write_text(json.dumps(names))
+
+
+def failing_shard_write(ctx, run_dir: str) -> dict:
+    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, rank 1's shard writes failing (a
+    full disk, on that rank's node alone)."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    original = _FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if ctx.rank == 1:
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    _FileSystemWriter.write_data = failing
+    try:
+        return train(ctx, run_dir, "gpt", "fsdp2", save_every=2)
+    finally:
+        _FileSystemWriter.write_data = original

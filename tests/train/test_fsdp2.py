@@ -21,7 +21,7 @@ from clirun import ROOT, read_jsonl, run_python
 from once import once
 
 import ddpkit
-from ddpkit.errors import ConfigError, Stopped
+from ddpkit.errors import ConfigError, RunDirError, Stopped
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = str(ROOT / "tests" / "helpers" / "custom_train.py")
@@ -76,6 +76,37 @@ def test_an_fsdp2_snapshot_resumes_bitwise_and_resharded_at_world_1_and_3(gpt, t
     noise = drift(gpt["d2"], gpt["d1"])
     for world in (1, 3):  # the shards cut anew (1/3 each at world 3), the loaders' position remapped
         assert drift(launch(tmp_path / f"w{world}", "gpt", "fsdp2", world), gpt["f2"]) <= 4 * noise, world
+
+
+def test_fsdp2_shards_are_written_in_the_background_from_a_copy_the_steps_do_not_change(gpt, tmp_path):
+    """Each rank's shards are copied aside at the step and written by a thread while the steps go on (slowed
+    here, so that the next steps change the weights in place during the write); the run stopped at step 7, and
+    its step-7 snapshot removed, resumes from step 6's, written while step 7 ran: bitwise the uninterrupted run.
+    Before: written by the main thread, inside the step."""
+    run = tmp_path / "run"
+    with pytest.raises(Stopped):
+        ddpkit.launch(fw.slow_shard_writes, str(run), 7, 0.3, nproc=2, device="cpu")
+    for rank in (0, 1):
+        threads = json.loads((run / f"writer-threads-{rank}.json").read_text())
+        assert len(threads) == 4 and "MainThread" not in threads, threads  # steps 2, 4, 6 and the stop's 7
+    for path in (run / "checkpoints").glob("snapshot-000000007*"):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    resumed = launch(run, "gpt", "fsdp2", 2)
+    assert drift(resumed, gpt["f2"]) == 0.0 and resumed["evals"] == gpt["f2"]["evals"]
+    records = read_jsonl(run / "metrics.jsonl")
+    start, end = [r for r in records if r["event"] == "start"][-1], records[-1]
+    assert start["resumed_at_step"] == 6 and end["event"] == "end", end
+    # the host memory the copies aside hold, said truly: rank 0's shards of the weights and of AdamW's two moments
+    assert end["snapshot_staging_mb"] >= 3 * start["param_mb_per_rank"] - 0.05, (end, start)
+
+
+def test_a_rank_that_fails_writing_its_shards_in_the_background_stops_every_rank_and_commits_nothing(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(RunDirError, match="rank 1 failed writing its shards of snapshot-000000002.pt.*No space"):
+        ddpkit.launch(fw.failing_shard_write, str(run), nproc=2, device="cpu")
+    assert not list((run / "checkpoints").glob("*.pt"))  # no snapshot file names shards that are not all there
+    stepped = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "step"]
+    assert max(stepped) <= 4  # told at a safe point soon after (the write ends, then the next all-reduce)
 
 
 @pytest.mark.slow

@@ -176,7 +176,9 @@ class Checkpointer:
         self.valid: set[Path] = set()  # snapshots known whole: written by this run, or loaded and checked
         self.background = background
         self._stager = Stager()
-        self._writing: _Write | None = None  # rank 0's write in flight (or finished, its outcome not yet said)
+        self._writing: _Write | None = None  # rank 0's write in flight (or finished, its outcome not yet said),
+        # and every rank's part of a sharded one
+        self._shard_group = self._shard_stager = None  # made at the first sharded snapshot written in the background
         self.write_s: list[float] = []  # per background write ended, its seconds from start to end (rank 0)
 
     def snapshots(self) -> list[Path]:
@@ -187,21 +189,29 @@ class Checkpointer:
     def save(self, trainer_state: dict, global_step: int) -> Path:
         """Call on every rank. Gathers per-rank state, then rank 0 writes (in the background, it starts the
         write and returns); every rank learns whether it did, at once or at the next :meth:`wait`."""
-        # One write in flight: rank 0 ends the previous one first, and its failure travels with the gather
-        # below (no collective of its own), so every rank raises it here, before anything new is staged
-        failed = self._end_write() if self.ctx.is_main else None
+        # One write in flight: each rank ends its previous one first (rank 0's, and every rank's part of sharded
+        # ones), and rank 0's failure travels with the gather below (no collective of its own), so every rank
+        # raises it here, before anything new is staged
+        failed = self._end_write()
         path = self.path_of(global_step)
-        # The sharded parts (FSDP2's, run/shards.py): written now by every rank into the snapshot's own folder
-        # (a collective), each file's CRC32 travelling with the gather below; the snapshot file, written
-        # after, holds references to them and stays the one commit marker
+        # The sharded parts (FSDP2's, run/shards.py): written by every rank into the snapshot's own folder (a
+        # collective), each file's CRC32 travelling to rank 0; the snapshot file, written after, holds references
+        # to them and stays the one commit marker. In the background they are copied aside now, and written by a
+        # thread of each rank's, over a group of their own (shards.writer_group)
         found = shards.find(trainer_state)
-        crcs = {}
+        crcs, pending = {}, None
         if found:
             keys = {id(part): f"s{i}" for i, (_, part) in enumerate(found)}
-            crcs = shards.save_shards({keys[id(p)]: p.state for _, p in found}, shards.folder_of(path), self.ctx)
+            entries = {keys[id(p)]: p.state for _, p in found}
+            if self.background:
+                if self._shard_group is None:
+                    self._shard_group, self._shard_stager = shards.writer_group(), shards.host_stager(self.ctx.device)
+                pending = shards.start_save(entries, shards.folder_of(path), self._shard_group, self._shard_stager)
+            else:
+                crcs = shards.save_shards(entries, shards.folder_of(path), self.ctx)
+                if self.ctx.is_main:
+                    _kill_hook(global_step)("sharded")
             trainer_state = shards.replace_found(trainer_state, keys)
-            if self.ctx.is_main:
-                _kill_hook(global_step)("sharded")
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
         told = [None] * self.ctx.world_size
@@ -212,13 +222,13 @@ class Checkpointer:
         if told[0][0]:
             raise failed if self.ctx.is_main else RunDirError(_OTHERS_FAILED)
         gathered = [mine for _, mine, _ in told]
-        if found:  # every rank's files, by name: the snapshot file records them
+        if found and pending is None:  # every rank's files, by name: the snapshot file records them
             trainer_state = {**trainer_state, shards.FILES: {name: crc for _, _, c in told for name, crc in c.items()}}
         if not self.background:
             # also the barrier: nobody moves on (or reads) before the file is complete
             on_rank0(self.ctx, lambda: self._write(path, trainer_state, gathered, global_step), f"saving {path.name}")
-        elif self.ctx.is_main:
-            self._writing = _Write(self, path, trainer_state, gathered, global_step)
+        elif self.ctx.is_main or pending is not None:
+            self._writing = _Write(self, path, trainer_state, gathered, global_step, pending)
         return path
 
     def _write(self, path: Path, trainer_state: dict, gathered: list, global_step: int, moment=None) -> None:
@@ -253,18 +263,20 @@ class Checkpointer:
 
     @property
     def staging_bytes(self) -> int:
-        """Host memory the copies aside hold (rank 0, background writes; 0 otherwise)."""
-        return self._stager.nbytes
+        """Host memory the copies aside hold (background writes; 0 otherwise): rank 0's of the snapshot file, and
+        this rank's of its shards."""
+        return self._stager.nbytes + shards.staged_bytes(self._shard_stager)
 
     def wait(self) -> None:
         """Every rank: the background write in flight, if any, finished; its failure raised on every rank as
         ``RunDirError`` (rank 0's says why). One all-reduce; nothing at all for synchronous saves."""
         if not self.background:
             return
-        agree(self.ctx, self._end_write() if self.ctx.is_main else None)
+        agree(self.ctx, self._end_write())
 
     def _end_write(self) -> RunDirError | None:
-        """Rank 0: the write in flight, if any, ended; its failure, if it failed."""
+        """The write in flight, if any, ended (rank 0's; another rank's part of a sharded one); its failure, if it
+        failed (rank 0 alone learns of one: another rank's part tells it)."""
         if self._writing is None:
             return None
         with hangwatch.busy(f"finishing {self._writing.path.name}", announce=True):  # the others wait
@@ -291,6 +303,9 @@ class Checkpointer:
             self._writing = None
             if error is not None:
                 (warn or _stderr)(f"ddpkit: warning: {error}")
+        if self._shard_stager is not None:  # its host copies released
+            self._shard_stager.close()
+            self._shard_stager = None
 
     def path_of(self, global_step: int) -> Path:
         """The snapshot file of ``global_step`` (named alike on every rank, whether it sees the run dir or not)."""
@@ -436,30 +451,43 @@ class Checkpointer:
 
 
 class _Write:
-    """Rank 0's background write of one snapshot: the state staged now (``run/staging.py``), then written by a
-    thread as :meth:`Checkpointer._write` writes it. Not a daemon: an interpreter that exits (an error in the
-    step) lets the write end first, so the snapshot is whole or not there."""
+    """One snapshot written in the background: rank 0's file, from the state staged now (``run/staging.py``),
+    written by a thread as :meth:`Checkpointer._write` writes it; and, of a sharded snapshot, every rank's part
+    (``pending``: its shards, copied aside and being written by DCP), whose thread then sends rank 0 its files'
+    CRC32s, or its failure, over the writers' group: rank 0 writes the file naming them once every rank's are
+    written. Not a daemon: an interpreter that exits (an error in the step) lets the write end first, so the
+    snapshot is whole or not there."""
 
-    def __init__(self, ckpt: Checkpointer, path: Path, trainer_state: dict, gathered: list, global_step: int):
+    def __init__(
+        self, ckpt: Checkpointer, path: Path, trainer_state: dict, gathered: list, global_step: int, pending=None
+    ):
         self.path, self.error, self.thread = path, None, None
+        main = ckpt.ctx.is_main
         try:
-            staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered})
+            staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered}) if main else None
         except Exception as exc:  # noqa: BLE001 - said at the next safe point, on every rank
             self.error = RunDirError(f"global rank 0 failed copying {path.name} aside: {type(exc).__name__}: {exc}")
-            return
+            staged = None  # the shards' thread still runs: the other ranks' wait for rank 0's part of the gather
 
         def write() -> None:
             moment, t0 = _kill_hook(global_step), time.perf_counter()
             try:
+                files = _shards_written(ckpt, path, pending) if pending is not None else None
+                if not main or self.error is not None:
+                    return
                 moment("staged")
                 ckpt._stager.ready()
+                if files is not None:
+                    moment("sharded")
+                    staged["trainer"] = {**staged["trainer"], shards.FILES: files}
                 ckpt._write(path, staged["trainer"], staged["ranks"], global_step, moment)
             except RunDirError as exc:
                 self.error = exc
             except Exception as exc:  # noqa: BLE001 - any failure: the run stops at its next safe point
                 self.error = RunDirError(f"global rank 0 failed saving {path.name}: {type(exc).__name__}: {exc}")
             finally:
-                ckpt.write_s.append(time.perf_counter() - t0)
+                if main:
+                    ckpt.write_s.append(time.perf_counter() - t0)
 
         self.thread = threading.Thread(target=write, name=f"ddpkit-write-{path.name}")
         self.thread.start()
@@ -472,6 +500,33 @@ class _Write:
         if self.thread is not None:
             self.thread.join()
         return self.error
+
+
+def _shards_written(ckpt: Checkpointer, path: Path, pending) -> dict[str, int] | None:
+    """A writer thread, every rank: this rank's shards of ``path`` written (``pending``, DCP's future), then each
+    rank's CRC32s, or its failure, sent to rank 0 over the writers' group (a collective of the writer threads).
+    Rank 0: every rank's files, by name, or the first failure raised; None elsewhere."""
+    ctx, folder = ckpt.ctx, shards.folder_of(path)
+    try:
+        pending.result()
+        mine = (None, shards.own_crcs(folder, ctx))
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one; told to rank 0, below
+        # DCP's failure reaches every rank, with each failed rank's own error: the first of those is the one said
+        failed = getattr(exc, "failures", None) or {ctx.rank: exc}
+        rank, cause = min(failed.items(), key=lambda item: item[0])
+        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback)
+        mine = (f"global rank {rank} failed writing its shards of {path.name}: {type(cause).__name__}: {cause}", {})
+    every = [None] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.gather_object(mine, every if ctx.is_main else None, dst=0, group=ckpt._shard_group)
+    else:
+        every = [mine]
+    if not ctx.is_main:
+        return None
+    failures = [why for why, _ in every if why]
+    if failures:
+        raise RunDirError(failures[0])
+    return {name: crc for _, crcs in every for name, crc in crcs.items()}
 
 
 _OTHERS_FAILED = "global rank 0 could not write a snapshot in the background (its message is the one printed)"

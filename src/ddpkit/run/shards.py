@@ -16,6 +16,7 @@ load: a world-2 snapshot loads into 1 or 3 ranks, into FSDP2 or into a whole (DD
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,10 +103,75 @@ def save_shards(entries: dict[str, dict], folder: Path, ctx: DistContext) -> dic
     Returns the CRC32 of each file this rank wrote (rank 0: with the metadata)."""
     import torch.distributed.checkpoint as dcp
 
+    dcp.save(entries, checkpoint_id=str(folder), planner=_planner())
+    return own_crcs(folder, ctx)
+
+
+def start_save(entries: dict[str, dict], folder: Path, group, stager) -> Future:
+    """Every rank: ``entries`` copied to host memory now (``stager``, :func:`host_stager`: once this returns, the
+    step may change the tensors), then written into ``folder`` by a thread of DCP's, whose collectives (the plan,
+    then the gather of what each rank wrote, after which rank 0 writes the metadata) go over ``group``
+    (:func:`writer_group`). The future ends when this rank's part of it has."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(
+        entries, checkpoint_id=str(folder), process_group=group, planner=_planner(), async_stager=stager
+    )
+
+
+def host_stager(device: torch.device):
+    """DCP's stager for :func:`start_save`, one per run: it keeps the host copy of each tensor it staged and
+    copies into it again at the next snapshot (one allocation per run, as ``run/staging.py``'s buffers), in
+    pinned memory from a GPU. The copy is a blocking one: the shards are on the host when the step goes on.
+    ``close()`` it at the run's end."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=device.type == "cuda",
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+
+
+def writer_group():
+    """A gloo group of every rank, for the collectives of shards written in the background (:func:`start_save`):
+    a writer thread's collectives must not go over the group the steps use, whose collectives the main thread
+    issues meanwhile, in an order the thread cannot keep to. Every rank, at the same point (a collective); the
+    default group's timeout (``--timeout-s``)."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    timeout = None
+    for kind in ("cpu", "cuda"):  # gloo answers for the CPU, NCCL for CUDA
+        try:
+            timeout = default._get_backend(torch.device(kind)).options._timeout
+            break
+        except Exception:  # noqa: BLE001 - no backend of that kind in this group
+            continue
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def staged_bytes(stager) -> int:
+    """The host memory :func:`host_stager`'s copies hold (0 for None, or for a torch whose stager keeps them
+    elsewhere)."""
+    cache = getattr(getattr(stager, "_state_dict_stager", None), "_cached_storage_mapping", None)
+    return sum(storage.nbytes() for storage in cache.values()) if cache is not None else 0
+
+
+def _planner():
+    import torch.distributed.checkpoint as dcp
+
     # A tensor every rank holds whole (a buffer: BatchNorm's running statistics) is written once, and by global
     # rank 0, whose buffers are the model's (DDP broadcasts them from rank 0; model.pt holds rank 0's): DCP's
     # default spreads such writes over the ranks, so a resume gave rank 0 rank 1's statistics
-    dcp.save(entries, checkpoint_id=str(folder), planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    return dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def own_crcs(folder: Path, ctx: DistContext) -> dict[str, int]:
+    """The CRC32 of each file of ``folder`` this rank wrote (rank 0: with DCP's metadata)."""
     mine = sorted(folder.glob(f"__{ctx.rank}_*.distcp")) + ([folder / ".metadata"] if ctx.is_main else [])
     return {p.name: file_crc(p) for p in mine}
 
