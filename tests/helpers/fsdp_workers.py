@@ -255,3 +255,25 @@ def failing_shard_write(ctx, run_dir: str) -> dict:
         return train(ctx, run_dir, "gpt", "fsdp2", save_every=2)
     finally:
         _FileSystemWriter.write_data = original
+
+
+def counting_crcs(ctx, run_dir: str, *args) -> dict:
+    """``train(ctx, run_dir, *args)``, the shard files this rank reads for their CRC32 (folder/name) kept in the
+    run dir, for each rank."""
+    import json
+    from pathlib import Path
+
+    from ddpkit.run import shards
+
+    read, original = [], shards.file_crc
+
+    def counting(path):
+        read.append(f"{path.parent.name}/{path.name}")
+        return original(path)
+
+    shards.file_crc = counting
+    try:
+        return train(ctx, run_dir, *args)
+    finally:
+        shards.file_crc = original
+        Path(run_dir, f"crcs-read-{ctx.rank}.json").write_text(json.dumps(read))

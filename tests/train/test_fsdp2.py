@@ -333,12 +333,15 @@ def test_fsdp2_snapshots_are_shards_beside_a_small_file_and_read_whole_elsewhere
 
 
 def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_path, gpt):
+    """Each shard file is read for its CRC32 by one rank (by name, dealt in turn), so a resume reads a snapshot
+    once in all, not once per rank (before: every rank read every file); damage one rank finds stops them all
+    from loading it."""
     run = tmp_path / "cut"
     with pytest.raises(Stopped):
         ddpkit.launch(fw.train, str(run), "gpt", "fsdp2", 7, "off", False, 3, nproc=2, device="cpu")
-    shard = run / "checkpoints" / "snapshot-000000007.shards" / "__1_0.distcp"
+    shard = run / "checkpoints" / "snapshot-000000007.shards" / "__0_0.distcp"  # rank 0's shards, checked by rank 1
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01  # one bit, in the middle of rank 1's shards
+    data[len(data) // 2] ^= 0x01  # one bit, in the middle
     shard.write_bytes(bytes(data))
     from ddpkit.run import shards
 
@@ -346,12 +349,17 @@ def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_pa
     said = shards.damage_of(snap["trainer"], shard.parent)
     assert (
         said
-        == "the CRC32 of its shard file snapshot-000000007.shards/__1_0.distcp differs from the one written with it"
+        == "the CRC32 of its shard file snapshot-000000007.shards/__0_0.distcp differs from the one written with it"
     )
-    rest = ddpkit.launch(fw.train, str(run), "gpt", "fsdp2", None, "off", False, 3, nproc=2, device="cpu")
+    args = ("gpt", "fsdp2", None, "off", False, 3)
+    rest = ddpkit.launch(fw.counting_crcs, str(run), *args, nproc=2, device="cpu")
     corrupt = run / "checkpoints" / "corrupt"
     assert sorted(p.name for p in corrupt.iterdir()) == ["snapshot-000000007.pt", "snapshot-000000007.shards"]
     assert drift(rest, gpt["f2"]) == 0.0  # resumed at step 6, bitwise
+    read = [json.loads((run / f"crcs-read-{rank}.json").read_text()) for rank in (0, 1)]
+    at = lambda rank, step: sorted(n.split("/")[1] for n in read[rank] if n.startswith(f"snapshot-{step:09d}."))  # noqa: E731
+    assert at(0, 6) == [".metadata", "__1_0.distcp"] and at(1, 6) == ["__0_0.distcp"], read
+    assert at(1, 7) == ["__0_0.distcp"] and "__0_0.distcp" not in at(0, 7), read
 
 
 @pytest.mark.parametrize(

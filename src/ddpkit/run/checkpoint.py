@@ -355,30 +355,17 @@ class Checkpointer:
         this and makes the same choice (checked with one all-reduce); rank 0 moves the ones it
         skipped to ``checkpoints/corrupt/`` with one warning each. None: nothing to resume. When there
         are snapshots and none can be used, a RunDirError on every rank, and nothing is moved."""
-        chosen, skipped = None, []
-        for path in self.snapshots():
-            try:
-                snap = torch.load(path, map_location="cpu", weights_only=True)
-                _check_layout(snap)
-            except Exception as exc:  # truncated zip, bad pickle, wrong layout
-                skipped.append((path, f"is corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
-                continue
-            damage = _damage(snap) or shards.damage_of(snap["trainer"], shards.folder_of(path))
-            # (before the config checks: damage there is damage, not another config)
-            if damage:
-                skipped.append((path, f"is damaged ({damage})"))
-                continue
-            snap["trainer"] = shards.resolved(snap["trainer"], shards.folder_of(path))  # its parts loadable
-            self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
-            try:
-                fits(snap)
-            except Exception as exc:
-                skipped.append((path, f"does not fit this run ({type(exc).__name__}: {_first_line(exc)})"))
-                continue
-            chosen = (path, snap)
-            break
-        step = _step(chosen[0]) if chosen else -1
-        self._agree_on(step)
+        skipped: list[tuple[Path, str]] = []
+        candidates = self._candidates(fits, skipped)
+        while True:
+            chosen = next(candidates)
+            step = _step(chosen[0]) if chosen else -1
+            self._agree_on(step)
+            # Its shards' CRC32s, each file read by one rank: the same verdict on every rank, or the next one
+            damage = self._shards_damage(chosen)
+            if not damage:
+                break
+            skipped.append((chosen[0], f"is damaged ({damage})"))
         if chosen is None and skipped:  # the same list on every rank: each read the same files
             listed = "; ".join(f"{path.name} {why}" for path, why in skipped[:3])
             more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
@@ -402,6 +389,46 @@ class Checkpointer:
             return None
         self.valid.add(chosen[0])
         return chosen[1]
+
+    def _candidates(self, fits, skipped: list):
+        """The snapshots this rank can read and that fit, newest first (then None), each file's own checks made;
+        the ones it skips added to ``skipped`` with why. Their shards' CRC32s are :meth:`_shards_damage`'s."""
+        for path in self.snapshots():
+            try:
+                snap = torch.load(path, map_location="cpu", weights_only=True)
+                _check_layout(snap)
+            except Exception as exc:  # truncated zip, bad pickle, wrong layout
+                skipped.append((path, f"is corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            # (before the config checks: damage there is damage, not another config; a shard file missing is
+            # seen by every rank here, its bytes by one rank each, once the ranks agree on this snapshot)
+            damage = _damage(snap) or shards.damage_of(snap["trainer"], shards.folder_of(path), share=(0, 0))
+            if damage:
+                skipped.append((path, f"is damaged ({damage})"))
+                continue
+            snap["trainer"] = shards.resolved(snap["trainer"], shards.folder_of(path))  # its parts loadable
+            self._check_compatible(snap, path)  # another config or version is not damage: refuse, move nothing
+            try:
+                fits(snap)
+            except Exception as exc:
+                skipped.append((path, f"does not fit this run ({type(exc).__name__}: {_first_line(exc)})"))
+                continue
+            yield path, snap
+        while True:
+            yield None
+
+    def _shards_damage(self, chosen: tuple[Path, dict] | None) -> str:
+        """Every rank, on the snapshot they agreed on: how its shard files differ from their CRC32s ("" when
+        whole, or it has none), each file read by one rank, what any rank found told to all (one gather)."""
+        crcs = chosen[1]["trainer"].get(shards.FILES) if chosen else None
+        if not crcs:
+            return ""
+        mine = shards.damage(shards.folder_of(chosen[0]), crcs, share=(self.ctx.rank, self.ctx.world_size))
+        if self.ctx.world_size == 1:
+            return mine
+        found = [None] * self.ctx.world_size
+        dist.all_gather_object(found, mine)
+        return next((said for said in found if said), "")
 
     def _newest_gone(self, step: int) -> str:
         """The name of the newest snapshot ever written here (``checkpoints/newest``) when it is newer than

@@ -71,10 +71,11 @@ def replace_found(tree: Any, keys: dict[int, str]) -> Any:
     return tree
 
 
-def damage_of(trainer: dict, folder: Path) -> str:
-    """A snapshot's shards against the CRCs its file records ("" when it has none, or they are whole)."""
+def damage_of(trainer: dict, folder: Path, share: tuple[int, int] = (0, 1)) -> str:
+    """A snapshot's shards against the CRCs its file records ("" when it has none, or they are whole); ``share``
+    as for :func:`damage`."""
     crcs = trainer.get(FILES)
-    return damage(folder, crcs) if crcs else ""
+    return damage(folder, crcs, share) if crcs else ""
 
 
 def resolved(tree: Any, folder: Path) -> Any:
@@ -184,15 +185,18 @@ def file_crc(path: Path) -> int:
     return crc
 
 
-def damage(folder: Path, crcs: dict[str, int]) -> str:
-    """How the shards in ``folder`` differ from their recorded CRCs ("" when whole)."""
+def damage(folder: Path, crcs: dict[str, int], share: tuple[int, int] = (0, 1)) -> str:
+    """How the shards in ``folder`` differ from their recorded CRCs ("" when whole). ``share``: (this rank, of
+    how many ranks) check them: each file is read by one rank (by name, dealt in turn), so a resume reads the
+    snapshot once in all, not once per rank; every rank sees whether each file is there (of 0 ranks: that alone)."""
     if not folder.is_dir():
         return f"its shards folder {folder.name} is gone"
-    for name, crc in sorted(crcs.items()):
+    index, count = share
+    for i, (name, crc) in enumerate(sorted(crcs.items())):
         path = folder / name
         if not path.exists():
             return f"its shard file {folder.name}/{name} is gone"
-        if file_crc(path) != crc:
+        if count and i % count == index and file_crc(path) != crc:
             return f"the CRC32 of its shard file {folder.name}/{name} differs from the one written with it"
     return ""
 
