@@ -240,13 +240,17 @@ def slow_shard_writes(ctx, run_dir: str, stop_at: int, delay_s: float) -> dict:
 
 def failing_shard_write(ctx, run_dir: str) -> dict:
     """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, rank 1's shard writes failing (a
-    full disk, on that rank's node alone)."""
+    full disk, on that rank's node alone) after a second, so that the next snapshot is due before the
+    failure is known."""
+    import time
+
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
     original = _FileSystemWriter.write_data
 
     def failing(self, plan, planner):
         if ctx.rank == 1:
+            time.sleep(1.0)
             raise OSError(28, "No space left on device")
         return original(self, plan, planner)
 
@@ -277,3 +281,31 @@ def counting_crcs(ctx, run_dir: str, *args) -> dict:
     finally:
         shards.file_crc = original
         Path(run_dir, f"crcs-read-{ctx.rank}.json").write_text(json.dumps(read))
+
+
+def failing_shards_in_the_step(ctx, folder: str) -> None:
+    """A sharded state written in the step (``run/shards.py``'s ``save_shards``: DCP's own save) while rank 1's
+    file writes fail."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ddpkit.run import shards
+
+    model = nn.Linear(8, 8).double()
+    fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)))
+    original = _FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if ctx.rank == 1:
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    _FileSystemWriter.write_data = failing
+    try:
+        shards.save_shards({"s0": get_model_state_dict(model)}, Path(folder), ctx)
+    finally:
+        _FileSystemWriter.write_data = original

@@ -102,11 +102,23 @@ def test_fsdp2_shards_are_written_in_the_background_from_a_copy_the_steps_do_not
 
 def test_a_rank_that_fails_writing_its_shards_in_the_background_stops_every_rank_and_commits_nothing(tmp_path):
     run = tmp_path / "run"
-    with pytest.raises(RunDirError, match="rank 1 failed writing its shards of snapshot-000000002.pt.*No space"):
+    said = "global rank 1 failed writing its shards of snapshot-000000002.pt: OSError.*No space"
+    with pytest.raises(RunDirError, match=said):
         ddpkit.launch(fw.failing_shard_write, str(run), nproc=2, device="cpu")
     assert not list((run / "checkpoints").glob("*.pt"))  # no snapshot file names shards that are not all there
+    # and the next snapshot, due while the failed one was still being written, was not begun (before: every rank
+    # copied it aside and began writing it, then raised the failure, leaving its write running)
+    assert [p.name for p in (run / "checkpoints").glob("*.shards")] == ["snapshot-000000002.shards"]
     stepped = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "step"]
     assert max(stepped) <= 4  # told at a safe point soon after (the write ends, then the next all-reduce)
+
+
+def test_dcps_failure_in_the_step_is_a_run_dir_error_not_a_traceback_per_rank(tmp_path):
+    """DCP raises CheckpointException, a BaseException, which ``except Exception`` let through: each rank ended
+    with its traceback and the launcher with WorkersFailed."""
+    said = "global rank 1 failed writing its shards of snapshot-000000003.pt: OSError: .*No space left on device"
+    with pytest.raises(RunDirError, match=said):
+        ddpkit.launch(fw.failing_shards_in_the_step, str(tmp_path / "snapshot-000000003.shards"), nproc=2, device="cpu")
 
 
 @pytest.mark.slow
@@ -333,13 +345,13 @@ def test_fsdp2_snapshots_are_shards_beside_a_small_file_and_read_whole_elsewhere
 
 
 def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_path, gpt):
-    """Each shard file is read for its CRC32 by one rank (by name, dealt in turn), so a resume reads a snapshot
-    once in all, not once per rank (before: every rank read every file); damage one rank finds stops them all
-    from loading it."""
+    """Each shard data file is read for its CRC32 by one rank (by name, dealt in turn), so a resume reads a
+    snapshot once in all, not once per rank (before: every rank read every file); damage one rank finds stops
+    them all from loading it."""
     run = tmp_path / "cut"
     with pytest.raises(Stopped):
         ddpkit.launch(fw.train, str(run), "gpt", "fsdp2", 7, "off", False, 3, nproc=2, device="cpu")
-    shard = run / "checkpoints" / "snapshot-000000007.shards" / "__0_0.distcp"  # rank 0's shards, checked by rank 1
+    shard = run / "checkpoints" / "snapshot-000000007.shards" / "__1_0.distcp"  # checked by rank 1 alone
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit, in the middle
     shard.write_bytes(bytes(data))
@@ -349,7 +361,7 @@ def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_pa
     said = shards.damage_of(snap["trainer"], shard.parent)
     assert (
         said
-        == "the CRC32 of its shard file snapshot-000000007.shards/__0_0.distcp differs from the one written with it"
+        == "the CRC32 of its shard file snapshot-000000007.shards/__1_0.distcp differs from the one written with it"
     )
     args = ("gpt", "fsdp2", None, "off", False, 3)
     rest = ddpkit.launch(fw.counting_crcs, str(run), *args, nproc=2, device="cpu")
@@ -358,8 +370,9 @@ def test_a_damaged_shard_file_is_found_and_the_snapshot_before_it_resumed(tmp_pa
     assert drift(rest, gpt["f2"]) == 0.0  # resumed at step 6, bitwise
     read = [json.loads((run / f"crcs-read-{rank}.json").read_text()) for rank in (0, 1)]
     at = lambda rank, step: sorted(n.split("/")[1] for n in read[rank] if n.startswith(f"snapshot-{step:09d}."))  # noqa: E731
-    assert at(0, 6) == [".metadata", "__1_0.distcp"] and at(1, 6) == ["__0_0.distcp"], read
-    assert at(1, 7) == ["__0_0.distcp"] and "__0_0.distcp" not in at(0, 7), read
+    # DCP's small metadata by every rank (the fit reads it), each data file by one
+    assert at(0, 6) == [".metadata", "__0_0.distcp"] and at(1, 6) == [".metadata", "__1_0.distcp"], read
+    assert "__1_0.distcp" in at(1, 7) and "__1_0.distcp" not in at(0, 7), read
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@
     trainer_state = ckpt.restore(snap)  # every rank: what save() was given; then ckpt.restore_rng(snap, seed)
 
 ``Checkpointer(..., background=True)`` (``--async-snapshots``, the default): ``save`` copies the state aside
-(``run/staging.py``) and returns, and a thread on rank 0 writes it while the steps go on; one write is in
+(``run/staging.py``) and returns, and a thread on rank 0 writes it while the steps go on (under FSDP2, each
+rank's shards too: copied aside by every rank and written by a thread of its own); one write is in
 flight at a time. ``wait()`` (every rank: the next save, a stop, the run's end) finishes it and raises a
 failure on every rank; a face's safe point learns of one sooner (``write_error``, carried by its one
 all-reduce). What the writer does is what the synchronous save does, in the same order.
@@ -29,6 +30,7 @@ index in every receiver; so it must hold CPU tensors and plain numbers only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -196,22 +198,19 @@ class Checkpointer:
         path = self.path_of(global_step)
         # The sharded parts (FSDP2's, run/shards.py): written by every rank into the snapshot's own folder (a
         # collective), each file's CRC32 travelling to rank 0; the snapshot file, written after, holds references
-        # to them and stays the one commit marker. In the background they are copied aside now, and written by a
-        # thread of each rank's, over a group of their own (shards.writer_group)
+        # to them and stays the one commit marker. In the step they are written now; in the background they are
+        # copied aside once every rank knows the previous write succeeded (below), and written by a thread of each
+        # rank's, over a group of their own (shards.writer_group)
         found = shards.find(trainer_state)
-        crcs, pending = {}, None
+        crcs, entries = {}, None
         if found:
             keys = {id(part): f"s{i}" for i, (_, part) in enumerate(found)}
             entries = {keys[id(p)]: p.state for _, p in found}
-            if self.background:
-                if self._shard_group is None:
-                    self._shard_group, self._shard_stager = shards.writer_group(), shards.host_stager(self.ctx.device)
-                pending = shards.start_save(entries, shards.folder_of(path), self._shard_group, self._shard_stager)
-            else:
+            trainer_state = shards.replace_found(trainer_state, keys)
+            if not self.background:
                 crcs = shards.save_shards(entries, shards.folder_of(path), self.ctx)
                 if self.ctx.is_main:
                     _kill_hook(global_step)("sharded")
-            trainer_state = shards.replace_found(trainer_state, keys)
         per_rank = {"rng": rng_state(self.ctx.device), "rank_state": trainer_state.pop("rank_state", None)}
         check_host_only(per_rank, "per-rank snapshot state")
         told = [None] * self.ctx.world_size
@@ -222,12 +221,20 @@ class Checkpointer:
         if told[0][0]:
             raise failed if self.ctx.is_main else RunDirError(_OTHERS_FAILED)
         gathered = [mine for _, mine, _ in told]
-        if found and pending is None:  # every rank's files, by name: the snapshot file records them
-            trainer_state = {**trainer_state, shards.FILES: {name: crc for _, _, c in told for name, crc in c.items()}}
         if not self.background:
+            if found:  # every rank's files, by name: the snapshot file records them
+                trainer_state = {**trainer_state, shards.FILES: {n: crc for _, _, c in told for n, crc in c.items()}}
             # also the barrier: nobody moves on (or reads) before the file is complete
             on_rank0(self.ctx, lambda: self._write(path, trainer_state, gathered, global_step), f"saving {path.name}")
-        elif self.ctx.is_main or pending is not None:
+            return path
+        pending = None
+        if entries is not None:
+            if self._shard_group is None:
+                self._shard_group = shards.writer_group()
+            if self._shard_stager is None:
+                self._shard_stager = shards.host_stager(self.ctx.device)
+            pending = shards.start_save(entries, shards.folder_of(path), self._shard_group, self._shard_stager)
+        if self.ctx.is_main or pending is not None:
             self._writing = _Write(self, path, trainer_state, gathered, global_step, pending)
         return path
 
@@ -285,8 +292,9 @@ class Checkpointer:
         return error
 
     def write_error(self) -> RunDirError | None:
-        """Rank 0: the failure of a background write that has ended, without waiting (None otherwise, and on
-        the other ranks). A safe point's all-reduce carries it, so every rank stops at the same step."""
+        """Rank 0: the failure of a background write that has ended, without waiting (None otherwise; None on
+        the other ranks, whose part of a sharded write tells its failure to rank 0). A safe point's all-reduce
+        carries it, so every rank stops at the same step."""
         writing = self._writing
         if writing is None or writing.running:
             return None
@@ -295,9 +303,11 @@ class Checkpointer:
         return writing.error
 
     def close(self, warn=None) -> None:
-        """This rank's write in flight finished, with no collective (a run ending on an error, where the
-        other ranks may be gone): the snapshot is whole or not there, and a failure of it is said in a warning
-        line (the run's own error is the one raised)."""
+        """This rank's write in flight finished (a run ending on an error, where the other ranks may be gone):
+        the snapshot is whole or not there, and a failure of it is said in a warning line (the run's own error
+        is the one raised). No collective of the steps' group; under FSDP2 the writer threads' own collectives
+        end with the other ranks' writers (a dead peer breaks them at once; a stalled one holds them up to
+        ``--timeout-s``). The shards' host copies are released."""
         if self._writing is not None:
             error = self._writing.finish()
             self._writing = None
@@ -400,8 +410,9 @@ class Checkpointer:
             except Exception as exc:  # truncated zip, bad pickle, wrong layout
                 skipped.append((path, f"is corrupt or truncated ({type(exc).__name__}: {_first_line(exc)})"))
                 continue
-            # (before the config checks: damage there is damage, not another config; a shard file missing is
-            # seen by every rank here, its bytes by one rank each, once the ranks agree on this snapshot)
+            # (before the config checks: damage there is damage, not another config. Of its shards, every rank
+            # checks here that each file is there and DCP's metadata, which the fit reads; the data files' bytes
+            # are read once the ranks agree on this snapshot, each file by one rank: _shards_damage)
             damage = _damage(snap) or shards.damage_of(snap["trainer"], shards.folder_of(path), share=(0, 0))
             if damage:
                 skipped.append((path, f"is damaged ({damage})"))
@@ -423,7 +434,9 @@ class Checkpointer:
         crcs = chosen[1]["trainer"].get(shards.FILES) if chosen else None
         if not crcs:
             return ""
-        mine = shards.damage(shards.folder_of(chosen[0]), crcs, share=(self.ctx.rank, self.ctx.world_size))
+        # (DCP's metadata was checked by every rank already: _candidates)
+        share = (self.ctx.rank, self.ctx.world_size)
+        mine = shards.damage(shards.folder_of(chosen[0]), crcs, share=share, metadata=False)
         if self.ctx.world_size == 1:
             return mine
         found = [None] * self.ctx.world_size
@@ -497,13 +510,21 @@ class _Write:
             staged = None  # the shards' thread still runs: the other ranks' wait for rank 0's part of the gather
 
         def write() -> None:
+            if not main:
+                # This rank's part of a sharded snapshot: its failure travels to rank 0 in the gather, and rank 0
+                # says it; a gather that breaks (a peer gone) is said by the steps' own collectives, which break too
+                with contextlib.suppress(Exception):
+                    _shards_written(ckpt, path, pending)
+                return
             moment, t0 = _kill_hook(global_step), time.perf_counter()
             try:
+                if staged is not None:
+                    moment("staged")
+                    ckpt._stager.ready()
+                # (even when rank 0's copy failed: the other ranks' threads wait for its part of the gather)
                 files = _shards_written(ckpt, path, pending) if pending is not None else None
-                if not main or self.error is not None:
+                if staged is None:
                     return
-                moment("staged")
-                ckpt._stager.ready()
                 if files is not None:
                     moment("sharded")
                     staged["trainer"] = {**staged["trainer"], shards.FILES: files}
@@ -513,7 +534,7 @@ class _Write:
             except Exception as exc:  # noqa: BLE001 - any failure: the run stops at its next safe point
                 self.error = RunDirError(f"global rank 0 failed saving {path.name}: {type(exc).__name__}: {exc}")
             finally:
-                if main:
+                if staged is not None:
                     ckpt.write_s.append(time.perf_counter() - t0)
 
         self.thread = threading.Thread(target=write, name=f"ddpkit-write-{path.name}")
@@ -535,14 +556,13 @@ def _shards_written(ckpt: Checkpointer, path: Path, pending) -> dict[str, int] |
     Rank 0: every rank's files, by name, or the first failure raised; None elsewhere."""
     ctx, folder = ckpt.ctx, shards.folder_of(path)
     try:
-        pending.result()
+        with shards.dcp_errors(f"writing its shards of {path.name}"):  # DCP's failure, on every rank alike
+            pending.result()
         mine = (None, shards.own_crcs(folder, ctx))
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one; told to rank 0, below
-        # DCP's failure reaches every rank, with each failed rank's own error: the first of those is the one said
-        failed = getattr(exc, "failures", None) or {ctx.rank: exc}
-        rank, cause = min(failed.items(), key=lambda item: item[0])
-        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback)
-        mine = (f"global rank {rank} failed writing its shards of {path.name}: {type(cause).__name__}: {cause}", {})
+    except RunDirError as exc:
+        mine = (str(exc), {})
+    except BaseException as exc:  # noqa: BLE001 - a broken collective of the writers (a peer gone), or this rank's own
+        mine = (f"global rank {ctx.rank} could not write its shards of {path.name}: {type(exc).__name__}: {exc}", {})
     every = [None] * ctx.world_size
     if ctx.world_size > 1:
         dist.gather_object(mine, every if ctx.is_main else None, dst=0, group=ckpt._shard_group)

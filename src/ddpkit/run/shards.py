@@ -16,7 +16,9 @@ load: a world-2 snapshot loads into 1 or 3 ranks, into FSDP2 or into a whole (DD
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from ..ranks.context import DistContext
 REF = "__shards__"  # the key that makes a dict in a snapshot a reference to its shards
 FILES = "shard_files"  # the snapshot's record of every shard file's CRC32, by name
 SUFFIX = ".shards"
+METADATA = ".metadata"  # DCP's index of a checkpoint's files, written by rank 0
 
 
 @dataclass
@@ -104,7 +107,8 @@ def save_shards(entries: dict[str, dict], folder: Path, ctx: DistContext) -> dic
     Returns the CRC32 of each file this rank wrote (rank 0: with the metadata)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(entries, checkpoint_id=str(folder), planner=_planner())
+    with dcp_errors(f"writing its shards of {folder.with_suffix('.pt').name}"):
+        dcp.save(entries, checkpoint_id=str(folder), planner=_planner())
     return own_crcs(folder, ctx)
 
 
@@ -162,6 +166,22 @@ def staged_bytes(stager) -> int:
     return sum(storage.nbytes() for storage in cache.values()) if cache is not None else 0
 
 
+@contextmanager
+def dcp_errors(what: str) -> Iterator[None]:
+    """DCP's failure (``CheckpointException``, a ``BaseException``: ``except Exception`` lets it through, and each
+    rank ended with its traceback) as a :class:`RunDirError` naming the first failed rank's own error. DCP gives
+    every rank the same failures, so every rank raises the same line, said once."""
+    try:
+        yield
+    except BaseException as exc:
+        failures = getattr(exc, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            raise
+        rank, cause = min(failures.items(), key=lambda item: item[0])
+        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, traceback)
+        raise RunDirError(f"global rank {rank} failed {what}: {type(cause).__name__}: {cause}") from None
+
+
 def _planner():
     import torch.distributed.checkpoint as dcp
 
@@ -173,7 +193,7 @@ def _planner():
 
 def own_crcs(folder: Path, ctx: DistContext) -> dict[str, int]:
     """The CRC32 of each file of ``folder`` this rank wrote (rank 0: with DCP's metadata)."""
-    mine = sorted(folder.glob(f"__{ctx.rank}_*.distcp")) + ([folder / ".metadata"] if ctx.is_main else [])
+    mine = sorted(folder.glob(f"__{ctx.rank}_*.distcp")) + ([folder / METADATA] if ctx.is_main else [])
     return {p.name: file_crc(p) for p in mine}
 
 
@@ -185,19 +205,25 @@ def file_crc(path: Path) -> int:
     return crc
 
 
-def damage(folder: Path, crcs: dict[str, int], share: tuple[int, int] = (0, 1)) -> str:
+def damage(folder: Path, crcs: dict[str, int], share: tuple[int, int] = (0, 1), metadata: bool = True) -> str:
     """How the shards in ``folder`` differ from their recorded CRCs ("" when whole). ``share``: (this rank, of
-    how many ranks) check them: each file is read by one rank (by name, dealt in turn), so a resume reads the
-    snapshot once in all, not once per rank; every rank sees whether each file is there (of 0 ranks: that alone)."""
+    how many ranks) read the data files, each file by one rank (by name, dealt in turn), so that a resume reads
+    a snapshot once in all, not once per rank (of 0 ranks: none). Every rank checks that each file is there,
+    and (``metadata``) DCP's metadata: small, and read by every rank to load."""
     if not folder.is_dir():
         return f"its shards folder {folder.name} is gone"
     index, count = share
-    for i, (name, crc) in enumerate(sorted(crcs.items())):
+    data = sorted(name for name in crcs if name != METADATA)
+    for name in sorted(crcs):
         path = folder / name
         if not path.exists():
             return f"its shard file {folder.name}/{name} is gone"
-        if count and i % count == index and file_crc(path) != crc:
-            return f"the CRC32 of its shard file {folder.name}/{name} differs from the one written with it"
+        mine = metadata if name == METADATA else bool(count) and data.index(name) % count == index
+        try:
+            if mine and file_crc(path) != crcs[name]:
+                return f"the CRC32 of its shard file {folder.name}/{name} differs from the one written with it"
+        except OSError as exc:  # said as damage, on the rank that read it: the others learn it from the verdict
+            return f"its shard file {folder.name}/{name} cannot be read ({exc})"
     return ""
 
 
@@ -222,7 +248,8 @@ def read_whole(folder: Path, key: str) -> dict:
         for k, m in meta.items()
         if k.startswith(prefix) and hasattr(m, "size")
     }
-    dcp.load({key: target}, checkpoint_id=str(folder), no_dist=True)
+    with dcp_errors(f"reading the shards of {folder.name}"):
+        dcp.load({key: target}, checkpoint_id=str(folder), no_dist=True)
     return target
 
 
@@ -233,7 +260,8 @@ def load_model(model: nn.Module, part: dict) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    dcp.load({part["key"]: state}, checkpoint_id=part["folder"])
+    with dcp_errors(f"loading the model's shards from {Path(part['folder']).name}"):
+        dcp.load({part["key"]: state}, checkpoint_id=part["folder"])
     set_model_state_dict(model, state)
 
 
@@ -249,7 +277,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, part: dic
     # not read, and has none again after the load, as in the run that saved it
     missing = [name for name in state["state"] if not any(k.startswith(f"{key}.state.{name}.") for k in saved)]
     loadable = {**state, "state": {n: v for n, v in state["state"].items() if n not in missing}}
-    dcp.load({key: loadable}, checkpoint_id=folder)  # into the same per-parameter dicts, and the groups
+    with dcp_errors(f"loading the optimizer's shards from {Path(folder).name}"):
+        dcp.load({key: loadable}, checkpoint_id=folder)  # into the same per-parameter dicts, and the groups
     set_optimizer_state_dict(model, optimizer, state)
     drop_state(model, optimizer, missing)
 

@@ -155,7 +155,8 @@ class Session:
             "snapshots_saved": len(held),
             "snapshot_blocked_ms_median": round(1e3 * statistics.median(held), 3) if held else None,
             "snapshot_blocked_s_total": round(sum(held), 4),
-            # host memory held for the copy aside (rank 0's; background only): the snapshot's state, once
+            # host memory held for the copy aside (this rank's; background only): the snapshot's state, once, on
+            # rank 0 (whose figures are written); under FSDP2 each rank also holds its own shards'
             "snapshot_staging_mb": round(self.ckpt.staging_bytes / 2**20, 1),
         }
 
