@@ -119,8 +119,10 @@ class Loop:
             check_code,
             strategy,
         )
+        # First: an uncaught Stopped ends the script with 143, and a bad setting (checked next) with one line and 2,
+        # not a traceback per rank and 1
+        stop_exits_with_its_status()
         self.config.validate()
-        stop_exits_with_its_status()  # an uncaught Stopped ends the script with 143, not a traceback and 1
         self._maker = running_code(sys._getframe(1))  # the run identity reads the loop's own code
         self.ctx: DistContext | None = None
         self._stack = ExitStack()

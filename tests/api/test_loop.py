@@ -605,3 +605,15 @@ def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once_per_rank(t
     proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
     said = [line for line in proc.stderr.splitlines() if "call loop.resume(" in line]
     assert proc.returncode != 0 and said and len(said) == len(set(said)), proc.stderr
+
+
+@pytest.mark.slow
+@pytestmark_mp
+def test_a_bad_loop_argument_under_torchrun_is_one_line_not_a_traceback_per_rank(tmp_path):
+    """Before: Loop's settings were checked before its error hook was installed, so each rank printed the
+    ConfigError's traceback."""
+    (tmp_path / "train.py").write_text("import ddpkit\nwith ddpkit.Loop('run', strategy='bogus') as loop:\n    pass\n")
+    proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode != 0 and len(said) == 1 and "choose one of auto, ddp, fsdp2" in said[0], proc.stderr
+    assert "ddpkit.errors.ConfigError" not in proc.stderr and "loop.py" not in proc.stderr, proc.stderr
