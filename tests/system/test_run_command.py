@@ -121,8 +121,20 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
 
 
-def test_a_ddpkit_error_every_rank_meets_in_a_loop_is_said_once(tmp_path, script):
-    """Before: each rank's process-group teardown printed it, one line per rank."""
+STARTED = """\
+import sys, torch, ddpkit
+loop = ddpkit.Loop.start(sys.argv[1], device="cpu")
+model = loop.wrap(torch.nn.Linear(4, 1), shard=lambda m: False)
+"""
+
+
+@pytest.mark.parametrize("form", ["with", "start"])
+def test_a_ddpkit_error_every_rank_meets_in_a_loop_is_said_once(tmp_path, script, form):
+    """Before: each rank's process-group teardown printed it, one line per rank (``with``); and with
+    ``Loop.start()`` nothing was printed at all: the teardown at exit filed the error as printed."""
+    if form == "start":
+        script = tmp_path / "started.py"
+        script.write_text(STARTED)
     proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "5", "shard")
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]

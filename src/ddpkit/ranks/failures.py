@@ -89,6 +89,14 @@ def report_failure(exc: BaseException, rank: int) -> None:
     if getattr(exc, "reported", False) or getattr(exc, "all_ranks", False):
         return
     quiet = bool(getattr(exc, "quiet", False))
+    if getattr(exc, "filed_for_launcher", False):
+        # Left unprinted in the agent's error file for ddpkit's launcher already (a started Loop's script ended on
+        # it, filed_for_launcher): the launcher says it once. Rewriting the file here marked it printed, and the
+        # job ended with its exit status and no line at all
+        if not quiet:
+            _note_cause(rank)
+        exc.reported, exc.deferred = True, False
+        return
     consequence = isinstance(exc, CONSEQUENCES)
     launcher = bool(os.environ.get(env.LAUNCHER_PID))
     deferred = consequence and launcher
@@ -541,6 +549,7 @@ def filed_for_launcher(exc: DdpkitError) -> bool:
     if not (os.environ.get(env.LAUNCHER_PID) and os.environ.get(env.ERROR_FILE) and env.under_launcher()):
         return False
     rank = None if exc.all_ranks else env.env_rank()  # every rank met it alike: said without one
+    exc.filed_for_launcher = True  # the group's teardown, after, leaves this file as it is (report_failure)
     write_error_file(
         str(exc) if rank is None else f"rank {rank}: {exc}",
         False,
