@@ -3,6 +3,12 @@ function, the same code under Loop(strategy="ddp") and Loop(strategy="fsdp2"), i
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -212,61 +218,62 @@ def first_weights(_ctx, run_dir: str, strategy: str) -> dict:
         return {"weights": {k: v.clone() for k, v in loop.strategy.model_state(model).items()}}
 
 
-def slow_shard_writes(ctx, run_dir: str, stop_at: int, delay_s: float) -> dict:
-    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, each rank's shard writes slowed by
-    ``delay_s`` before they start (DCP's file writer), so that the steps after a snapshot change the weights in
-    place while it is written; the name of the thread each write ran on is kept in the run dir."""
-    import json
-    import threading
-    import time
-    from pathlib import Path
-
-    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
-
-    names, original = [], _FileSystemWriter.write_data
-
-    def slow(self, plan, planner):
-        names.append(threading.current_thread().name)
-        time.sleep(delay_s)
-        return original(self, plan, planner)
-
-    _FileSystemWriter.write_data = slow
-    try:
-        return train(ctx, run_dir, "gpt", "fsdp2", stop_at=stop_at, save_every=2)
-    finally:
-        _FileSystemWriter.write_data = original
-        Path(run_dir, f"writer-threads-{ctx.rank}.json").write_text(json.dumps(names))
-
-
-def failing_shard_write(ctx, run_dir: str) -> dict:
-    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, rank 1's shard writes failing (a
-    full disk, on that rank's node alone) after a second, so that the next snapshot is due before the
-    failure is known."""
-    import time
-
+@contextmanager
+def before_shard_writes(hook):
+    """``hook()`` called before each of this process's DCP file writes (it may wait, record or raise)."""
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
     original = _FileSystemWriter.write_data
 
-    def failing(self, plan, planner):
-        if ctx.rank == 1:
-            time.sleep(1.0)
-            raise OSError(28, "No space left on device")
+    def patched(self, plan, planner):
+        hook()
         return original(self, plan, planner)
 
-    _FileSystemWriter.write_data = failing
+    _FileSystemWriter.write_data = patched
     try:
-        return train(ctx, run_dir, "gpt", "fsdp2", save_every=2)
+        yield
     finally:
         _FileSystemWriter.write_data = original
+
+
+def full_disk_on_rank_1(ctx, after_s: float = 0.0):
+    """A hook for :func:`before_shard_writes`: rank 1's writes fail (a full disk, on its node alone)."""
+
+    def hook():
+        if ctx.rank == 1:
+            time.sleep(after_s)
+            raise OSError(28, "No space left on device")
+
+    return hook
+
+
+def slow_shard_writes(ctx, run_dir: str, stop_at: int, delay_s: float) -> dict:
+    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, each rank's shard writes slowed by
+    ``delay_s`` before they start (DCP's file writer), so that the steps after a snapshot change the weights in
+    place while it is written; the name of the thread each write ran on is kept in the run dir."""
+    names = []
+
+    def slow():
+        names.append(threading.current_thread().name)
+        time.sleep(delay_s)
+
+    try:
+        with before_shard_writes(slow):
+            return train(ctx, run_dir, "gpt", "fsdp2", stop_at=stop_at, save_every=2)
+    finally:
+        Path(run_dir, f"writer-threads-{ctx.rank}.json").write_text(json.dumps(names))
+
+
+def failing_shard_write(ctx, run_dir: str) -> dict:
+    """:func:`train` of the GPT under FSDP2 with a snapshot every 2 steps, rank 1's shard writes failing after a
+    second, so that the next snapshot is due before the failure is known."""
+    with before_shard_writes(full_disk_on_rank_1(ctx, after_s=1.0)):
+        return train(ctx, run_dir, "gpt", "fsdp2", save_every=2)
 
 
 def counting_crcs(ctx, run_dir: str, *args) -> dict:
     """``train(ctx, run_dir, *args)``, the shard files this rank reads for their CRC32 (folder/name) kept in the
     run dir, for each rank."""
-    import json
-    from pathlib import Path
-
     from ddpkit.run import shards
 
     read, original = [], shards.file_crc
@@ -286,9 +293,6 @@ def counting_crcs(ctx, run_dir: str, *args) -> dict:
 def failing_shards_in_the_step(ctx, folder: str) -> None:
     """A sharded state written in the step (``run/shards.py``'s ``save_shards``: DCP's own save) while rank 1's
     file writes fail."""
-    from pathlib import Path
-
-    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -297,15 +301,5 @@ def failing_shards_in_the_step(ctx, folder: str) -> None:
 
     model = nn.Linear(8, 8).double()
     fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)))
-    original = _FileSystemWriter.write_data
-
-    def failing(self, plan, planner):
-        if ctx.rank == 1:
-            raise OSError(28, "No space left on device")
-        return original(self, plan, planner)
-
-    _FileSystemWriter.write_data = failing
-    try:
+    with before_shard_writes(full_disk_on_rank_1(ctx)):
         shards.save_shards({"s0": get_model_state_dict(model)}, Path(folder), ctx)
-    finally:
-        _FileSystemWriter.write_data = original
