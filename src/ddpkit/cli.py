@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra:  # reported by the subcommand's parser, which knows the flags to suggest
             sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
             sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --replicas` runs it per group
         return run_reporting_errors(lambda: args.run(args))
     finally:
         os.environ.pop(env.T0, None)

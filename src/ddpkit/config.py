@@ -359,6 +359,13 @@ class TrainConfig:
         "launch",
         "times the elastic agent restarts all workers after a failure; each restart resumes from the newest snapshot",
     )
+    replicas: int = _f(
+        1,
+        "launch",
+        "replica groups that train on when one is lost (torchft, the ddpkit[ft] extra): each group under its own "
+        "elastic agent, a lost one restarted (--max-restarts) and healed from a live one while the others compute "
+        "its share of every global batch; 1: none (docs/fault-tolerance.md)",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, int) and not isinstance(self.nproc, bool):
@@ -458,6 +465,30 @@ class TrainConfig:
                 raise ConfigError(
                     f"--strategy fsdp2 cannot be combined with {', '.join(clash)}: "
                     + "; ".join(FSDP2_REFUSED[flag.split()[0]] for flag in clash)
+                )
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1 (1 = no replica groups), got {self.replicas}")
+        if self.replicas > 1:
+            clash = [
+                flag
+                for flag, on in (
+                    (f"--nproc {self.nproc}", self.nproc not in ("1", "auto")),
+                    (f"--nnodes {self.nnodes}", self.nnodes > 1),
+                    ("--strategy fsdp2", self.strategy == "fsdp2"),
+                    ("--cuda-graph on", self.cuda_graph == "on"),
+                    ("--join", self.join),
+                    ("--zero", self.zero),
+                    (f"--comm-hook {self.comm_hook}", self.comm_hook != "none"),
+                    ("--sync-bn", self.sync_bn),
+                    ("--data-path loader", self.data_path == "loader"),
+                )
+                if on
+            ]
+            if clash:
+                raise ConfigError(
+                    f"--replicas {self.replicas} cannot be combined with {', '.join(clash)} yet: each group is one "
+                    f"process on this node, reads its share of the data held in memory, and all-reduces its "
+                    f"whole gradient through torchft (docs/fault-tolerance.md)"
                 )
         if self.join:
             clash = [
@@ -594,6 +625,7 @@ class TrainConfig:
         "keep_best": "",
         "early_stop": "",
         "full_lr_steps": 0,
+        "replicas": 1,
     }
 
     # "Horizon" fields: how long the run trains, not what any of its steps computes. A run dir is named
@@ -634,6 +666,7 @@ class TrainConfig:
             "eval_every_steps",
             "keep_best",
             "early_stop",
+            "replicas",
         }
     )
     # Keys a recipe fills that were added after run dirs were written: a config.toml from before reads them as

@@ -65,6 +65,7 @@ from .run.paths import RunFiles
 from .run.plots import draw_run_plots, import_matplotlib
 from .run.rundir import matched_on, owning_run_dir, record_teardown
 from .train.optim import check_owned
+from .train.replicas import replica_place
 from .train.task import Task
 from .train.workers import Job, eval_worker, train_worker
 
@@ -185,6 +186,7 @@ class Trainer:
         t0 = float(os.environ.pop(env.T0, time.time()))
         if self.splits is not None and self.splits.train is None:
             raise ConfigError("fit() needs train_data (test_data alone is enough for evaluate())")
+        replica_place(self.config)  # --replicas from Python, not a group of ddpkit train's: refused before launch
         plan = preflight(
             self.config, self.splits, self.model, self._task, self.optimizer, self.fingerprints, self.scheduler
         )

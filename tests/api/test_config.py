@@ -302,7 +302,10 @@ def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
     import json
 
     cfg = TrainConfig(dataset="mnist", recipe="mnist", epochs=1).resolved()
-    added = ("beta2", "cuda_graph", "shuffle_in_batch", "val_fraction", "eval_every_steps", "keep_best", "early_stop")
+    added = (
+        *("beta2", "cuda_graph", "shuffle_in_batch", "val_fraction", "eval_every_steps", "keep_best", "early_stop"),
+        "replicas",
+    )
     older = {k: v for k, v in cfg.identity().items() if k not in added}
     # the older name's hash, the horizon in it (since 0.4 the name leaves it out: test_horizon.py)
     assert cfg.hash(horizon=True) == hashlib.sha256(json.dumps(older, sort_keys=True, default=str).encode()).hexdigest()
@@ -316,6 +319,7 @@ def test_a_key_added_later_leaves_the_hash_alone_at_its_default():
     assert dataclasses.replace(cfg, cuda_graph="on").hash() != cfg.hash()
     assert dataclasses.replace(cfg, shuffle_in_batch=True).hash() != cfg.hash()
     assert dataclasses.replace(cfg, beta2=0.95).hash() != cfg.hash()
+    assert dataclasses.replace(cfg, replicas=2).hash() != cfg.hash()
 
 
 def test_adams_beta2_is_the_users_and_said_on_the_start_line():

@@ -510,3 +510,35 @@ def row_reads(log_dir, skip_pid: int | None = None) -> list[tuple[int, int]]:
             continue
         out += [tuple(map(int, line.split())) for line in f.read_text().splitlines()]
     return out
+
+
+class ReplicaNet(nn.Module):
+    """A small net with BatchNorm (buffers a replica group must keep as DDP keeps rank 0's), for 1x8x8 images of 4
+    classes. ``DDPKIT_TEST_FAULT="kill@K:G"``: the K-th training forward of replica group G SIGKILLs its process;
+    ``"term@K:G"``: it sends SIGTERM to its whole process group (start the job in a session of its own). Faults
+    joined by "," are of the group's attempts in turn (its agent's restarts): "kill@12:1,kill@30:1" kills group 1
+    in its first attempt and again in its second."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            faults = [f for f in os.environ.get("DDPKIT_TEST_FAULT", "").split(",") if f]
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if attempt < len(faults):
+                kind, _, at = faults[attempt].partition("@")
+                at, _, group = at.partition(":")
+                if os.environ.get("DDPKIT_REPLICA") == group and self.calls == int(at):
+                    if kind == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    elif kind == "term":  # the whole job, as SLURM signals every process of a step
+                        os.killpg(os.getpgrp(), signal.SIGTERM)
+        return self.net(x)
+
+
+def replica_net() -> ReplicaNet:
+    return ReplicaNet()

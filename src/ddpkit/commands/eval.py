@@ -42,6 +42,7 @@ def run(args) -> int:
         rdzv_id="",
         local_addr="",
         max_restarts=0,
+        replicas=1,
     )
     cfg.validate()
     # Everything that can fail, checked here once, not on every rank: the data, the model and data an

@@ -38,6 +38,7 @@ TOOL_RUN_FIELDS = frozenset(
         "log_every",
         "save_every_steps",
         "max_restarts",
+        "replicas",
         "nnodes",
         "rdzv_endpoint",
         "rdzv_id",

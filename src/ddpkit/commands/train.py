@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..ranks import env
 from .flags import add_config_flags, config_from_args, prestart_if_workers
 
 HELP = "train a model with DistributedDataParallel"
@@ -27,6 +28,10 @@ def run(args) -> int:
         # of this file must get its own, not resume this one's
         print(dataclasses.replace(cfg.resolved(), run_dir=cfg.run_dir).to_toml(), end="")
         return 0
+    if cfg.replicas > 1 and env.replica_group() is None:  # this command again, once per group, and a lighthouse
+        from ..ranks.replicas import run_groups
+
+        return run_groups(cfg, args.argv[args.argv.index("train") + 1 :])
     prestart_if_workers(cfg.nproc, cfg.max_restarts, cfg.nnodes)  # before torch is imported below
     from ..trainer import Trainer
 

@@ -7,7 +7,10 @@ worker leaves its error for the agent), ``TORCHELASTIC_RUN_ID``. Set by ddpkit f
 ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
 
 ddpkit's own, set by the launcher for its workers (private: a user never sets them):
-``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``.
+``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``; and by
+``ddpkit train --replicas R`` for each group's launcher: ``DDPKIT_REPLICA`` (the group's index),
+``DDPKIT_LIGHTHOUSE`` (torchft's lighthouse, which holds the groups' quorum), ``DDPKIT_REPLICA_STORE`` (where the
+groups meet before their first step).
 Set by the user: ``DDPKIT_SHARE_GPU=1`` (every CUDA rank of a node on ``cuda:0``, over gloo: for development).
 
 Set for the workers when the user has not: ``OMP_NUM_THREADS``, ``CUBLAS_WORKSPACE_CONFIG``,
@@ -50,9 +53,13 @@ FORKED_WORKER = "DDPKIT_FORKED_WORKER"  # "1": forked from the launcher, so one 
 # "1" (set by the user, for development): every CUDA rank of a node on cuda:0 over gloo, since NCCL
 # refuses two ranks on one GPU; more processes than GPUs is then allowed
 SHARE_GPU = "DDPKIT_SHARE_GPU"
+# ddpkit train --replicas R: this launcher's group (0..R-1) and the address of torchft's lighthouse
+REPLICA = "DDPKIT_REPLICA"
+LIGHTHOUSE = "DDPKIT_LIGHTHOUSE"
+REPLICA_STORE = "DDPKIT_REPLICA_STORE"  # HOST:PORT of the launcher's store, where the groups meet before step 0
 # Passed on to the workers: set by the launcher before it launches, or by the user (a forkserver
 # started earlier has the environment of its start, not this one's)
-TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU)
+TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU, REPLICA, LIGHTHOUSE, REPLICA_STORE)
 
 # set for the workers where the user has not
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -318,3 +325,12 @@ def pet_launch(env: Mapping[str, str] = os.environ) -> dict[str, str]:
         what = f"a node index below PET_NNODES={nodes}" if nodes else "a node index (a whole number >= 0)"
         flags["node rank"] = str(int_var(env, PET_NODE_RANK, what, PET_FIX, high=nodes - 1 if nodes else None))
     return flags
+
+
+def replica_group(env: Mapping[str, str] = os.environ) -> tuple[int, str, str] | None:
+    """(this group's index, the lighthouse's address, the launcher's store) in a group of ``ddpkit train
+    --replicas``; None elsewhere."""
+    if REPLICA not in env:
+        return None
+    index = int_var(env, REPLICA, "a replica group's index", "it is ddpkit's own: unset it", low=0)
+    return index, env.get(LIGHTHOUSE, ""), env.get(REPLICA_STORE, "")

@@ -110,7 +110,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
         if printed and not already:
             printed = _first_to_say(exc)
             if printed:
-                print(f"ddpkit: error: {line}", file=sys.stderr, flush=True)
+                print(f"ddpkit: {group_of()}error: {line}", file=sys.stderr, flush=True)
     else:
         if not already:
             traceback.print_exc()  # a bug keeps its traceback
@@ -308,7 +308,7 @@ def outside_group_failure(exc: DdpkitError) -> None:
     where = f"rank {env.env_rank()}: " if many else ""
     rank = env.env_rank() if many else None
     write_error_file(f"{where}{exc}", False, exc.exit_code, kind=public_kind(exc), text=str(exc), rank=rank)
-    print(f"ddpkit: error: {where}{exc}", file=sys.stderr, flush=True)
+    print(f"ddpkit: {group_of()}error: {where}{exc}", file=sys.stderr, flush=True)
 
 
 def outside_group_bug(exc: BaseException) -> None:
@@ -415,7 +415,8 @@ def restart_note(failures: dict, timeout_s: float, restart: int, max_restarts: i
         return None
     rank = getattr(cause, "rank", None)
     said = f"{'' if rank is None else f'rank {rank}: '}{cause}"
-    return f"ddpkit: {said}; the agent restarts the workers (restart {restart} of --max-restarts {max_restarts})"
+    again = f"the agent restarts the workers (restart {restart} of --max-restarts {max_restarts})"
+    return f"ddpkit: {group_of()}{said}; {again}"
 
 
 def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
@@ -479,7 +480,7 @@ def as_returned(exc: DdpkitError, rank: int) -> Failure:
     return values."""
     printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
     if printed and not isinstance(exc, AlreadyReported):
-        print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+        print(f"ddpkit: {group_of()}{exc}", file=sys.stderr, flush=True)
         # for a launcher that is itself shutting down, and so reads no return value (stopped_report)
         write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=True)
     return Failure(str(exc), exc.exit_code, printed, public_kind(exc))
@@ -509,7 +510,10 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
         return exc.exit_code
     if isinstance(exc, WorkersFailed):
         if not exc.reported:
-            print(f"ddpkit: error: {exc}" + ("" if "above" in str(exc) else "; their output is above"), file=sys.stderr)
+            print(
+                f"ddpkit: {group_of()}error: {exc}" + ("" if "above" in str(exc) else "; their output is above"),
+                file=sys.stderr,
+            )
         return exc.exit_code
     print("ddpkit: interrupted", file=sys.stderr)  # KeyboardInterrupt
     return 130
@@ -588,5 +592,12 @@ def _report_once(exc: DdpkitError) -> int:
             return 130
     where = f"rank {exc.rank}: " if exc.rank is not None else "" if rank == "0" else f"rank {rank}: "
     said = "" if isinstance(exc, Stopped) else "error: "  # a stop that saved its snapshot is no error
-    print(f"ddpkit: {said}{where}{exc}", file=sys.stderr)
+    print(f"ddpkit: {group_of()}{said}{where}{exc}", file=sys.stderr)
     return exc.exit_code
+
+
+def group_of() -> str:
+    """ "replica group G: " in a group of ``ddpkit train --replicas`` (its launcher's lines and its workers'), so
+    that a line says which group it is of; "" elsewhere."""
+    group = os.environ.get(env.REPLICA)
+    return f"replica group {group}: " if group is not None else ""

@@ -173,6 +173,7 @@ def bench(
                 zero=zero,
                 limit_test=max(global_batch, 2 * n),
                 max_restarts=0,
+                replicas=1,
                 run_dir="",
             )
             threads = cpu_threads(n) if device == "cpu" else None  # what distributed() gives each rank

@@ -342,6 +342,7 @@ def check(
         ema=0.0,
         save_every_steps=0,
         max_restarts=0,
+        replicas=1,
         nnodes=1,
     )
     cfg = dataclasses.replace(base, **common)

@@ -13,7 +13,9 @@ writers are called on every rank and decide themselves that only global rank 0 w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -25,9 +27,9 @@ from torch import nn
 from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits
 from ..data.batch import leading_size
-from ..data.loader import EvalSource, eval_source, make_sources
+from ..data.loader import EvalSource, eval_source, make_sources, make_train_source
 from ..data.seeds import DRAWS_NOTE, seed_rank
-from ..errors import DataError, RunDirError
+from ..errors import ConfigError, DataError, RunDirError
 from ..models import uses_conv
 from ..ranks import hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
@@ -51,6 +53,7 @@ from .optim import (
     user_optimizer,
     user_schedule,
 )
+from .replicas import Replicas, data_context, replica_place, shares
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
 from .strategy import prepare, strategy_for
@@ -106,8 +109,33 @@ class Engine:
         self.identity = identity  # written beside config.toml (RUN_DIR/identity.json)
         self.t0, self.first_step_at = t0, None  # launch and first step (wall clock): startup_s
         self.accum = cfg.grad_accum
-        self.per_rank_batch = cfg.batch_size // ctx.world_size  # samples per rank per optimizer step
-        self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
+        # --replicas R: this process is one of R groups, each reading one rank's share of the global batch as a DDP
+        # run of R ranks reads it (train/replicas.py), and the share of any group that is gone
+        self.place = replica_place(cfg)
+        self.replicas: Replicas | None = None  # torchft's side, started in fit() once a resume has set the step
+        self.per_rank_batch = cfg.batch_size // (ctx.world_size * (self.place.count if self.place else 1))
+        if self.place is None:
+            self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
+        else:
+            self.shares = [
+                make_train_source(
+                    splits,
+                    cfg,
+                    data_context(ctx, self.place, g),
+                    self.per_rank_batch // self.accum,
+                    group=self.accum,
+                )
+                for g in range(self.place.count)
+            ]
+            if self.shares[0].path not in ("in-memory", "device-resident", "host-staged"):
+                raise ConfigError(
+                    f"--replicas reads the training data held in memory, and this run's path is {self.shares[0].path}"
+                    f" (an IterableDataset, or data the DataLoader must read): not yet supported with --replicas"
+                )
+            self.train_src = self.shares[self.place.index]
+            self._share_batches: dict[int, tuple] = {}  # group -> (epoch, next micro-batch, its iterator)
+            # evaluation: the whole split in every group (each is a world of one), so each group's is exact
+            self.eval_src = eval_source(splits.test, splits, cfg, ctx, getattr(self.train_src, "on_device", False))
         # The validation split (--val-fraction, val_data): evaluated at epoch ends and every --eval-every-steps,
         # and what --keep-best and --early-stop watch; the test set is then evaluated once, at the end.
         on_device = getattr(self.train_src, "on_device", False)
@@ -277,6 +305,18 @@ class Engine:
         merged = torch.tensor([r["acc"] for r in state["rank_states"]], dtype=torch.float64).sum(0)
         self.acc.load(merged if self.ctx.rank == 0 else torch.zeros_like(merged))
 
+    def heal_state(self) -> dict:
+        """What a group that is behind receives from this one (``--replicas``, torchft's heal): the state of a
+        snapshot, at the start of the step the quorum is about to take, less this group's own metric sums."""
+        state = self.state_dict()
+        state["rank_state"] = None
+        return state
+
+    def load_heal(self, state: dict) -> None:
+        """A live group's :meth:`heal_state`, loaded as a snapshot is; this group's metric sums start again from
+        zero, and its random streams stay its own (reseeded at its start, as at another world size)."""
+        self.load_state_dict({**state, "same_world": True, "rank_state": {"acc": [0.0] * (2 * len(self.acc.names))}})
+
     # ------------------------------------------------------------------ loop
     def _fits(self, snap: dict) -> None:
         """Raise unless ``snap`` can be loaded into this run as it is: checked before anything is
@@ -311,6 +351,16 @@ class Engine:
             hangwatch.report_to(self.cfg.run_dir)  # a hang's report goes beside the run
             if self.graph_decision.use:
                 self.graph = GraphedSteps(self)
+            replicas = {}
+            if self.place is not None:  # this group meets the others from its own resume's step (healed if behind)
+                self.replicas = Replicas(self.place, self.heal_state, self.load_heal, self.cfg.timeout_s, self.log.log)
+                self.replicas.set_step(self.pos.global_step)
+                replicas = {
+                    "replicas": self.place.count,
+                    "replica_group": self.place.index,
+                    # the cores ddpkit's launcher gave this group (ranks/replicas.py), which its threads are sized to
+                    "replica_cores": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                }
             # The steps after the snapshot (all of them, when starting over) run again: drop their records.
             self.session.begin(
                 self.pos.global_step,
@@ -318,6 +368,7 @@ class Engine:
                 lambda: write_config(self.cfg, self.ctx, self.identity),
                 [self.raw],
                 **report.start_fields(self, snap),
+                **replicas,
             )
             with self.session.signal:
                 cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self.stopped_early)
@@ -335,6 +386,8 @@ class Engine:
             return summary
         finally:
             self.session.close()  # however it ends: the write in flight, if any, ends first
+            if self.replicas is not None:
+                self.replicas.close()
             self.log.close(ok)
 
     def _run_epoch(self) -> None:
@@ -343,11 +396,12 @@ class Engine:
         self._epoch_t0 = time.perf_counter() - self.timing.epoch_elapsed_s
         self._begin_intervals()
         totals = self.interval.totals
-        micro = (
-            self.graph.epoch(self.pos.epoch, self.pos.step_in_epoch)
-            if self.graph is not None
-            else self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
-        )
+        if self.graph is not None:
+            micro = self.graph.epoch(self.pos.epoch, self.pos.step_in_epoch)
+        elif self.replicas is not None:  # each step reads the batches of the groups it computes (_replica_step)
+            micro = itertools.repeat(None, (self.steps_per_epoch - self.pos.step_in_epoch) * self.accum)
+        else:
+            micro = self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
         with self.strategy.join(self.ddp, self.opt) if cfg.join and self.ddp is not None else nullcontext():
             for group in zip(*[micro] * self.accum):  # grad_accum micro-batches per optimizer step
                 if self.first_step_at is None:
@@ -358,6 +412,8 @@ class Engine:
                     self._interval_start(time.perf_counter(), totals)
                 elif self.graph is not None:
                     self.graph.step()  # gathers its own batch on the device
+                elif self.replicas is not None:
+                    self._replica_step()
                 else:
                     self._step(group)
                 self.pos.step_in_epoch += 1
@@ -432,6 +488,72 @@ class Engine:
         self._advance_lr()
         if self.ema is not None:
             self.ema.update(self.raw)
+
+    def _replica_step(self) -> None:
+        """One optimizer step of a replica group (``--replicas``, train/replicas.py): the quorum (a group that is
+        behind heals there, and the state it loads is the step's), this group's batches and those of the groups
+        that are gone, the gradient summed over the groups present, and the optimizer step only if every group's
+        all-reduce succeeded; else the same step again, on the same batches, over the groups then present."""
+        rep = self.replicas
+        scale = 1.0 / (self.accum * rep.place.count)  # a micro-batch's mean loss, as a share of the global batch's
+        params, buffers = list(self.raw.parameters()), list(self.raw.buffers())
+        start = [b.detach().clone() for b in buffers]  # the step's buffers: an attempt that did not commit moved them
+        attempts, t0 = 0, time.perf_counter()
+        while True:
+            attempts += 1
+            present = rep.begin(self.pos.global_step)
+            if rep.healed:  # the step's state is a live group's, just loaded
+                start = [b.detach().clone() for b in buffers]
+            for b, s0 in zip(buffers, start):
+                b.copy_(s0)
+            measures, kept = [], None
+            self.opt.zero_grad(set_to_none=False)
+            if present is not None:
+                for g in shares(present, rep.place.count, rep.place.index):
+                    if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
+                        for b, s0 in zip(buffers, start):
+                            b.copy_(s0)
+                    for batch in self._share(g):
+                        with self.autocast:
+                            loss, outputs = self.task.loss(self.model, batch)
+                        self.scaler.scale(loss * scale).backward()
+                        measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
+                    if g == 0:
+                        kept = [b.detach().clone() for b in buffers]
+                for p in params:  # every group all-reduces every parameter's gradient
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                rep.reduce([p.grad for p in params])
+                # The buffers (BatchNorm's running statistics) after share 0's forwards, as DDP keeps rank 0's: given
+                # by the group that computed share 0, zeros by the others; in float64, where an int64 count is exact
+                for b, given in zip(buffers, kept or [torch.zeros_like(b) for b in buffers]):
+                    b.copy_(given)
+                rep.reduce(buffers, torch.float64)
+            if rep.commit():
+                break
+        rep.committed(self.pos.global_step, present, attempts, time.perf_counter() - t0)
+        for m in measures:  # the committed attempt's only: a step computed again is counted once
+            self.acc.add(m)
+        if self.cfg.clip_grad_norm:
+            self.scaler.unscale_(self.opt)
+            norm = self.strategy.clip_grad_norm_(self.raw, self.cfg.clip_grad_norm, foreach=True)
+            self.acc.add(self._no_metrics + [(norm, 1)])
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self._advance_lr()
+        if self.ema is not None:
+            self.ema.update(self.raw)
+
+    def _share(self, group: int) -> list:
+        """The micro-batches of ``group``'s share of the step at this position, read as rank ``group`` of a run
+        of R ranks reads them: its iterator kept while the steps follow on, made again after a jump (a heal)."""
+        epoch, first = self.pos.epoch, self.pos.step_in_epoch * self.accum
+        kept = self._share_batches.get(group)
+        if kept is None or kept[:2] != (epoch, first):
+            kept = (epoch, first, self.shares[group].batches(epoch, first))
+        batches = [next(kept[2]) for _ in range(self.accum)]
+        self._share_batches[group] = (epoch, first + self.accum, kept[2])
+        return batches
 
     def _compile_step(self, micro: tuple) -> None:
         """The first step of a compiled run, timed apart: it includes compilation."""

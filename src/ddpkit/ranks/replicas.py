@@ -1,0 +1,208 @@
+"""``ddpkit train --replicas R``: R replica groups on this node, each a ``ddpkit train`` of its own under its own
+elastic agent (so a lost group is restarted by its agent, ``--max-restarts``, while the others train on), and
+torchft's lighthouse between them, which holds the groups' quorum (train/replicas.py is a group's side).
+
+    lighthouse = LighthouseServer(...)           # in this process, for the job's life
+    ddpkit train ARGS --run-dir RUN_DIR          # group 0 (DDPKIT_REPLICA=0), and group g with
+    ddpkit train ARGS --run-dir RUN_DIR-group-g  # its own run dir: its records and snapshots
+
+Each group writes its own run dir: a group's snapshots go on while another is gone, and a rerun of the command
+resumes every group from its own (the quorum then heals any that is behind). Group 0's is the run's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from . import env
+
+# A group is out of the quorum once its heartbeats (every 100 ms, torchft's Manager) stop for this long (ms): the
+# groups present stall that long at most before the next step's quorum leaves it out. A lost group's process is
+# gone at once (its sockets close, so the step in flight fails at once); a live one that misses ten beats is slow.
+HEARTBEAT_TIMEOUT_MS = 1000
+# How long the lighthouse waits for more groups to join a quorum once the first ones have asked (ms): a group
+# coming back joins the next step's quorum instead of holding this one
+JOIN_TIMEOUT_MS = 100
+
+
+def group_dir(run_dir: str, group: int) -> str:
+    """Group ``group``'s run dir: the run's own for group 0."""
+    return run_dir if group == 0 else f"{run_dir}-group-{group}"
+
+
+def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
+    """Start the lighthouse and the R groups (``argv``: the ``ddpkit train`` arguments as given), wait for every
+    group, and return the job's exit status: 0 when every group ended well, else the first failure's."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("--replicas needs torchft: pip install 'ddpkit[ft]' (or pip install torchft)")
+    run_dir = str(cfg.resolved().run_dir)  # every group is named from the one config
+    # torchft's Rust side logs every quorum (a line per step and group): its errors only
+    os.environ.setdefault("RUST_LOG", "error")
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-c", LIGHTHOUSE, str(JOIN_TIMEOUT_MS), str(HEARTBEAT_TIMEOUT_MS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # its log is of every quorum, at any RUST_LOG
+        text=True,
+    )
+    from torch.distributed import TCPStore  # after the lighthouse's start, which its import of torch then overlaps
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet before step 0
+    groups: list[subprocess.Popen] = []
+    try:
+        address = lighthouse.stdout.readline().strip()
+        if not address:
+            raise ConfigError(
+                f"torchft's lighthouse did not start (exit {lighthouse.wait()}): is torchft installed whole?"
+            )
+        shares = core_shares(sorted(os.sched_getaffinity(0)), cfg.replicas)
+        with _forwarded(groups):  # the list as it grows
+            for g in range(cfg.replicas):
+                if g == 1 and not _first_met(groups[0], store):
+                    return _status(groups[0].wait())  # its error is the job's, said once, before the others start
+                child_env = {
+                    **os.environ,
+                    env.REPLICA: str(g),
+                    env.LIGHTHOUSE: address,
+                    env.REPLICA_STORE: f"127.0.0.1:{store.port}",
+                }
+                quiet = ["--quiet"] if g else []  # the console shows group 0's records; each group's are in its run dir
+                command = [sys.executable, "-m", "ddpkit", "train", *argv, "--run-dir", group_dir(run_dir, g), *quiet]
+                # Each group on its own cores (its processes inherit them, and size their threads to them): groups
+                # that each took every core would oversubscribe the node, 4x slower per step on 2 cores
+                cores = shares[g]
+                groups.append(
+                    subprocess.Popen(command, env=child_env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                )
+            return _ended(_wait(groups, store), run_dir)
+    finally:
+        for p in groups:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.stdin.close()  # it ends when its input does
+        try:
+            lighthouse.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            lighthouse.kill()
+
+
+def core_shares(cores: list[int], groups: int) -> list[list[int]]:
+    """The node's ``cores`` dealt to ``groups`` replica groups: equal runs of them, or one each, in turn, where there
+    are fewer cores than groups."""
+    if len(cores) < groups:
+        return [[cores[g % len(cores)]] for g in range(groups)]
+    return [cores[g * len(cores) // groups : (g + 1) * len(cores) // groups] for g in range(groups)]
+
+
+def _first_met(group: subprocess.Popen, store) -> bool:
+    """Wait until group 0 has reached the groups' meeting (past its checks, its data and model loaded and its
+    trial step run: train/replicas.py) or has ended; whether it got there. The others start only then, so that a
+    failure every group would meet (unreadable data, a model that does not build) is said once, by group 0."""
+    while group.poll() is None:
+        if store.add("ddpkit/replicas/here", 0) >= 1:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _status(code: int) -> int:
+    """A group's exit status as the job's: a group ended by signal N is 128 + N, as a shell says it."""
+    return 128 - code if code < 0 else code
+
+
+def _wait(groups: list[subprocess.Popen], store) -> tuple[list[int], list[int]]:
+    """Every group's exit status (as a shell says it), in the order the groups ended, once all have. A group that
+    fails before every group has met (the store's count: train/replicas.py) met a failure the others would meet
+    too: they are stopped, not left waiting for it. Once training has begun, a lost group is its own agent's to
+    restart (--max-restarts), and the others train on."""
+    ended: dict[int, int] = {}
+    while True:
+        for g, p in enumerate(groups):
+            if g not in ended and p.poll() is not None:
+                ended[g] = _status(p.returncode)
+        if len(ended) == len(groups):
+            return [ended[g] for g in range(len(groups))], list(ended)
+        if any(ended.values()) and not store.check(["ddpkit/replicas/all"]):
+            for p in groups:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in groups:
+                p.wait()
+            return [_status(p.returncode) for p in groups], [*ended, *(g for g in range(len(groups)) if g not in ended)]
+        time.sleep(0.2)
+
+
+def _ended(result: tuple[list[int], list[int]], run_dir: str) -> int:
+    """The job's exit status from its groups' (``result``: their statuses by group, and the order they ended in):
+    0 when a group finished the run, however many were lost on the way (their losses said in one line, with where
+    the finished run is); else the first failure's, which its group has said."""
+    codes, order = result
+    finished = [g for g, c in enumerate(codes) if c == 0]
+    lost = [g for g, c in enumerate(codes) if c != 0]
+    if finished and lost:
+        print(
+            f"ddpkit: replica group{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} ended early "
+            f"(exit {', '.join(str(codes[g]) for g in lost)}; its output above says why) and the other"
+            f"{'s' if len(finished) > 1 else ''} trained on: the run finished in {group_dir(run_dir, finished[0])}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+    return next((codes[g] for g in order if codes[g]), 0)
+
+
+# The lighthouse, in a process of its own: its address on stdout, then it serves until its stdin closes (the
+# launcher ended, however it ended). Deaf to SIGTERM, SIGUSR1 and Ctrl-C, which reach the whole job (SLURM signals every
+# process of a step): the groups stop at their next safe point, and need the quorum's steps until then.
+LIGHTHOUSE = """
+import signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+from torchft._torchft import LighthouseServer
+server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(sys.argv[1]),
+                          heartbeat_timeout_ms=int(sys.argv[2]))
+print(server.address(), flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
+
+
+class _forwarded:
+    """SIGTERM and SIGUSR1 to this process passed on to every group (each stops at its next safe point, with a
+    snapshot); Ctrl-C reaches them from the terminal itself, as they share its process group."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, groups: list[subprocess.Popen]):
+        self.groups, self.previous = groups, {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._send)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the groups stop and say so; this one waits for them
+        return self
+
+    def _send(self, signum, _frame) -> None:
+        for p in self.groups:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def groups_of(run_dir: str | Path, replicas: int) -> list[Path]:
+    """The run dirs of a ``--replicas`` run's groups, group 0's first."""
+    return [Path(group_dir(str(run_dir), g)) for g in range(replicas)]

@@ -1,0 +1,256 @@
+"""Replica groups (``ddpkit train --replicas R``): one group's side of torchft's quorum, for the engine's step.
+
+Each group is a launch of its own (one process here, under its own elastic agent: ``ranks/replicas.py``); the
+groups meet through torchft's lighthouse, and torchft's ``Manager`` runs each step's quorum, its all-reduces
+over the groups present, the commit that only a step whose every all-reduce succeeded passes, and the heal of a
+group that is behind (it receives a live group's state and loads it at the step's start). ddpkit adds what
+torchft leaves out, the global batch kept whole: the data are read as by ``R`` ranks of one DDP run (group
+``g`` takes rank ``g``'s batches, ``epoch_order``), and while a group is gone the groups present compute its
+batches too (:func:`shares`), each batch's loss scaled by ``1 / R``, so that the all-reduced SUM is the mean
+gradient of the whole global batch, as in an uninterrupted run, to float rounding. A step that does not commit
+(a group left in the middle of it) is computed again, over the groups then present, on the same batches: no
+sample is dropped and none is used twice.
+
+    place = replica_place(cfg)                  # None unless this process is one group of --replicas
+    group = Replicas(place, engine.heal_state, engine.load_heal, timeout_s, log.log)
+    present = group.begin(step)                 # the quorum (a heal loads the state), the groups present
+    ...forward and backward over shares(present, place.count, place.index), each loss scaled by 1/R...
+    group.reduce(grads)                         # one SUM all-reduce over the groups present
+    group.reduce(buffers, torch.float64)        # share 0's BatchNorm statistics, from the group that computed it
+    if group.commit(): optimizer.step()         # else: the same step again
+    group.committed(step, present, attempts, seconds)   # its records: a step redone, the groups present
+
+torchft (the ``ddpkit[ft]`` extra) is imported only when a group starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from ..ranks import env
+from ..ranks.context import DistContext
+
+NEEDS_FT = "--replicas needs torchft: pip install 'ddpkit[ft]' (or pip install torchft)"
+
+
+@dataclass(frozen=True)
+class Place:
+    """This group's place among the replica groups."""
+
+    index: int  # 0..count-1: which rank's share of each global batch is this group's own
+    count: int  # R, the groups of the run (present or not): the global batch is R shares
+    lighthouse: str  # torchft's lighthouse (http://HOST:PORT), started by ddpkit's launcher
+    store: str  # HOST:PORT of the launcher's store, where the groups meet before their first step
+
+
+def replica_place(cfg: TrainConfig) -> Place | None:
+    """This process's group, when ``cfg`` asks for replica groups and ddpkit's launcher started it as one;
+    None for any other run. ``--replicas`` from Python (no launcher) is refused: the groups are launched by
+    ``ddpkit train``."""
+    if cfg.replicas <= 1:
+        return None
+    found = env.replica_group()
+    if found is None:
+        raise ConfigError(
+            f"--replicas {cfg.replicas}: replica groups are started by the command line, each under its own agent: "
+            f"run `ddpkit train --replicas {cfg.replicas} ...` (from Python, leave replicas at 1)"
+        )
+    index, lighthouse, store = found
+    if index >= cfg.replicas:
+        raise ConfigError(f"{env.REPLICA}={index} is not below --replicas {cfg.replicas}: it is ddpkit's own, unset it")
+    return Place(index, cfg.replicas, lighthouse, store)
+
+
+def data_context(ctx: DistContext, place: Place, index: int) -> DistContext:
+    """The context the data are read in for group ``index``: rank ``index`` of ``count``, as one DDP run of
+    ``count`` ranks reads them (the epoch order, the augmentation draws), on this group's device."""
+    return dataclasses.replace(ctx, rank=index, world_size=place.count)
+
+
+def shares(present: list[int], count: int, me: int) -> list[int]:
+    """The groups whose batches group ``me`` computes at a step where ``present`` (sorted) are present: its own,
+    then every missing group's, dealt in turn to the groups present (the k-th missing to the (k mod P)-th
+    present). Every group of ``range(count)`` is computed by exactly one present group."""
+    missing = [g for g in range(count) if g not in present]
+    return [me] + [g for k, g in enumerate(missing) if present[k % len(present)] == me]
+
+
+class Replicas:
+    """One group's torchft ``Manager`` (a process group of its own over gloo, its store, the lighthouse's client)
+    and the step's protocol; ``state`` and ``load``: the state a healing group receives and how it loads it;
+    ``record(event, **fields)``: where a heal, a step computed again and a change of the groups present are said
+    (the engine's ``MetricLogger.log``: this group's ``metrics.jsonl`` and, for group 0, the console)."""
+
+    def __init__(
+        self,
+        place: Place,
+        state: Callable[[], dict],
+        load: Callable[[dict], None],
+        timeout_s: float,
+        record: Callable[..., None],
+    ):
+        try:
+            from torchft import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError:
+            raise ConfigError(NEEDS_FT) from None
+        from torch.distributed import TCPStore
+
+        # torchft logs each failed all-reduce with its traceback (a lost group's every step): ddpkit says it in one
+        # record per step computed again, and one per change of the groups present
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        # a heal's tensors are read from torchft's received bytes, and copied into the model as they load
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        self.place, self.record = place, record
+        # The group's own store (one process: nothing else to meet); torchft keeps its manager's address there
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        limit = timedelta(seconds=timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=limit),
+            min_replica_size=1,
+            load_state_dict=load,
+            state_dict=_serving(state),
+            replica_id=f"ddpkit{place.index}",
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            lighthouse_addr=place.lighthouse,
+            use_async_quorum=False,  # the quorum (and a heal) before the step's forward, so its batches are known
+            init_sync=False,  # every group starts from the same seeded weights (or its own snapshot, healed if behind)
+            timeout=limit,
+            quorum_timeout=limit,
+            connect_timeout=limit,
+        )
+        self.present: list[int] = []  # at the last step that committed
+        self.healed = False  # at this step's quorum
+        if env.restart_count() == 0:
+            self._meet(timeout_s)
+
+    def _meet(self, timeout_s: float) -> None:
+        """The job's first attempt: wait until every group is here (or ``timeout_s`` has passed) before the first
+        step, so that the groups start their first quorum together instead of the first up training alone and the
+        others healing from it (a copy of the whole state each). A restarted group joins at once, as it must."""
+        from torch.distributed import TCPStore
+
+        host, _, port = self.place.store.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        if store.add("ddpkit/replicas/here", 1) == self.place.count:
+            store.set("ddpkit/replicas/all", "1")
+        try:
+            store.wait(["ddpkit/replicas/all"])
+        except Exception:  # noqa: BLE001 - a group slow to start, or failed: the others go on, and it heals or is said
+            self.record("replicas", change="started", step=0, waited_s=timeout_s, note="not every group came")
+
+    def set_step(self, step: int) -> None:
+        """After a resume from this group's own snapshot: torchft's step count is the run's."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.place.count})
+
+    def begin(self, step: int) -> list[int] | None:
+        """The quorum of the step at ``step`` (a group behind the others heals here, loading a live group's state),
+        then which groups are present: one all-reduce of a vector with this group's place set. None where that
+        failed (a group left): the step cannot commit, and :meth:`commit` says so."""
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self.healed = self.manager.current_step() != step
+        if self.healed:
+            self.record(
+                "replicas",
+                change="healed",
+                step=self.manager.current_step(),
+                group=self.place.index,
+                behind=self.manager.current_step() - step,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+        flags = torch.zeros(self.place.count, dtype=torch.float64)  # on the host: the shares are the host's to deal
+        flags[self.place.index] = 1.0
+        self.manager.allreduce(flags, reduce_op=_sum()).wait()
+        if self.manager.errored() is not None:
+            return None
+        return [g for g, v in enumerate(flags.tolist()) if v > 0.5]
+
+    def reduce(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        """The SUM of every group's ``tensors`` over the groups present, in place: one all-reduce of their
+        concatenation (in ``dtype``, else their own). The gradients: each group has scaled its losses by 1/R, so
+        the sum is the global batch's mean gradient. The buffers: one group gives them, the others zeros."""
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in tensors])
+        self.manager.allreduce(flat, reduce_op=_sum()).wait()
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def commit(self) -> bool:
+        """Whether the step's every all-reduce succeeded in every group present (torchft's ``should_commit``):
+        only then may the optimizer step."""
+        return self.manager.should_commit()
+
+    def committed(self, step: int, present: list[int], attempts: int, seconds: float) -> None:
+        """The records of a step that committed: computed again after a group left during it (``redone``, with the
+        seconds from its first attempt to its commit), and the groups present when they changed (``groups``)."""
+        if attempts > 1:
+            self.record("replicas", change="redone", step=step, attempts=attempts, seconds=round(seconds, 4))
+        if present != self.present:
+            if self.present:
+                gone, back = sorted(set(self.present) - set(present)), sorted(set(present) - set(self.present))
+                self.record(
+                    "replicas",
+                    change="groups",
+                    step=step,
+                    present=_listed(present),
+                    gone=_listed(gone) or None,
+                    back=_listed(back) or None,
+                )
+            self.present = present
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+# A test hook, for the test that kills the group serving a heal while it serves (tests/system/test_replicas.py), as
+# run/checkpoint.py's DDPKIT_TEST_KILL_WRITE: DDPKIT_TEST_KILL_SERVING=FOLDER SIGKILLs the first group to serve a
+# heal (FOLDER has no file "served" yet: it writes one first), once it has made the state it sends and before the
+# healing group has read it.
+_KILL_SERVING_ENV = "DDPKIT_TEST_KILL_SERVING"
+
+
+def _serving(state: Callable[[], dict]) -> Callable[[], dict]:
+    folder = os.environ.get(_KILL_SERVING_ENV)
+    if not folder:
+        return state
+
+    def serve() -> dict:
+        made = state()
+        mark = Path(folder) / "served"
+        if not mark.exists():
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return made
+
+    return serve
+
+
+def _listed(groups: list[int]) -> str:
+    """Groups as a record and the console show them: "0,2"."""
+    return ",".join(str(g) for g in groups)
+
+
+def _sum() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.SUM

@@ -1,0 +1,60 @@
+"""--replicas, the parts that need no launch: how a step's shares are dealt over the groups present, and what the
+option is refused with (tests/system/test_replicas.py trains replica groups under torchft)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ddpkit.config import TrainConfig
+from ddpkit.errors import ConfigError
+from ddpkit.ranks import env
+from ddpkit.train.replicas import replica_place, shares
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_every_share_of_a_step_is_computed_once_whichever_groups_are_present(count):
+    for size in range(1, count + 1):
+        for present in itertools.combinations(range(count), size):
+            dealt = [shares(list(present), count, g) for g in present]
+            computed = sorted(g for mine in dealt for g in mine)
+            assert computed == list(range(count)), (present, dealt)  # each group's share once: none lost, none twice
+            assert all(mine[0] == g for mine, g in zip(dealt, present))  # a group's own share first
+            # the missing groups' shares spread: no group computes more than one more than another
+            sizes = [len(mine) for mine in dealt]
+            assert max(sizes) - min(sizes) <= 1, (present, dealt)
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        ({"nproc": "2"}, "--nproc 2"),
+        ({"nnodes": 2}, "--nnodes 2"),
+        ({"strategy": "fsdp2"}, "--strategy fsdp2"),
+        ({"join": True}, "--join"),
+        ({"data_path": "loader"}, "--data-path loader"),
+    ],
+)
+def test_what_replica_groups_cannot_be_combined_with_yet_is_refused_naming_it(option, named):
+    with pytest.raises(ConfigError, match=f"--replicas 2 cannot be combined with {named}"):
+        TrainConfig(dataset="mnist", replicas=2, **option).resolved()
+
+
+def test_replicas_below_one_is_refused():
+    with pytest.raises(ConfigError, match="--replicas must be >= 1"):
+        TrainConfig(dataset="mnist", replicas=0).resolved()
+
+
+def test_replicas_from_python_without_the_launcher_is_refused_with_the_command_to_run(monkeypatch):
+    monkeypatch.delenv(env.REPLICA, raising=False)
+    assert replica_place(TrainConfig()) is None  # 1: no groups, nothing asked
+    with pytest.raises(ConfigError, match="run `ddpkit train --replicas 3"):
+        replica_place(TrainConfig(replicas=3))
+
+
+def test_the_run_dir_of_a_replicas_run_is_named_apart_and_older_names_stay():
+    # A run dir named by the config's hash: --replicas changes the data's layout (R shares of each global batch),
+    # so its run is another; at 1 it is left out of the hash, and run dirs named before it existed keep their names
+    assert TrainConfig(replicas=2).hash() != TrainConfig().hash()
+    assert TrainConfig(replicas=1).hash() == TrainConfig().hash()
