@@ -481,6 +481,7 @@ class TrainConfig:
                     (f"--comm-hook {self.comm_hook}", self.comm_hook != "none"),
                     ("--sync-bn", self.sync_bn),
                     ("--data-path loader", self.data_path == "loader"),
+                    ("--compile", self.compile),
                 )
                 if on
             ]

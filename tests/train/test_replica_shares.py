@@ -34,6 +34,7 @@ def test_every_share_of_a_step_is_computed_once_whichever_groups_are_present(cou
         ({"strategy": "fsdp2"}, "--strategy fsdp2"),
         ({"join": True}, "--join"),
         ({"data_path": "loader"}, "--data-path loader"),
+        ({"compile": True}, "--compile"),
     ],
 )
 def test_what_replica_groups_cannot_be_combined_with_yet_is_refused_naming_it(option, named):

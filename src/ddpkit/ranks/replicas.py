@@ -2,7 +2,7 @@
 elastic agent (so a lost group is restarted by its agent, ``--max-restarts``, while the others train on), and
 torchft's lighthouse between them, which holds the groups' quorum (train/replicas.py is a group's side).
 
-    lighthouse = LighthouseServer(...)           # in this process, for the job's life
+    lighthouse = LighthouseServer(...)           # in a process of its own, for the job's life
     ddpkit train ARGS --run-dir RUN_DIR          # group 0 (DDPKIT_REPLICA=0), and group g with
     ddpkit train ARGS --run-dir RUN_DIR-group-g  # its own run dir: its records and snapshots
 
@@ -18,11 +18,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from ..config import TrainConfig
 from ..errors import ConfigError
 from . import env
+
+NEEDS_FT = "--replicas needs torchft: pip install 'ddpkit[ft]' (or pip install torchft)"
 
 # A group is out of the quorum once its heartbeats (every 100 ms, torchft's Manager) stop for this long (ms): the
 # groups present stall that long at most before the next step's quorum leaves it out. A lost group's process is
@@ -42,7 +43,7 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
     """Start the lighthouse and the R groups (``argv``: the ``ddpkit train`` arguments as given), wait for every
     group, and return the job's exit status: 0 when every group ended well, else the first failure's."""
     if importlib.util.find_spec("torchft") is None:
-        raise ConfigError("--replicas needs torchft: pip install 'ddpkit[ft]' (or pip install torchft)")
+        raise ConfigError(NEEDS_FT)
     run_dir = str(cfg.resolved().run_dir)  # every group is named from the one config
     # torchft's Rust side logs every quorum (a line per step and group): its errors only
     os.environ.setdefault("RUST_LOG", "error")
@@ -75,7 +76,19 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
                     env.REPLICA_STORE: f"127.0.0.1:{store.port}",
                 }
                 quiet = ["--quiet"] if g else []  # the console shows group 0's records; each group's are in its run dir
-                command = [sys.executable, "-m", "ddpkit", "train", *argv, "--run-dir", group_dir(run_dir, g), *quiet]
+                # One process a group (--nproc auto would start one per GPU): argparse takes the last --nproc given
+                one = ["--nproc", "1"]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "ddpkit",
+                    "train",
+                    *argv,
+                    *one,
+                    "--run-dir",
+                    group_dir(run_dir, g),
+                    *quiet,
+                ]
                 # Each group on its own cores (its processes inherit them, and size their threads to them): groups
                 # that each took every core would oversubscribe the node, 4x slower per step on 2 cores
                 cores = shares[g]
@@ -201,8 +214,3 @@ class _forwarded:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def groups_of(run_dir: str | Path, replicas: int) -> list[Path]:
-    """The run dirs of a ``--replicas`` run's groups, group 0's first."""
-    return [Path(group_dir(str(run_dir), g)) for g in range(replicas)]

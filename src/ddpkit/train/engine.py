@@ -479,6 +479,10 @@ class Engine:
                     loss, outputs = self.task.loss(self.model, batch)
                 self.scaler.scale(loss / k if k > 1 else loss).backward()
             self.acc.add(self.task.measure(loss, outputs, batch) + self._no_norm)
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        """Once the step's gradients are whole: clipping (by the global norm), the optimizer, the scaler, lr, EMA."""
         if self.cfg.clip_grad_norm:
             self.scaler.unscale_(self.opt)  # clip the true gradients, not the fp16-scaled ones
             norm = self.strategy.clip_grad_norm_(self.raw, self.cfg.clip_grad_norm, foreach=True)
@@ -496,16 +500,20 @@ class Engine:
         all-reduce succeeded; else the same step again, on the same batches, over the groups then present."""
         rep = self.replicas
         scale = 1.0 / (self.accum * rep.place.count)  # a micro-batch's mean loss, as a share of the global batch's
-        params, buffers = list(self.raw.parameters()), list(self.raw.buffers())
+        # The trained parameters: a frozen one gets no gradient, so no weight decay or momentum, as under DDP
+        params = [p for p in self.raw.parameters() if p.requires_grad]
+        buffers = list(self.raw.buffers())
         start = [b.detach().clone() for b in buffers]  # the step's buffers: an attempt that did not commit moved them
         attempts, t0 = 0, time.perf_counter()
         while True:
             attempts += 1
+            # The step's buffers back before the quorum, where this group may serve a heal: an attempt that did not
+            # commit left another group's share 0 statistics, or zeros, in them
+            for b, s0 in zip(buffers, start):
+                b.copy_(s0)
             present = rep.begin(self.pos.global_step)
             if rep.healed:  # the step's state is a live group's, just loaded
                 start = [b.detach().clone() for b in buffers]
-            for b, s0 in zip(buffers, start):
-                b.copy_(s0)
             measures, kept = [], None
             self.opt.zero_grad(set_to_none=False)
             if present is not None:
@@ -520,7 +528,7 @@ class Engine:
                         measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
                     if g == 0:
                         kept = [b.detach().clone() for b in buffers]
-                for p in params:  # every group all-reduces every parameter's gradient
+                for p in params:  # every group all-reduces every trained parameter's gradient
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 rep.reduce([p.grad for p in params])
@@ -534,15 +542,7 @@ class Engine:
         rep.committed(self.pos.global_step, present, attempts, time.perf_counter() - t0)
         for m in measures:  # the committed attempt's only: a step computed again is counted once
             self.acc.add(m)
-        if self.cfg.clip_grad_norm:
-            self.scaler.unscale_(self.opt)
-            norm = self.strategy.clip_grad_norm_(self.raw, self.cfg.clip_grad_norm, foreach=True)
-            self.acc.add(self._no_metrics + [(norm, 1)])
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self._advance_lr()
-        if self.ema is not None:
-            self.ema.update(self.raw)
+        self._optimizer_step()
 
     def _share(self, group: int) -> list:
         """The micro-batches of ``group``'s share of the step at this position, read as rank ``group`` of a run

@@ -42,8 +42,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..ranks import env
 from ..ranks.context import DistContext
-
-NEEDS_FT = "--replicas needs torchft: pip install 'ddpkit[ft]' (or pip install torchft)"
+from ..ranks.replicas import NEEDS_FT
 
 
 @dataclass(frozen=True)
