@@ -491,6 +491,20 @@ class TrainConfig:
                     f"process on this node, reads its share of the data held in memory, and all-reduces its "
                     f"whole gradient through torchft (docs/fault-tolerance.md)"
                 )
+            # Each group computes one rank's share of every global batch (and, while others are gone, theirs): the
+            # shares of a run of --replicas ranks, so the batch must split as it would over that many ranks
+            share, left = divmod(self.batch_size, self.replicas)
+            if left:
+                near = " or ".join(str(v) for v in (share * self.replicas, (share + 1) * self.replicas) if v > 0)
+                raise ConfigError(
+                    f"--batch-size {self.batch_size} (global) is not divisible by --replicas {self.replicas}: each "
+                    f"group takes an equal share of every global batch; use {near}"
+                )
+            if share % self.grad_accum:
+                raise ConfigError(
+                    f"--grad-accum {self.grad_accum} does not divide a replica group's share of the batch, {share} "
+                    f"(--batch-size {self.batch_size} over --replicas {self.replicas})"
+                )
         if self.join:
             clash = [
                 flag

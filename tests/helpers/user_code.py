@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import torch
@@ -514,31 +516,99 @@ def row_reads(log_dir, skip_pid: int | None = None) -> list[tuple[int, int]]:
 
 class ReplicaNet(nn.Module):
     """A small net with BatchNorm (buffers a replica group must keep as DDP keeps rank 0's), for 1x8x8 images of 4
-    classes. ``DDPKIT_TEST_FAULT="kill@K:G"``: the K-th training forward of replica group G SIGKILLs its process;
+    classes. ``DDPKIT_TEST_FAULT="kill@K:G"``: the K-th training forward of replica group G SIGKILLs its process
+    (K = 0: the worker's copy of the model, made before the groups meet);
     ``"term@K:G"``: it sends SIGTERM to its whole process group (start the job in a session of its own). Faults
     joined by "," are of the group's attempts in turn (its agent's restarts): "kill@12:1,kill@30:1" kills group 1
-    in its first attempt and again in its second."""
+    in its first attempt and again in its second.
 
-    def __init__(self):
+    ``DDPKIT_TEST_HEAL_LATER=RUN_DIR`` (with a kill of group 1 in its first epoch) makes group 1's heal land in a
+    later epoch than the one its own snapshot is in, whatever the machine's load: group 1's restart, as it loads
+    that snapshot (before it meets the others), waits until group 0 has ended its first epoch; group 0, from then
+    on, waits at a training forward until group 1 has started again, and then takes 0.1 s a forward until group 1
+    has healed, so that it cannot end the run first.
+
+    ``DDPKIT_TEST_SLOW_UNTIL_HEALED="RUN_DIR:GROUPS:COUNT"``: every training forward of every group takes 0.2 s more
+    until the run's GROUPS groups have healed COUNT times between them, so that the groups still up cannot end the
+    run before the ones killed are back (a group that comes back to no one trains on alone, and serves no test)."""
+
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4)
+        )
         self.calls = 0
+        self.later = os.environ.get("DDPKIT_TEST_HEAL_LATER", "")
+
+    def load_state_dict(self, state, *args, **kwargs):
+        if (
+            self.later
+            and os.environ.get("DDPKIT_REPLICA") == "1"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        ):
+            _wait_for(self.later, 0, lambda r: r["event"] == "epoch")
+        return super().load_state_dict(state, *args, **kwargs)
+
+    def _heal_later(self) -> None:
+        if os.environ.get("DDPKIT_REPLICA") != "0" or not _records(self.later, 0, lambda r: r["event"] == "epoch"):
+            return
+        if not _records(self.later, 1, lambda r: r.get("change") == "healed"):
+            _wait_for(self.later, 1, lambda r: r["event"] == "start", count=2)
+            time.sleep(0.1)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # a worker's own copy, made before it meets the other groups
+            self._fault()
 
     def forward(self, x):
         if self.training:
             self.calls += 1
-            faults = [f for f in os.environ.get("DDPKIT_TEST_FAULT", "").split(",") if f]
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if attempt < len(faults):
-                kind, _, at = faults[attempt].partition("@")
-                at, _, group = at.partition(":")
-                if os.environ.get("DDPKIT_REPLICA") == group and self.calls == int(at):
-                    if kind == "kill":
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    elif kind == "term":  # the whole job, as SLURM signals every process of a step
-                        os.killpg(os.getpgrp(), signal.SIGTERM)
+            self._fault()
+            if self.later:
+                self._heal_later()
+            slow = os.environ.get("DDPKIT_TEST_SLOW_UNTIL_HEALED")
+            if slow:
+                run_dir, groups, count = slow.rsplit(":", 2)
+                healed = (_records(run_dir, g, lambda r: r.get("change") == "healed") for g in range(int(groups)))
+                if sum(map(len, healed)) < int(count):
+                    time.sleep(0.2)
         return self.net(x)
+
+    def _fault(self) -> None:
+        faults = [f for f in os.environ.get("DDPKIT_TEST_FAULT", "").split(",") if f]
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt < len(faults):
+            kind, _, at = faults[attempt].partition("@")
+            at, _, group = at.partition(":")
+            if os.environ.get("DDPKIT_REPLICA") == group and self.calls == int(at):
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif kind == "term":  # the whole job, as SLURM signals every process of a step
+                    os.killpg(os.getpgrp(), signal.SIGTERM)
+
+
+def _records(run_dir: str, group: int, keep) -> list[dict]:
+    """Replica group ``group``'s records of run ``run_dir`` (ranks/replicas.py's group_dir) that ``keep`` keeps."""
+    path = f"{run_dir}-group-{group}" if group else run_dir
+    try:
+        with open(os.path.join(path, "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if keep(r)]
+    except (FileNotFoundError, json.JSONDecodeError):  # not yet written, or a line being written
+        return []
+
+
+def _wait_for(run_dir: str, group: int, keep, count: int = 1, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while len(_records(run_dir, group, keep)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replica group {group} of {run_dir} wrote no such record in {limit_s} s")
+        time.sleep(0.02)
 
 
 def replica_net() -> ReplicaNet:
     return ReplicaNet()
+
+
+def replica_net_dropout() -> ReplicaNet:
+    return ReplicaNet(dropout=0.25)

@@ -10,6 +10,7 @@ import pytest
 from ddpkit.config import TrainConfig
 from ddpkit.errors import ConfigError
 from ddpkit.ranks import env
+from ddpkit.ranks.replicas import core_shares, gpu_shares
 from ddpkit.train.replicas import replica_place, shares
 
 
@@ -42,6 +43,14 @@ def test_what_replica_groups_cannot_be_combined_with_yet_is_refused_naming_it(op
         TrainConfig(dataset="mnist", replicas=2, **option).resolved()
 
 
+def test_a_batch_the_groups_cannot_share_equally_is_refused_with_the_sizes_that_can():
+    TrainConfig(dataset="mnist", replicas=3, batch_size=48, grad_accum=2).resolved()  # 16 a group, 8 a micro-batch
+    with pytest.raises(ConfigError, match=r"--batch-size 50 \(global\) is not divisible by --replicas 3.* 48 or 51"):
+        TrainConfig(dataset="mnist", replicas=3, batch_size=50).resolved()
+    with pytest.raises(ConfigError, match="--grad-accum 3 does not divide a replica group's share of the batch, 16"):
+        TrainConfig(dataset="mnist", replicas=3, batch_size=48, grad_accum=3).resolved()
+
+
 def test_replicas_below_one_is_refused():
     with pytest.raises(ConfigError, match="--replicas must be >= 1"):
         TrainConfig(dataset="mnist", replicas=0).resolved()
@@ -59,3 +68,11 @@ def test_the_run_dir_of_a_replicas_run_is_named_apart_and_older_names_stay():
     # so its run is another; at 1 it is left out of the hash, and run dirs named before it existed keep their names
     assert TrainConfig(replicas=2).hash() != TrainConfig().hash()
     assert TrainConfig(replicas=1).hash() == TrainConfig().hash()
+
+
+def test_each_group_gets_its_own_cores_and_gpu_dealt_in_turn_where_there_are_fewer():
+    assert core_shares([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert core_shares([0, 1], 3) == [[0], [1], [0]]
+    assert gpu_shares(2, None, 4) == ["0", "1"]  # each group's cuda:0 is another GPU
+    assert gpu_shares(3, "5, 7", 8) == ["5", "7", "5"]  # within the launcher's CUDA_VISIBLE_DEVICES
+    assert gpu_shares(2, None, 0) == [None, None]  # a CPU node: left as it is

@@ -32,6 +32,10 @@ def run(args) -> int:
         from ..ranks.replicas import run_groups
 
         return run_groups(cfg, args.argv[args.argv.index("train") + 1 :])
+    if env.replica_group() is not None:  # one group of --replicas: on its cores, and it ends with its launcher
+        from ..ranks.replicas import enter_group
+
+        enter_group()  # before its workers' forkserver starts, which they are forked from
     prestart_if_workers(cfg.nproc, cfg.max_restarts, cfg.nnodes)  # before torch is imported below
     from ..trainer import Trainer
 

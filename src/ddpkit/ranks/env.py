@@ -10,7 +10,7 @@ ddpkit's own, set by the launcher for its workers (private: a user never sets th
 ``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``; and by
 ``ddpkit train --replicas R`` for each group's launcher: ``DDPKIT_REPLICA`` (the group's index),
 ``DDPKIT_LIGHTHOUSE`` (torchft's lighthouse, which holds the groups' quorum), ``DDPKIT_REPLICA_STORE`` (where the
-groups meet before their first step).
+groups meet before their first step), ``DDPKIT_REPLICA_CORES`` (the group's cores).
 Set by the user: ``DDPKIT_SHARE_GPU=1`` (every CUDA rank of a node on ``cuda:0``, over gloo: for development).
 
 Set for the workers when the user has not: ``OMP_NUM_THREADS``, ``CUBLAS_WORKSPACE_CONFIG``,
@@ -57,6 +57,7 @@ SHARE_GPU = "DDPKIT_SHARE_GPU"
 REPLICA = "DDPKIT_REPLICA"
 LIGHTHOUSE = "DDPKIT_LIGHTHOUSE"
 REPLICA_STORE = "DDPKIT_REPLICA_STORE"  # HOST:PORT of the launcher's store, where the groups meet before step 0
+REPLICA_CORES = "DDPKIT_REPLICA_CORES"  # the cores a group runs on, "0,1": set in the group's own process at its start
 # Passed on to the workers: set by the launcher before it launches, or by the user (a forkserver
 # started earlier has the environment of its start, not this one's)
 TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU, REPLICA, LIGHTHOUSE, REPLICA_STORE)

@@ -34,6 +34,17 @@ HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 100
 
 
+def here_key(group: int) -> str:
+    """The launcher's store key that group ``group`` sets when it reaches the groups' meeting (train/replicas.py), in
+    every attempt: a group whose first attempt failed before it got there is counted when its restart does."""
+    return f"ddpkit/replicas/here/{group}"
+
+
+def all_here(store, count: int) -> bool:
+    """Whether every one of the ``count`` groups has reached the meeting (training has begun)."""
+    return store.check([here_key(g) for g in range(count)])
+
+
 def group_dir(run_dir: str, group: int) -> str:
     """Group ``group``'s run dir: the run's own for group 0."""
     return run_dir if group == 0 else f"{run_dir}-group-{group}"
@@ -65,8 +76,13 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
                 f"torchft's lighthouse did not start (exit {lighthouse.wait()}): is torchft installed whole?"
             )
         shares = core_shares(sorted(os.sched_getaffinity(0)), cfg.replicas)
-        with _forwarded(groups):  # the list as it grows
+        import torch
+
+        gpus = gpu_shares(cfg.replicas, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        with _forwarded(groups) as signals:  # the list as it grows
             for g in range(cfg.replicas):
+                if signals.received:  # stopped while the groups start: the ones started stop, no more start
+                    break
                 if g == 1 and not _first_met(groups[0], store):
                     return _status(groups[0].wait())  # its error is the job's, said once, before the others start
                 child_env = {
@@ -74,38 +90,59 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
                     env.REPLICA: str(g),
                     env.LIGHTHOUSE: address,
                     env.REPLICA_STORE: f"127.0.0.1:{store.port}",
+                    # Each group on its own cores (its processes inherit them, and size their threads to them):
+                    # groups that each took every core would oversubscribe the node, 4x slower per step on 2 cores.
+                    # Set by the group itself (enter_group): a preexec_fn is not safe beside the store's thread
+                    env.REPLICA_CORES: ",".join(map(str, shares[g])),
+                    # and on its own GPU, its cuda:0 (each group is one process: a world of its own)
+                    **({"CUDA_VISIBLE_DEVICES": gpus[g]} if gpus[g] is not None else {}),
                 }
                 quiet = ["--quiet"] if g else []  # the console shows group 0's records; each group's are in its run dir
                 # One process a group (--nproc auto would start one per GPU): argparse takes the last --nproc given
                 one = ["--nproc", "1"]
-                command = [
-                    sys.executable,
-                    "-m",
-                    "ddpkit",
-                    "train",
-                    *argv,
-                    *one,
-                    "--run-dir",
-                    group_dir(run_dir, g),
-                    *quiet,
-                ]
-                # Each group on its own cores (its processes inherit them, and size their threads to them): groups
-                # that each took every core would oversubscribe the node, 4x slower per step on 2 cores
-                cores = shares[g]
-                groups.append(
-                    subprocess.Popen(command, env=child_env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-                )
-            return _ended(_wait(groups, store), run_dir)
+                command = [sys.executable, "-m", "ddpkit", "train", *argv, *one, "--run-dir", group_dir(run_dir, g)]
+                groups.append(subprocess.Popen([*command, *quiet], env=child_env))
+            return _ended(_wait(groups, cfg.replicas, store, lighthouse), run_dir)
     finally:
-        for p in groups:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _stop(groups)
         lighthouse.stdin.close()  # it ends when its input does
         try:
             lighthouse.wait(timeout=10)
         except subprocess.TimeoutExpired:
             lighthouse.kill()
+
+
+def enter_group() -> None:
+    """In a group's own process, first thing: its cores (``DDPKIT_REPLICA_CORES``, from :func:`core_shares`), and
+    SIGTERM when the launcher that started it dies (Linux's parent-death signal), as from the launcher itself: the
+    group stops at its next safe point, with a snapshot, instead of training on without its lighthouse."""
+    cores = os.environ.get(env.REPLICA_CORES)
+    if cores:
+        os.sched_setaffinity(0, [int(c) for c in cores.split(",")])
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # prctl(2)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# How long the groups have to stop at their next safe point when the launcher ends them (seconds), before SIGKILL
+STOP_GRACE_S = 30.0
+
+
+def _stop(groups: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """End every group still running: SIGTERM (each stops at its next safe point, with a snapshot, and its agent
+    stops its workers), then SIGKILL after ``grace_s``. (A SIGKILL first would leave a group's workers running.)"""
+    running = [p for p in groups if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def core_shares(cores: list[int], groups: int) -> list[list[int]]:
@@ -116,12 +153,20 @@ def core_shares(cores: list[int], groups: int) -> list[list[int]]:
     return [cores[g * len(cores) // groups : (g + 1) * len(cores) // groups] for g in range(groups)]
 
 
+def gpu_shares(groups: int, visible: str | None, count: int) -> list[str | None]:
+    """Each group's ``CUDA_VISIBLE_DEVICES``: one of the node's GPUs (``visible``, the launcher's own
+    ``CUDA_VISIBLE_DEVICES``, else the ``count`` GPUs torch sees), in turn where there are fewer GPUs than groups
+    (groups sharing one each hold a copy of the model there); None, left as it is, on a node without."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else list(map(str, range(count)))
+    return [ids[g % len(ids)] if ids else None for g in range(groups)]
+
+
 def _first_met(group: subprocess.Popen, store) -> bool:
     """Wait until group 0 has reached the groups' meeting (past its checks, its data and model loaded and its
     trial step run: train/replicas.py) or has ended; whether it got there. The others start only then, so that a
     failure every group would meet (unreadable data, a model that does not build) is said once, by group 0."""
     while group.poll() is None:
-        if store.add("ddpkit/replicas/here", 0) >= 1:
+        if store.check([here_key(0)]):
             return True
         time.sleep(0.1)
     return False
@@ -132,11 +177,14 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _wait(groups: list[subprocess.Popen], store) -> tuple[list[int], list[int]]:
+def _wait(
+    groups: list[subprocess.Popen], count: int, store, lighthouse: subprocess.Popen
+) -> tuple[list[int], list[int]]:
     """Every group's exit status (as a shell says it), in the order the groups ended, once all have. A group that
-    fails before every group has met (the store's count: train/replicas.py) met a failure the others would meet
-    too: they are stopped, not left waiting for it. Once training has begun, a lost group is its own agent's to
-    restart (--max-restarts), and the others train on."""
+    fails before all ``count`` groups have met (the store's keys: train/replicas.py) met a failure the others would
+    meet too: they are stopped, not left waiting for it. Once training has begun, a lost group is its own agent's to
+    restart (--max-restarts), and the others train on. The lighthouse lost: no group can step again, and each is
+    stopped at its next safe point (a rerun of the command resumes every group from its own snapshot)."""
     ended: dict[int, int] = {}
     while True:
         for g, p in enumerate(groups):
@@ -144,12 +192,16 @@ def _wait(groups: list[subprocess.Popen], store) -> tuple[list[int], list[int]]:
                 ended[g] = _status(p.returncode)
         if len(ended) == len(groups):
             return [ended[g] for g in range(len(groups))], list(ended)
-        if any(ended.values()) and not store.check(["ddpkit/replicas/all"]):
-            for p in groups:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in groups:
-                p.wait()
+        failed_early = any(ended.values()) and not all_here(store, count)
+        if failed_early or lighthouse.poll() is not None:
+            if not failed_early:
+                print(
+                    f"ddpkit: torchft's lighthouse ended (exit {lighthouse.returncode}), and with it the groups' "
+                    f"quorum: every group is stopped; run the same command again to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _stop(groups)
             return [_status(p.returncode) for p in groups], [*ended, *(g for g in range(len(groups)) if g not in ended)]
         time.sleep(0.2)
 
@@ -198,14 +250,17 @@ class _forwarded:
 
     def __init__(self, groups: list[subprocess.Popen]):
         self.groups, self.previous = groups, {}
+        self.received: list[int] = []  # the signals passed on: a group started after one would not have had it
 
     def __enter__(self):
         for sig in self.SIGNALS:
             self.previous[sig] = signal.signal(sig, self._send)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the groups stop and say so; this one waits for them
+        # the groups stop and say so; this one waits for them
+        self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
         return self
 
     def _send(self, signum, _frame) -> None:
+        self.received.append(signum)
         for p in self.groups:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -213,4 +268,3 @@ class _forwarded:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -28,7 +28,7 @@ from ..config import POWERSGD_NO_RESUME, TrainConfig, parse_loggers
 from ..data import DataSplits
 from ..data.batch import leading_size
 from ..data.loader import EvalSource, eval_source, make_sources, make_train_source
-from ..data.seeds import DRAWS_NOTE, seed_rank
+from ..data.seeds import DRAWS_NOTE, reseed, seed_rank
 from ..errors import ConfigError, DataError, RunDirError
 from ..models import uses_conv
 from ..ranks import hangwatch
@@ -117,7 +117,7 @@ class Engine:
         if self.place is None:
             self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
         else:
-            self.shares = [
+            self.share_sources = [
                 make_train_source(
                     splits,
                     cfg,
@@ -127,12 +127,13 @@ class Engine:
                 )
                 for g in range(self.place.count)
             ]
-            if self.shares[0].path not in ("in-memory", "device-resident", "host-staged"):
+            path = self.share_sources[0].path
+            if path not in ("in-memory", "device-resident", "host-staged"):
                 raise ConfigError(
-                    f"--replicas reads the training data held in memory, and this run's path is {self.shares[0].path}"
+                    f"--replicas reads the training data held in memory, and this run's path is {path}"
                     f" (an IterableDataset, or data the DataLoader must read): not yet supported with --replicas"
                 )
-            self.train_src = self.shares[self.place.index]
+            self.train_src = self.share_sources[self.place.index]
             self._share_batches: dict[int, tuple] = {}  # group -> (epoch, next micro-batch, its iterator)
             # evaluation: the whole split in every group (each is a world of one), so each group's is exact
             self.eval_src = eval_source(splits.test, splits, cfg, ctx, getattr(self.train_src, "on_device", False))
@@ -166,7 +167,9 @@ class Engine:
         self.raw, self.ddp, self.synced, self.model = prepare(
             model, cfg, ctx, self.strategy, static, bool(self.find_unused)
         )
-        seed_rank(cfg.seed, ctx.rank)  # torch's (dropout), numpy's and Python's: per rank, every rerun alike
+        # torch's (dropout), numpy's and Python's: per rank, every rerun alike; a replica group's are those of the
+        # rank whose share is its own, so that each group draws what that rank of a DDP run draws
+        seed_rank(cfg.seed, ctx.rank if self.place is None else self.place.index)
         self.opt = (
             user_optimizer(optimizer, self.raw)
             if optimizer is not None
@@ -314,8 +317,10 @@ class Engine:
 
     def load_heal(self, state: dict) -> None:
         """A live group's :meth:`heal_state`, loaded as a snapshot is; this group's metric sums start again from
-        zero, and its random streams stay its own (reseeded at its start, as at another world size)."""
+        zero, and its random streams (its own, which no other group holds) start afresh from (seed, step, group),
+        as a rank's do after a resume at another world size."""
         self.load_state_dict({**state, "same_world": True, "rank_state": {"acc": [0.0] * (2 * len(self.acc.names))}})
+        reseed(self.cfg.seed, self.pos.global_step, self.place.index)
 
     # ------------------------------------------------------------------ loop
     def _fits(self, snap: dict) -> None:
@@ -398,8 +403,10 @@ class Engine:
         totals = self.interval.totals
         if self.graph is not None:
             micro = self.graph.epoch(self.pos.epoch, self.pos.step_in_epoch)
-        elif self.replicas is not None:  # each step reads the batches of the groups it computes (_replica_step)
-            micro = itertools.repeat(None, (self.steps_per_epoch - self.pos.step_in_epoch) * self.accum)
+        elif self.replicas is not None:
+            # Each step reads the batches of the groups it computes (_replica_step). No count: a heal there may move
+            # this group to any step of any epoch, and the epoch's last step (``last`` below) ends the loop
+            micro = itertools.repeat(None)
         else:
             micro = self.train_src.batches(self.pos.epoch, self.pos.step_in_epoch * self.accum)
         with self.strategy.join(self.ddp, self.opt) if cfg.join and self.ddp is not None else nullcontext():
@@ -514,6 +521,7 @@ class Engine:
             present = rep.begin(self.pos.global_step)
             if rep.healed:  # the step's state is a live group's, just loaded
                 start = [b.detach().clone() for b in buffers]
+                self._healed()
             measures, kept = [], None
             self.opt.zero_grad(set_to_none=False)
             if present is not None:
@@ -544,13 +552,22 @@ class Engine:
             self.acc.add(m)
         self._optimizer_step()
 
+    def _healed(self) -> None:
+        """After a heal (:meth:`load_heal`, at the start of a step): this group is now at a live group's position,
+        which may be in a later epoch than the one :meth:`_run_epoch` began, or earlier in it. Its metric sums start
+        again from zero there, so its log interval starts at this step, and its epoch clock is the live group's."""
+        now = time.perf_counter()
+        self._epoch_t0 = now - self.timing.epoch_elapsed_s
+        self._resumed_interval = None  # the live group's interval: its sums, not this group's
+        self._interval_start(now, [0.0] * (2 * len(self.acc.names)))
+
     def _share(self, group: int) -> list:
         """The micro-batches of ``group``'s share of the step at this position, read as rank ``group`` of a run
         of R ranks reads them: its iterator kept while the steps follow on, made again after a jump (a heal)."""
         epoch, first = self.pos.epoch, self.pos.step_in_epoch * self.accum
         kept = self._share_batches.get(group)
         if kept is None or kept[:2] != (epoch, first):
-            kept = (epoch, first, self.shares[group].batches(epoch, first))
+            kept = (epoch, first, self.share_sources[group].batches(epoch, first))
         batches = [next(kept[2]) for _ in range(self.accum)]
         self._share_batches[group] = (epoch, first + self.accum, kept[2])
         return batches

@@ -42,7 +42,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..ranks import env
 from ..ranks.context import DistContext
-from ..ranks.replicas import NEEDS_FT
+from ..ranks.replicas import NEEDS_FT, here_key
 
 
 @dataclass(frozen=True)
@@ -136,21 +136,21 @@ class Replicas:
         )
         self.present: list[int] = []  # at the last step that committed
         self.healed = False  # at this step's quorum
-        if env.restart_count() == 0:
-            self._meet(timeout_s)
+        self._meet(timeout_s)
 
     def _meet(self, timeout_s: float) -> None:
-        """The job's first attempt: wait until every group is here (or ``timeout_s`` has passed) before the first
+        """Say this group is here, and wait until every group is (or ``timeout_s`` has passed) before the first
         step, so that the groups start their first quorum together instead of the first up training alone and the
-        others healing from it (a copy of the whole state each). A restarted group joins at once, as it must."""
+        others healing from it (a copy of the whole state each). Every attempt says it: a group whose first attempt
+        failed before it got here is awaited by the others until its restart does. A group restarted once training
+        has begun finds every group here already, and joins at once."""
         from torch.distributed import TCPStore
 
         host, _, port = self.place.store.rpartition(":")
         store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-        if store.add("ddpkit/replicas/here", 1) == self.place.count:
-            store.set("ddpkit/replicas/all", "1")
+        store.set(here_key(self.place.index), str(env.restart_count()))
         try:
-            store.wait(["ddpkit/replicas/all"])
+            store.wait([here_key(g) for g in range(self.place.count)])
         except Exception:  # noqa: BLE001 - a group slow to start, or failed: the others go on, and it heals or is said
             self.record("replicas", change="started", step=0, waited_s=timeout_s, note="not every group came")
 
@@ -173,6 +173,7 @@ class Replicas:
                 group=self.place.index,
                 behind=self.manager.current_step() - step,
                 seconds=round(time.perf_counter() - t0, 4),
+                streams="reseeded",  # its random streams (dropout): from (seed, step, group), as at another world size
             )
         flags = torch.zeros(self.place.count, dtype=torch.float64)  # on the host: the shares are the host's to deal
         flags[self.place.index] = 1.0
