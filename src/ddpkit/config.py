@@ -291,6 +291,12 @@ class TrainConfig:
         "no per-interval or per-epoch lines on the console (metrics.jsonl still gets "
         "them); warnings and errors still print",
     )
+    sample_log: bool = _f(
+        False,
+        "run",
+        "with --replicas: write RUN_DIR/samples.jsonl, each committed step's sample indices by the share (rank of R) "
+        "this group computed them as, so that every sample of every epoch can be counted once across the groups",
+    )
     resume: str = _f(
         "auto",
         "run",
@@ -468,6 +474,11 @@ class TrainConfig:
                 )
         if self.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1 (1 = no replica groups), got {self.replicas}")
+        if self.sample_log and self.replicas == 1:
+            raise ConfigError(
+                "--sample-log records which replica group computed each sample: it needs --replicas R > 1 (without "
+                "groups each rank takes its share as the epoch order says, which `ddpkit check` counts)"
+            )
         if self.replicas > 1:
             clash = [
                 flag
@@ -620,6 +631,7 @@ class TrainConfig:
             "find_unused_parameters",
             "log",
             "plots",
+            "sample_log",
         }
     )  # ddp: at world 1 the wrapper changes no bit (tests/train/test_engine.py). strategy: FSDP2 computes what
     # DDP does to float noise and each reads the other's snapshots (tests/train/test_fsdp2.py), so a run dir

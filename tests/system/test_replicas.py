@@ -61,6 +61,23 @@ def ddp(tmp_path_factory) -> dict:
     return weights(once(tmp_path_factory, "replicas-ddp", make) / "run")
 
 
+def assert_every_sample_used_once(
+    run_dir: Path, count: int = 2, steps: int = STEPS, per_epoch: int = 32, batch: int = 32
+) -> None:
+    """The groups' samples.jsonl (--sample-log) read together: every share of every step, and every sample an epoch
+    takes (of the 1,024: all of them at a batch of 32) once. A step computed again after a resume is logged again,
+    with the same samples."""
+    logged: dict[tuple[int, int], list[int]] = {}
+    for d in groups(run_dir, count):
+        for r in read_jsonl(d / "samples.jsonl"):
+            key = (r["step"], r["share"])
+            assert r["epoch"] == r["step"] // per_epoch and logged.setdefault(key, r["samples"]) == r["samples"], key
+    assert sorted(logged) == [(s, g) for s in range(steps) for g in range(count)]
+    for epoch in range(steps // per_epoch):
+        used = [i for (s, _), samples in logged.items() if s // per_epoch == epoch for i in samples]
+        assert len(set(used)) == len(used) == per_epoch * batch and set(used) <= set(range(1024)), epoch
+
+
 def assert_equal_groups_and_ddp(run_dir: Path, ddp: dict, count: int = 2, steps: int = STEPS) -> None:
     first, *others = (weights(d) for d in groups(run_dir, count))
     for other in others:  # the groups: bitwise equal
@@ -75,7 +92,7 @@ def assert_equal_groups_and_ddp(run_dir: Path, ddp: dict, count: int = 2, steps:
 def test_a_group_killed_mid_step_twice_is_healed_while_the_other_trains_on_and_no_sample_is_lost(tmp_path, ddp):
     run_dir = tmp_path / "run"
     # group 1 killed at its 12th training forward (its step 11), and again at the 30th of its next attempt
-    done = train(run_dir, "--replicas", "2", "--max-restarts", "2", fault="kill@12:1,kill@30:1")
+    done = train(run_dir, "--replicas", "2", "--max-restarts", "2", "--sample-log", fault="kill@12:1,kill@30:1")
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("replica group 1: rank 0 was killed (SIGKILL)") == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr  # torchft's own logging of the failed all-reduce is off
@@ -92,12 +109,13 @@ def test_a_group_killed_mid_step_twice_is_healed_while_the_other_trains_on_and_n
     assert all(h >= r for h, r in zip(healed, redone)), (redone, healed)
     assert redone[1] == healed[0] + 29, (redone, healed)  # the 30th forward of the attempt healed at healed[0]
     assert_equal_groups_and_ddp(run_dir, ddp)
+    assert_every_sample_used_once(run_dir)
 
 
 @pytest.mark.slow
 def test_a_group_lost_for_good_leaves_the_other_to_finish_the_run_with_its_share_computed_too(tmp_path, ddp):
     run_dir = tmp_path / "run"
-    done = train(run_dir, "--replicas", "2", fault="kill@12:1")  # no --max-restarts: nothing brings it back
+    done = train(run_dir, "--replicas", "2", "--sample-log", fault="kill@12:1")  # no --max-restarts: none back
     assert done.returncode == 0, done.stderr
     assert "replica group 1 ended early (exit 137;" in done.stderr and str(run_dir) in done.stderr, done.stderr
     changes = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["event"] == "replicas"]
@@ -107,21 +125,23 @@ def test_a_group_lost_for_good_leaves_the_other_to_finish_the_run_with_its_share
     off = {k: (weights(run_dir)[k].double() - ddp[k].double()).abs().max().item() for k in ddp}
     assert max(off.values()) < ROUNDING, off
     assert not (groups(run_dir)[1] / "model.pt").exists()
+    assert_every_sample_used_once(run_dir)  # group 1's steps 0-10, and group 0's: both shares from step 11
 
 
 @pytest.mark.slow
 def test_the_whole_job_stopped_and_run_again_resumes_every_group_exactly(tmp_path, ddp):
     run_dir = tmp_path / "run"
-    stopped = train(run_dir, "--replicas", "2", fault="term@20:0")
+    stopped = train(run_dir, "--replicas", "2", "--sample-log", fault="term@20:0")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
     for g in (0, 1):
         assert f"replica group {g}: stopped on SIGTERM" in stopped.stderr, stopped.stderr
-    done = train(run_dir, "--replicas", "2")
+    done = train(run_dir, "--replicas", "2", "--sample-log")
     assert done.returncode == 0, done.stderr
     for d in groups(run_dir):
         starts = [r["resumed_at_step"] for r in read_jsonl(d / "metrics.jsonl") if r["event"] == "start"]
         assert len(starts) == 2 and starts[0] is None and 0 < starts[1] < STEPS, starts
     assert_equal_groups_and_ddp(run_dir, ddp)
+    assert_every_sample_used_once(run_dir)
 
 
 @pytest.mark.slow
@@ -146,7 +166,16 @@ def test_a_group_healed_into_a_later_epoch_than_its_snapshot_trains_that_epoch_f
     # epoch 1, before the 24th step its own epoch had reached
     later = {"DDPKIT_TEST_HEAL_LATER": str(run_dir)}
     done = train(
-        run_dir, "--replicas", "2", "--max-restarts", "1", "--save-every-steps", "8", fault="kill@30:1", **later
+        run_dir,
+        "--replicas",
+        "2",
+        "--max-restarts",
+        "1",
+        "--save-every-steps",
+        "8",
+        "--sample-log",
+        fault="kill@30:1",
+        **later,
     )
     assert done.returncode == 0, done.stderr
     lost = read_jsonl(groups(run_dir)[1] / "metrics.jsonl")
@@ -158,6 +187,7 @@ def test_a_group_healed_into_a_later_epoch_than_its_snapshot_trains_that_epoch_f
     after = [r for r in lost if r["event"] == "step" and r["step"] > healed[0]]
     assert after and all(r["samples_per_s"] > 0 for r in after), after
     assert_equal_groups_and_ddp(run_dir, ddp)
+    assert_every_sample_used_once(run_dir)
 
 
 @pytest.mark.slow
@@ -174,7 +204,9 @@ def test_three_groups_the_one_serving_a_heal_killed_while_it_serves_all_end_equa
     run_dir = tmp_path / "run"
     # group 1 killed at its step 11; the group that then serves its heal (0 or 2, torchft's choice) killed as it serves
     serving = {"DDPKIT_TEST_KILL_SERVING": str(tmp_path), "DDPKIT_TEST_SLOW_UNTIL_HEALED": f"{run_dir}:3:2"}
-    done = train(run_dir, "--replicas", "3", *three, "--max-restarts", "2", fault="kill@12:1", **serving)
+    done = train(
+        run_dir, "--replicas", "3", *three, "--max-restarts", "2", "--sample-log", fault="kill@12:1", **serving
+    )
     assert done.returncode == 0, done.stderr
     served = (tmp_path / "served").exists()
     assert served, done.stderr
@@ -186,6 +218,7 @@ def test_three_groups_the_one_serving_a_heal_killed_while_it_serves_all_end_equa
     }
     assert all(healed[g] for g in killed), healed  # each came back by a heal, the second from the third group
     assert_equal_groups_and_ddp(run_dir, ddp3, count=3, steps=4 * 21)
+    assert_every_sample_used_once(run_dir, count=3, steps=4 * 21, per_epoch=21, batch=48)  # 1,008 of the 1,024
 
 
 @pytest.mark.slow

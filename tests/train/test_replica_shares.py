@@ -51,6 +51,11 @@ def test_a_batch_the_groups_cannot_share_equally_is_refused_with_the_sizes_that_
         TrainConfig(dataset="mnist", replicas=3, batch_size=48, grad_accum=3).resolved()
 
 
+def test_a_sample_log_without_replica_groups_is_refused_saying_what_it_needs():
+    with pytest.raises(ConfigError, match=r"--sample-log .* needs --replicas R > 1"):
+        TrainConfig(dataset="mnist", sample_log=True).resolved()
+
+
 def test_replicas_below_one_is_refused():
     with pytest.raises(ConfigError, match="--replicas must be >= 1"):
         TrainConfig(dataset="mnist", replicas=0).resolved()

@@ -39,6 +39,7 @@ TOOL_RUN_FIELDS = frozenset(
         "save_every_steps",
         "max_restarts",
         "replicas",
+        "sample_log",
         "nnodes",
         "rdzv_endpoint",
         "rdzv_id",

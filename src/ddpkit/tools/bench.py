@@ -174,6 +174,7 @@ def bench(
                 limit_test=max(global_batch, 2 * n),
                 max_restarts=0,
                 replicas=1,
+                sample_log=False,
                 run_dir="",
             )
             threads = cpu_threads(n) if device == "cpu" else None  # what distributed() gives each rank

@@ -343,6 +343,7 @@ def check(
         save_every_steps=0,
         max_restarts=0,
         replicas=1,
+        sample_log=False,
         nnodes=1,
     )
     cfg = dataclasses.replace(base, **common)

@@ -53,7 +53,7 @@ from .optim import (
     user_optimizer,
     user_schedule,
 )
-from .replicas import Replicas, data_context, replica_place, shares
+from .replicas import Replicas, SampleLog, data_context, replica_place, shares
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
 from .strategy import prepare, strategy_for
@@ -113,6 +113,7 @@ class Engine:
         # run of R ranks reads it (train/replicas.py), and the share of any group that is gone
         self.place = replica_place(cfg)
         self.replicas: Replicas | None = None  # torchft's side, started in fit() once a resume has set the step
+        self.sample_log: SampleLog | None = None  # --sample-log, with the replicas
         self.per_rank_batch = cfg.batch_size // (ctx.world_size * (self.place.count if self.place else 1))
         if self.place is None:
             self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
@@ -375,6 +376,8 @@ class Engine:
                 **report.start_fields(self, snap),
                 **replicas,
             )
+            if self.replicas is not None and self.cfg.sample_log:
+                self.sample_log = SampleLog(self.cfg.run_dir, self.share_sources, self.accum)
             with self.session.signal:
                 cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self.stopped_early)
                 if snap is not None and cut_short:
@@ -393,6 +396,8 @@ class Engine:
             self.session.close()  # however it ends: the write in flight, if any, ends first
             if self.replicas is not None:
                 self.replicas.close()
+            if self.sample_log is not None:
+                self.sample_log.close()
             self.log.close(ok)
 
     def _run_epoch(self) -> None:
@@ -523,9 +528,10 @@ class Engine:
                 start = [b.detach().clone() for b in buffers]
                 self._healed()
             measures, kept = [], None
+            computed = [] if present is None else shares(present, rep.place.count, rep.place.index)
             self.opt.zero_grad(set_to_none=False)
             if present is not None:
-                for g in shares(present, rep.place.count, rep.place.index):
+                for g in computed:
                     if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
                         for b, s0 in zip(buffers, start):
                             b.copy_(s0)
@@ -548,6 +554,8 @@ class Engine:
             if rep.commit():
                 break
         rep.committed(self.pos.global_step, present, attempts, time.perf_counter() - t0)
+        if self.sample_log is not None:
+            self.sample_log.write(self.pos.epoch, self.pos.step_in_epoch, self.pos.global_step, computed)
         for m in measures:  # the committed attempt's only: a step computed again is counted once
             self.acc.add(m)
         self._optimizer_step()

@@ -26,6 +26,7 @@ torchft (the ``ddpkit[ft]`` extra) is imported only when a group starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -220,6 +221,31 @@ class Replicas:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class SampleLog:
+    """``--sample-log``: RUN_DIR/samples.jsonl, one line for each share of each committed step this group computed,
+    ``{"epoch", "step", "share", "samples"}``: the share's sample indices (rank ``share``'s of a run of R ranks),
+    in the order its micro-batches take them. Read across the groups' run dirs, each step's every share appears,
+    and each epoch's every sample once. A step computed again after a resume (the whole job rerun) appears again,
+    with the same samples; a group killed between a step's commit and its line leaves that line out."""
+
+    def __init__(self, run_dir: str | Path, sources: list, accum: int):
+        self.sources, self.accum = sources, accum
+        self.orders: dict[tuple[int, int], list[int]] = {}  # (share, epoch) -> its epoch's indices
+        self.file = open(Path(run_dir) / "samples.jsonl", "a", buffering=1)  # a line a write: none half-kept
+
+    def write(self, epoch: int, step_in_epoch: int, step: int, computed: list[int]) -> None:
+        for g in computed:
+            if (g, epoch) not in self.orders:
+                self.orders = {k: v for k, v in self.orders.items() if k[1] == epoch}  # the epoch's only
+                self.orders[g, epoch] = self.sources[g].epoch_indices(epoch).tolist()
+            n = self.sources[g].batch * self.accum  # a step's samples of one share
+            samples = self.orders[g, epoch][step_in_epoch * n : (step_in_epoch + 1) * n]
+            self.file.write(json.dumps({"epoch": epoch, "step": step, "share": g, "samples": samples}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 # A test hook, for the test that kills the group serving a heal while it serves (tests/system/test_replicas.py), as
