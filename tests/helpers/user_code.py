@@ -586,6 +586,8 @@ class ReplicaNet(nn.Module):
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif kind == "term":  # the whole job, as SLURM signals every process of a step
                     os.killpg(os.getpgrp(), signal.SIGTERM)
+                elif kind == "hang":  # stuck in its own code (a deadlocked reader, say), its heartbeats going on
+                    time.sleep(3600)
 
 
 def _records(run_dir: str, group: int, keep) -> list[dict]:

@@ -159,6 +159,25 @@ def test_a_group_lost_before_the_groups_meet_is_awaited_until_its_restart_meets_
 
 
 @pytest.mark.slow
+def test_a_group_stuck_in_its_own_code_ends_itself_after_the_timeout_and_comes_back_healed(tmp_path, ddp):
+    run_dir = tmp_path / "run"
+    # group 1 stuck in its 12th training forward, its heartbeats going on: the lighthouse would wait for it for ever
+    done = train(
+        run_dir, "--replicas", "2", "--max-restarts", "1", "--timeout-s", "8", "--sample-log", fault="hang@12:1"
+    )
+    assert done.returncode == 0, done.stderr
+    said = "no progress in its own part of a step for --timeout-s 8 s (in `_fault` at user_code.py:"
+    assert done.stderr.count(said) == 1 and "replica group 1: no progress" in done.stderr, done.stderr
+    assert "the agent restarts the workers (restart 1 of --max-restarts 1)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lost = read_jsonl(groups(run_dir)[1] / "metrics.jsonl")
+    assert [r.get("restart_count") for r in lost if r["event"] == "start"] == [0, 1]
+    assert [r for r in lost if r.get("change") == "healed"], lost
+    assert_equal_groups_and_ddp(run_dir, ddp)
+    assert_every_sample_used_once(run_dir)
+
+
+@pytest.mark.slow
 def test_a_group_healed_into_a_later_epoch_than_its_snapshot_trains_that_epoch_from_the_healed_step(tmp_path, ddp):
     run_dir = tmp_path / "run"
     # group 1: snapshots every 8 steps, killed at its step 29 (epoch 0), back from its step-24 snapshot once group 0
@@ -295,3 +314,21 @@ def test_the_groups_are_stopped_and_a_rerun_said_when_the_lighthouse_ends(capsys
     assert codes == [128 + signal.SIGTERM] * 2  # not left to wait out their quorum's timeout (--timeout-s)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "torchft's lighthouse ended (exit 3)" in err and "run the same command" in err
+
+
+def test_a_group_that_does_not_stop_after_a_stop_signal_is_killed_after_the_wait():
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from ddpkit.ranks.replicas import STOP_WAIT_S, _wait
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(15, 1); time.sleep(120)"])
+    lighthouse = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:  # a SIGTERM passed on STOP_WAIT_S ago, which the group ignores (stuck in its own code)
+        signals = SimpleNamespace(received=[signal.SIGTERM], first_at=time.monotonic() - STOP_WAIT_S - 1)
+        codes, _ = _wait([stuck], 1, store, lighthouse, signals)
+        assert codes == [128 + signal.SIGKILL]
+    finally:
+        lighthouse.kill()

@@ -81,3 +81,19 @@ def test_each_group_gets_its_own_cores_and_gpu_dealt_in_turn_where_there_are_few
     assert gpu_shares(2, None, 4) == ["0", "1"]  # each group's cuda:0 is another GPU
     assert gpu_shares(3, "5, 7", 8) == ["5", "7", "5"]  # within the launcher's CUDA_VISIBLE_DEVICES
     assert gpu_shares(2, None, 0) == [None, None]  # a CPU node: left as it is
+
+
+def test_a_quorum_that_does_not_form_is_one_line_naming_the_step_and_the_timeout():
+    from ddpkit.errors import CollectiveTimeout
+    from ddpkit.train.replicas import Place, Replicas
+
+    class Stuck:  # torchft's Manager whose quorum timed out: its Rust client raises TimeoutError
+        def start_quorum(self):
+            raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+    group = object.__new__(Replicas)  # its torchft side replaced: no lighthouse
+    group.place, group.timeout_s, group.manager = Place(1, 2, "", ""), 8.0, Stuck()
+    with pytest.raises(
+        CollectiveTimeout, match=r"replica group 1: the quorum of step 12 did not form within --timeout-s 8 s"
+    ):
+        group.begin(12)

@@ -102,7 +102,7 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
                 one = ["--nproc", "1"]
                 command = [sys.executable, "-m", "ddpkit", "train", *argv, *one, "--run-dir", group_dir(run_dir, g)]
                 groups.append(subprocess.Popen([*command, *quiet], env=child_env))
-            return _ended(_wait(groups, cfg.replicas, store, lighthouse), run_dir)
+            return _ended(_wait(groups, cfg.replicas, store, lighthouse, signals), run_dir)
     finally:
         _stop(groups)
         lighthouse.stdin.close()  # it ends when its input does
@@ -128,6 +128,10 @@ def enter_group() -> None:
 
 # How long the groups have to stop at their next safe point when the launcher ends them (seconds), before SIGKILL
 STOP_GRACE_S = 30.0
+# After a stop signal, how long the launcher waits for the groups (seconds): a group's own agent gives its workers
+# 30 s before it kills them; a group of one process without restarts has no agent, and one stuck in its own code
+# would not stop
+STOP_WAIT_S = 2 * STOP_GRACE_S
 
 
 def _stop(groups: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
@@ -178,13 +182,15 @@ def _status(code: int) -> int:
 
 
 def _wait(
-    groups: list[subprocess.Popen], count: int, store, lighthouse: subprocess.Popen
+    groups: list[subprocess.Popen], count: int, store, lighthouse: subprocess.Popen, signals: _forwarded | None = None
 ) -> tuple[list[int], list[int]]:
     """Every group's exit status (as a shell says it), in the order the groups ended, once all have. A group that
     fails before all ``count`` groups have met (the store's keys: train/replicas.py) met a failure the others would
     meet too: they are stopped, not left waiting for it. Once training has begun, a lost group is its own agent's to
     restart (--max-restarts), and the others train on. The lighthouse lost: no group can step again, and each is
-    stopped at its next safe point (a rerun of the command resumes every group from its own snapshot)."""
+    stopped at its next safe point (a rerun of the command resumes every group from its own snapshot). Stopped by a
+    signal (``signals``), a group still running ``STOP_WAIT_S`` later (one stuck in its own code, which no safe
+    point reaches) is killed."""
     ended: dict[int, int] = {}
     while True:
         for g, p in enumerate(groups):
@@ -192,6 +198,10 @@ def _wait(
                 ended[g] = _status(p.returncode)
         if len(ended) == len(groups):
             return [ended[g] for g in range(len(groups))], list(ended)
+        if signals is not None and signals.received and time.monotonic() - signals.first_at > STOP_WAIT_S:
+            for p in groups:
+                if p.poll() is None:
+                    p.kill()
         failed_early = any(ended.values()) and not all_here(store, count)
         if failed_early or lighthouse.poll() is not None:
             if not failed_early:
@@ -251,6 +261,7 @@ class _forwarded:
     def __init__(self, groups: list[subprocess.Popen]):
         self.groups, self.previous = groups, {}
         self.received: list[int] = []  # the signals passed on: a group started after one would not have had it
+        self.first_at = 0.0  # when the first came (time.monotonic)
 
     def __enter__(self):
         for sig in self.SIGNALS:
@@ -260,6 +271,8 @@ class _forwarded:
         return self
 
     def _send(self, signum, _frame) -> None:
+        if not self.received:
+            self.first_at = time.monotonic()
         self.received.append(signum)
         for p in self.groups:
             if p.poll() is None:

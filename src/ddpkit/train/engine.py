@@ -531,17 +531,18 @@ class Engine:
             computed = [] if present is None else shares(present, rep.place.count, rep.place.index)
             self.opt.zero_grad(set_to_none=False)
             if present is not None:
-                for g in computed:
-                    if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
-                        for b, s0 in zip(buffers, start):
-                            b.copy_(s0)
-                    for batch in self._share(g):
-                        with self.autocast:
-                            loss, outputs = self.task.loss(self.model, batch)
-                        self.scaler.scale(loss * scale).backward()
-                        measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
-                    if g == 0:
-                        kept = [b.detach().clone() for b in buffers]
+                with rep.own_work():  # stuck here for --timeout-s, this group ends and the others go on
+                    for g in computed:
+                        if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
+                            for b, s0 in zip(buffers, start):
+                                b.copy_(s0)
+                        for batch in self._share(g):
+                            with self.autocast:
+                                loss, outputs = self.task.loss(self.model, batch)
+                            self.scaler.scale(loss * scale).backward()
+                            measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
+                        if g == 0:
+                            kept = [b.detach().clone() for b in buffers]
                 for p in params:  # every group all-reduces every trained parameter's gradient
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)

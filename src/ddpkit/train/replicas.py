@@ -30,19 +30,24 @@ import json
 import logging
 import os
 import signal
+import sys
+import threading
 import time
+import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..config import TrainConfig
-from ..errors import ConfigError
+from ..errors import CollectiveTimeout, ConfigError
 from ..ranks import env
 from ..ranks.context import DistContext
+from ..ranks.failures import group_of, public_kind, write_error_file
 from ..ranks.replicas import NEEDS_FT, here_key
 
 
@@ -137,6 +142,10 @@ class Replicas:
         )
         self.present: list[int] = []  # at the last step that committed
         self.healed = False  # at this step's quorum
+        self.timeout_s = timeout_s
+        self._own_since: float | None = None  # when this group's own work in a step began (own_work)
+        self._main = threading.main_thread()
+        threading.Thread(target=self._watch, name="ddpkit-replica-watch", daemon=True).start()
         self._meet(timeout_s)
 
     def _meet(self, timeout_s: float) -> None:
@@ -164,7 +173,14 @@ class Replicas:
         then which groups are present: one all-reduce of a vector with this group's place set. None where that
         failed (a group left): the step cannot commit, and :meth:`commit` says so."""
         t0 = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:  # torchft's, from its Rust client: one line instead of its traceback
+            raise CollectiveTimeout(
+                f"replica group {self.place.index}: the quorum of step {step} did not form within --timeout-s "
+                f"{self.timeout_s:g} s: a group whose heartbeats go on has not asked for it (stuck in its own code "
+                f"for less than --timeout-s, or not started); rerun the same command to resume"
+            ) from None
         self.healed = self.manager.current_step() != step
         if self.healed:
             self.record(
@@ -182,6 +198,39 @@ class Replicas:
         if self.manager.errored() is not None:
             return None
         return [g for g, v in enumerate(flags.tolist()) if v > 0.5]
+
+    @contextmanager
+    def own_work(self) -> Iterator[None]:
+        """This group's own part of a step (its batches, forwards and backwards: nothing that waits on another
+        group), watched: stuck there for --timeout-s, the group ends itself (:meth:`_watch`)."""
+        self._own_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._own_since = None
+
+    def _watch(self) -> None:
+        """A group stuck in its own code keeps its heartbeats going (torchft sends them from a thread of its own),
+        so the lighthouse would wait for it for ever: with two groups the other may not form a quorum alone while
+        it lives. Stuck for --timeout-s, it ends (a line says where), and the others go on without it; its agent
+        restarts it under --max-restarts, and it heals."""
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 10))
+            since = self._own_since
+            if since is None or time.monotonic() - since < self.timeout_s:
+                continue
+            frame = sys._current_frames().get(self._main.ident)
+            where = traceback.extract_stack(frame)[-1] if frame is not None else None
+            at = f" (in `{where.name}` at {Path(where.filename).name}:{where.lineno})" if where else ""
+            exc = CollectiveTimeout(
+                f"no progress in its own part of a step for --timeout-s {self.timeout_s:g} s{at}: it ends, so that "
+                f"the other groups train on without it"
+            )
+            if os.environ.get(env.ERROR_FILE):  # its agent says it, and that it restarts the group
+                write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=False)
+            else:
+                print(f"ddpkit: {group_of()}error: {exc}", file=sys.stderr, flush=True)
+            os._exit(exc.exit_code)  # its main thread is stuck: no way out through Python
 
     def reduce(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """The SUM of every group's ``tensors`` over the groups present, in place: one all-reduce of their
