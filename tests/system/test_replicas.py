@@ -91,8 +91,10 @@ def assert_equal_groups_and_ddp(run_dir: Path, ddp: dict, count: int = 2, steps:
 @pytest.mark.slow
 def test_a_group_killed_mid_step_twice_is_healed_while_the_other_trains_on_and_no_sample_is_lost(tmp_path, ddp):
     run_dir = tmp_path / "run"
-    # group 1 killed at its 12th training forward (its step 11), and again at the 30th of its next attempt
-    done = train(run_dir, "--replicas", "2", "--max-restarts", "2", "--sample-log", fault="kill@12:1,kill@30:1")
+    # group 1 killed at its 12th training forward (its step 11), and again at the 30th of its next attempt; every
+    # forward takes 0.2 s more until both restarts have healed, so that group 0 cannot end the run first
+    slow = {"DDPKIT_TEST_SLOW_UNTIL_HEALED": f"{run_dir}:2:2"}
+    done = train(run_dir, "--replicas", "2", "--max-restarts", "2", "--sample-log", fault="kill@12:1,kill@30:1", **slow)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("replica group 1: rank 0 was killed (SIGKILL)") == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr  # torchft's own logging of the failed all-reduce is off
@@ -161,10 +163,11 @@ def test_a_group_lost_before_the_groups_meet_is_awaited_until_its_restart_meets_
 @pytest.mark.slow
 def test_a_group_stuck_in_its_own_code_ends_itself_after_the_timeout_and_comes_back_healed(tmp_path, ddp):
     run_dir = tmp_path / "run"
-    # group 1 stuck in its 12th training forward, its heartbeats going on: the lighthouse would wait for it for ever
-    done = train(
-        run_dir, "--replicas", "2", "--max-restarts", "1", "--timeout-s", "8", "--sample-log", fault="hang@12:1"
-    )
+    # group 1 stuck in its 12th training forward, its heartbeats going on: the lighthouse would wait for it for ever.
+    # Every forward takes 0.2 s more until it has healed, so that group 0 cannot end the run first on a busy machine
+    slow = {"DDPKIT_TEST_SLOW_UNTIL_HEALED": f"{run_dir}:2:1"}
+    args = ("--replicas", "2", "--max-restarts", "1", "--timeout-s", "8", "--sample-log")
+    done = train(run_dir, *args, fault="hang@12:1", **slow)
     assert done.returncode == 0, done.stderr
     said = "no progress in its own part of a step for --timeout-s 8 s (in `_fault` at user_code.py:"
     assert done.stderr.count(said) == 1 and "replica group 1: no progress" in done.stderr, done.stderr
