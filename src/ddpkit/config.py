@@ -976,7 +976,7 @@ class LoopConfig:
 
     def validate(self) -> None:
         if self.amp not in LOOP_AMP:
-            raise ConfigError(f"Loop(amp={self.amp!r}): choose one of {', '.join(LOOP_AMP)}")
+            raise ConfigError(f"Loop(amp={self.amp!r}): {_choose(self.amp, LOOP_AMP)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"Loop(device={self.device!r}): choose auto, cpu or cuda")
         for name in ("save_every_steps", "log_every", "keep_snapshots"):
@@ -988,7 +988,7 @@ class LoopConfig:
         if not isinstance(self.async_snapshots, bool):
             raise ConfigError(f"Loop(async_snapshots={self.async_snapshots!r}): expected True or False")
         if self.strategy not in LOOP_STRATEGIES:
-            raise ConfigError(f"Loop(strategy={self.strategy!r}): choose one of {', '.join(LOOP_STRATEGIES)}")
+            raise ConfigError(f"Loop(strategy={self.strategy!r}): {_choose(self.strategy, LOOP_STRATEGIES)}")
         if self.strategy == "fsdp2" and self.sync_bn:
             raise ConfigError(
                 "Loop(strategy='fsdp2', sync_bn=True): SyncBatchNorm's all-reduce in the forward is not built for "
@@ -1001,3 +1001,12 @@ class LoopConfig:
                 "use amp='bf16' (no scaler needed), or strategy='ddp'"
             )
         check_timeout_s(self.timeout_s, "Loop(timeout_s=...)")
+
+
+def _choose(value: Any, choices: tuple[str, ...]) -> str:
+    """ "did you mean X? (choose one of ...)" for a near miss (strategy='fsdp'), else "choose one of ..."."""
+    import difflib
+
+    near = difflib.get_close_matches(str(value), choices, 1) if isinstance(value, str) else []
+    listed = f"choose one of {', '.join(choices)}"
+    return f"did you mean {near[0]!r}? ({listed})" if near else listed

@@ -366,7 +366,7 @@ class Loop:
                 "from (seed, epoch, rank, batch)"
             )
         if len(self._pending_loaders) > len(self._loaders):  # made after resume(): its position is waiting
-            loader.load_state_dict(self._pending_loaders[len(self._loaders)])
+            self._load_position(loader, len(self._loaders), self._pending_loaders[len(self._loaders)])
         self._loaders.append(loader)
         return loader
 
@@ -413,9 +413,12 @@ class Loop:
         self._best = saved["loop"]["best"]
         if self.amp.scaling and saved.get("scaler"):
             self.amp.scaler.load_state_dict(saved["scaler"])
+        if saved["loop"].get("finished"):
+            # A rerun of a finished run: without this line a loop to the same end ran no step and said nothing
+            self.print(report.finished_line(self.state.step, self.state.epoch), file=sys.stderr)
         self._pending_loaders = list(saved["loaders"])
-        for loader, position in zip(self._loaders, self._pending_loaders):
-            loader.load_state_dict(position)
+        for index, (loader, position) in enumerate(zip(self._loaders, self._pending_loaders)):
+            self._load_position(loader, index, position)
         if saved["same_world"]:
             self._restore_metrics(saved["rank_state"] or {})
             return
@@ -424,6 +427,16 @@ class Loop:
             report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank),
             file=sys.stderr,
         )
+
+    def _load_position(self, loader: ShardedLoader, index: int, position: dict) -> None:
+        """A loader's saved position, and one line if its global batch is not the snapshot's: a script that
+        fixes each rank's batch reads another number of samples per step at another world size, which
+        changes how it trains (its learning rate per sample, its steps per epoch). Said, not changed."""
+        was = loader.load_state_dict(position)
+        if was is not None:
+            self.print(
+                report.global_batch_line(index, was, (loader.ctx.world_size, loader.batch_size)), file=sys.stderr
+            )
 
     # ------------------------------------------------------------------ 5. safe points
     def steps(self, total: int) -> Iterator[int]:

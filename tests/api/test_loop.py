@@ -90,9 +90,14 @@ def _run_to(run_dir, total: int, value: float = 1.0):
         return state
 
 
-def test_a_rerun_resumes_at_the_end_and_a_longer_horizon_trains_on(tmp_path):
+def test_a_rerun_resumes_at_the_end_and_a_longer_horizon_trains_on(tmp_path, capsys):
     run = str(tmp_path / "r")
     assert _run_to(run, 3).step == 3
+    assert "finished" not in capsys.readouterr().err
+    # A rerun to the same end trains no step: before, it said nothing at all (the porter's item I)
+    assert _run_to(run, 3).step == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if "finished" in line]
+    assert len(said) == 1 and "a run that finished at step 3" in said[0] and "another run_dir" in said[0], said
     again = _run_to(run, 5, value=2.0)
     assert again.step == 5 and again["tag"] == 1.0  # the snapshot's value, not the new default
     starts = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"start"' in line]
@@ -230,19 +235,29 @@ def test_a_branch_one_rank_skips_is_one_line_naming_the_loop_keyword(tmp_path):
 
 @pytest.mark.slow
 @pytestmark_mp
-def test_a_world_1_resume_of_a_world_2_run_reads_the_same_global_batches(tmp_path):
+def test_a_world_1_resume_of_a_world_2_run_reads_the_same_global_batches(tmp_path, capsys):
     """Regression: at another world size the loader's position was converted as if each rank's batch were the
     same, so a loop that keeps its global batch (each rank's = global / world) skipped the samples between
     (here 3 of the epoch's 6 steps' worth at world 1). Converted by samples now, a world-1 resume of a
     world-2 run (stopped mid-epoch) reads each step's very samples: float64 weights equal the uninterrupted
-    world-2 run's to float noise (the one difference: the mean over 8 samples summed in another order)."""
+    world-2 run's to float noise (the one difference: the mean over 8 samples summed in another order).
+
+    And a script that fixes each rank's batch instead halves its global batch at world 1: before, silently;
+    now in one line, with the batch_size that keeps it (the porter's item H)."""
     whole = ddpkit.launch(lw.global_batch_regression, str(tmp_path / "w"), None, nproc=2, device="cpu")
     run = str(tmp_path / "cut")
     with pytest.raises(Stopped):
         ddpkit.launch(lw.global_batch_regression, run, 4, nproc=2, device="cpu")  # 6 steps an epoch
+    shutil.copytree(run, tmp_path / "fixed")
+    capsys.readouterr()
     one = ddpkit.launch(lw.global_batch_regression, run, None, nproc=1, device="cpu")
     drift = max((one[k] - whole[k]).abs().max().item() for k in whole)
     assert drift < 1e-12, drift  # float64 summation noise is ~1e-16 here; skipped samples moved it ~1e-2
+    assert "global batch" not in capsys.readouterr().err  # kept: nothing to say
+    ddpkit.launch(lw.global_batch_regression, str(tmp_path / "fixed"), None, 4, nproc=1, device="cpu")
+    said = [line for line in capsys.readouterr().err.splitlines() if "global batch" in line]
+    assert len(said) == 1 and "global batch of 4 samples per step (1 x 4)" in said[0], said
+    assert "read 8 (2 x 4)" in said[0] and "pass batch_size=8 // loop.world_size" in said[0], said
 
 
 @pytestmark_mp
@@ -599,12 +614,14 @@ def test_a_bug_in_the_final_save_of_a_started_loop_is_a_failed_exit(tmp_path):
 
 @pytest.mark.slow
 @pytestmark_mp
-def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once_per_rank(tmp_path):
-    """Before: the excepthook said it, then the group's teardown at exit said it again."""
+def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once(tmp_path):
+    """Before: the excepthook said it, then the group's teardown at exit said it again; and then (the porter's
+    item B) rank 1 waited 5 s and said rank 0's line again. Now the first rank to meet it says it, once."""
     (tmp_path / "train.py").write_text("import ddpkit\nloop = ddpkit.Loop.start('run')\nloop.step()\n")
     proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
-    said = [line for line in proc.stderr.splitlines() if "call loop.resume(" in line]
-    assert proc.returncode != 0 and said and len(said) == len(set(said)), proc.stderr
+    # ddpkit's lines (torchrun's own summary of the failed worker quotes the error file's message too)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit:") and "call loop.resume(" in line]
+    assert proc.returncode != 0 and len(said) == 1 and said[0].startswith("ddpkit: error: "), proc.stderr
 
 
 @pytest.mark.slow

@@ -136,9 +136,10 @@ def names_differ(_ctx, run_dir: str) -> None:
             loop.log(**{("b" if loop.rank == 2 else "a"): torch.tensor(1.0)})
 
 
-def global_batch_regression(_ctx, run_dir: str, stop_at: int | None) -> dict:
+def global_batch_regression(_ctx, run_dir: str, stop_at: int | None, per_rank: int | None = None) -> dict:
     """A float64 linear regression whose global batch is 8 at any world size (each rank's batch 8 / world),
-    read through loop.data(): a world-1 resume of a world-2 run reads the same samples in each step."""
+    read through loop.data(): a world-1 resume of a world-2 run reads the same samples in each step. With
+    ``per_rank``, each rank's batch is that at any world size, as a script that fixes it has."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(52, 3, generator=gen, dtype=torch.float64)
     data = TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.1)
@@ -146,7 +147,7 @@ def global_batch_regression(_ctx, run_dir: str, stop_at: int | None) -> dict:
         torch.manual_seed(0)
         model = nn.Linear(3, 1, dtype=torch.float64)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        loader = loop.data(data, batch_size=8 // loop.world_size, drop_last=True)
+        loader = loop.data(data, batch_size=per_rank or 8 // loop.world_size, drop_last=True)
         model = loop.wrap(model)
         loop.resume(model=model, optimizer=opt)
         for _ in loop.epochs(2):

@@ -520,7 +520,9 @@ class ReplicaNet(nn.Module):
     (K = 0: the worker's copy of the model, made before the groups meet);
     ``"term@K:G"``: it sends SIGTERM to its whole process group (start the job in a session of its own). Faults
     joined by "," are of the group's attempts in turn (its agent's restarts): "kill@12:1,kill@30:1" kills group 1
-    in its first attempt and again in its second.
+    in its first attempt and again in its second. ``"hang@K:G"``: the K-th training forward sleeps for an hour (stuck
+    in its own code, its heartbeats going on); ``"evalhang@K:G"``: the K-th evaluation forward does (stuck outside
+    its step).
 
     ``DDPKIT_TEST_HEAL_LATER=RUN_DIR`` (with a kill of group 1 in its first epoch) makes group 1's heal land in a
     later epoch than the one its own snapshot is in, whatever the machine's load: group 1's restart, as it loads
@@ -537,7 +539,7 @@ class ReplicaNet(nn.Module):
         self.net = nn.Sequential(
             nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4)
         )
-        self.calls = 0
+        self.calls = self.evals = 0
         self.later = os.environ.get("DDPKIT_TEST_HEAL_LATER", "")
 
     def load_state_dict(self, state, *args, **kwargs):
@@ -559,6 +561,7 @@ class ReplicaNet(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # a worker's own copy, made before it meets the other groups
+            self.evals = 0  # the worker's own evaluations (its launcher's checks evaluated the copy it was sent)
             self._fault()
 
     def forward(self, x):
@@ -573,20 +576,25 @@ class ReplicaNet(nn.Module):
                 healed = (_records(run_dir, g, lambda r: r.get("change") == "healed") for g in range(int(groups)))
                 if sum(map(len, healed)) < int(count):
                     time.sleep(0.2)
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ:  # in a worker, not its launcher's checks
+            self.evals += 1
+            self._fault(evaluating=True)
         return self.net(x)
 
-    def _fault(self) -> None:
+    def _fault(self, evaluating: bool = False) -> None:
         faults = [f for f in os.environ.get("DDPKIT_TEST_FAULT", "").split(",") if f]
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if attempt < len(faults):
             kind, _, at = faults[attempt].partition("@")
             at, _, group = at.partition(":")
-            if os.environ.get("DDPKIT_REPLICA") == group and self.calls == int(at):
+            if os.environ.get("DDPKIT_REPLICA") != group or (kind == "evalhang") != evaluating:
+                return
+            if (self.evals if evaluating else self.calls) == int(at):
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif kind == "term":  # the whole job, as SLURM signals every process of a step
                     os.killpg(os.getpgrp(), signal.SIGTERM)
-                elif kind == "hang":  # stuck in its own code (a deadlocked reader, say), its heartbeats going on
+                elif kind in ("hang", "evalhang"):  # stuck (a deadlocked reader, say), its heartbeats going on
                     time.sleep(3600)
 
 

@@ -139,18 +139,28 @@ def test_workers_ended_by_a_signal_are_said_in_the_users_terms(codes, kind, frag
     assert signal_failure({0: 1, 1: 2}, 30) is None  # ordinary exits keep their own reporting
 
 
+def test_an_abort_on_cpu_names_gloo_not_nccls_watchdog():
+    """The porter's item E: a forward on rank 0 only under FSDP2 on gloo ends in gloo's EnforceNotMet (SIGABRT),
+    and the last line said "NCCL's watchdog ... --timeout-s 600": no NCCL and no timeout were involved."""
+    err = signal_failure({1: -6}, timeout_s=600, device_type="cpu")
+    assert type(err).__name__ == "PeerLost" and "rank 1 was aborted (SIGABRT)" in str(err)
+    assert "gloo" in str(err) and "do not match" in str(err)
+    assert "NCCL" not in str(err) and "timeout" not in str(err)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_worker_aborted_like_ncccls_watchdog_is_one_line_naming_the_timeout():
+def test_a_worker_aborted_is_one_line_in_the_terms_of_its_backend():
     code = (
         "import sys; from ddpkit.cli import run_reporting_errors; from ddpkit.ranks.launcher import run_workers; "
         "from workers import abort_on; sys.exit(run_reporting_errors(lambda: run_workers(abort_on, (1,), 2)))"
     )
     proc = run_python("-c", code)
-    assert proc.returncode == 3, proc.stderr
+    assert proc.returncode == 4, proc.stderr  # PeerLost's: on CPU an abort is no timeout (NCCL's is, above)
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
-    assert len(errors) == 1 and "was aborted (SIGABRT)" in errors[0] and "--timeout-s 600 s" in errors[0], proc.stderr
+    assert len(errors) == 1 and "rank 1 was aborted (SIGABRT) in native code" in errors[0], proc.stderr
+    assert "gloo" in errors[0] and "NCCL" not in errors[0], proc.stderr
 
 
 SCRIPT = """

@@ -181,6 +181,29 @@ def test_a_group_stuck_in_its_own_code_ends_itself_after_the_timeout_and_comes_b
 
 
 @pytest.mark.slow
+def test_a_group_stuck_outside_its_step_ends_itself_once_another_has_waited_the_timeout_for_it(tmp_path, ddp):
+    """Before: group 1 stuck in an evaluation kept its heartbeats going, so group 0 waited at the next quorum until
+    its timeout, ended, and its restarts waited again, until --max-restarts ran out; group 1 never ended, and the job
+    never did. Now group 1 reads in the launcher's store that group 0 has waited --timeout-s for a quorum it has not
+    asked for, ends itself with one line, is restarted and healed, and the run ends as DDP's."""
+    run_dir = tmp_path / "run"
+    slow = {"DDPKIT_TEST_SLOW_UNTIL_HEALED": f"{run_dir}:2:1"}
+    args = ("--replicas", "2", "--max-restarts", "1", "--timeout-s", "8", "--sample-log")  # evaluated at epoch ends
+    done = train(run_dir, *args, fault="evalhang@1:1", **slow)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "outside its step, it has not asked for the quorum" in line]
+    assert len(said) == 1 and said[0].startswith("ddpkit: replica group 1: outside its step"), done.stderr
+    assert "at which replica group 0 has waited --timeout-s 8 s (in `_fault` at user_code.py:" in said[0], said
+    assert "the agent restarts the workers (restart 1 of --max-restarts 1)" in said[0], said
+    assert "Traceback" not in done.stderr and "did not form" not in done.stderr, done.stderr
+    lost = read_jsonl(groups(run_dir)[1] / "metrics.jsonl")
+    assert [r.get("restart_count") for r in lost if r["event"] == "start"] == [0, 1]
+    assert [r for r in lost if r.get("change") == "healed"], lost
+    assert_equal_groups_and_ddp(run_dir, ddp)
+    assert_every_sample_used_once(run_dir)
+
+
+@pytest.mark.slow
 def test_a_group_healed_into_a_later_epoch_than_its_snapshot_trains_that_epoch_from_the_healed_step(tmp_path, ddp):
     run_dir = tmp_path / "run"
     # group 1: snapshots every 8 steps, killed at its step 29 (epoch 0), back from its step-24 snapshot once group 0

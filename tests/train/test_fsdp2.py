@@ -210,7 +210,8 @@ def test_a_tied_weight_is_never_split_between_units():
     [
         ({"sync_bn": True}, "SyncBatchNorm"),
         ({"amp": "fp16"}, "amp='bf16'"),
-        ({"strategy": "zero"}, "choose one of auto, ddp, fsdp2"),
+        ({"strategy": "zero"}, r"strategy='zero'\): choose one of auto, ddp, fsdp2"),
+        ({"strategy": "fsdp"}, r"did you mean 'fsdp2'\? \(choose one of auto, ddp, fsdp2\)"),  # the porter's item I
     ],
 )
 def test_loop_settings_fsdp2_cannot_take_are_refused(kwargs, says, tmp_path):

@@ -163,10 +163,14 @@ class ShardedLoader:
             "batch_size": self.batch_size,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> tuple[int, int] | None:
+        """Load a saved position; return the saved (world size, each rank's batch) when the global batch they
+        make is not this loader's (the caller says so: each step then reads another number of samples), else
+        None."""
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
         old_world = int(state.get("world_size", self.ctx.world_size))
         old_batch = int(state.get("batch_size", self.batch_size))
+        changed = old_world * old_batch != self.ctx.world_size * self.batch_size
         if (old_world, old_batch) != (self.ctx.world_size, self.batch_size) and self.batch:
             # Another world size: another split. Carry on after as many samples of the epoch's order as the old
             # world read (said by Loop in its one line). Counted in samples, not batches: a loop that keeps its
@@ -174,3 +178,4 @@ class ShardedLoader:
             read = self.batch * old_batch * old_world
             self.batch = min(len(self), read // (self.batch_size * self.ctx.world_size))
         self._resume_at = self.batch
+        return (old_world, old_batch) if changed else None

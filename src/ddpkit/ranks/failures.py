@@ -342,7 +342,7 @@ def worker_reports(failures: dict) -> list[dict]:
     return reports
 
 
-def launch_failure(failures: dict, timeout_s: float) -> Exception:
+def launch_failure(failures: dict, timeout_s: float, device_type: str = "cuda") -> Exception:
     """A failed job (torch's ``ChildFailedError.failures``: ``{global rank: ProcessFailure}``) as one
     error, of the class the worker raised. The cause, in order: a worker's own error (its line or
     traceback is printed); a worker that died of a signal (said here, from the agent's record of its
@@ -356,7 +356,7 @@ def launch_failure(failures: dict, timeout_s: float) -> Exception:
             return WorkersFailed(f"{cause['message']} (its traceback is above)", False, 1)
         return _from_report(cause)
     codes = {rank: f.exitcode for rank, f in failures.items()}
-    killed = signal_failure(codes, timeout_s)
+    killed = signal_failure(codes, timeout_s, device_type)
     if killed is not None:
         return killed
     if reports:
@@ -407,10 +407,12 @@ def _from_report(report: dict) -> Exception:
     return rebuilt(report["kind"], report["text"], report["exit_code"], report["printed"], report["rank"])
 
 
-def restart_note(failures: dict, timeout_s: float, restart: int, max_restarts: int) -> str | None:
+def restart_note(
+    failures: dict, timeout_s: float, restart: int, max_restarts: int, device_type: str = "cuda"
+) -> str | None:
     """What the launcher says when the agent restarts the workers after ``failures``: the cause, in
     :func:`launch_failure`'s terms, unless a worker printed it already; None then."""
-    cause = launch_failure(failures, timeout_s)
+    cause = launch_failure(failures, timeout_s, device_type)
     if getattr(cause, "reported", False):
         return None
     rank = getattr(cause, "rank", None)
@@ -419,12 +421,15 @@ def restart_note(failures: dict, timeout_s: float, restart: int, max_restarts: i
     return f"ddpkit: {group_of()}{said}; {again}"
 
 
-def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | None:
+def signal_failure(codes: dict[int, int], timeout_s: float, device_type: str = "cuda") -> DdpkitError | None:
     """Workers ended by a signal (negative exit codes), said in the user's terms; None otherwise.
 
-    NCCL's watchdog aborts its process (SIGABRT) when a collective times out or a peer's
-    connection breaks, instead of raising in Python as gloo does; so a SIGABRT is most
-    often that. NCCL's own lines above the error name which (``NCCL_DEBUG=WARN`` for more).
+    On GPUs, NCCL's watchdog aborts its process (SIGABRT) when a collective times out or a peer's
+    connection breaks, instead of raising in Python as gloo does; so a SIGABRT there is most
+    often that. NCCL's own lines above the error name which (``NCCL_DEBUG=WARN`` for more). On CPU
+    (``device_type`` "cpu": gloo) there is no watchdog and no timeout behind an abort: it is native
+    code ending the process, most often gloo's own check on collectives that do not match across
+    ranks (``EnforceNotMet``), so naming NCCL and the timeout there sent the reader the wrong way.
     """
     signalled = {rank: -code for rank, code in codes.items() if code < 0}
     if not signalled:
@@ -434,6 +439,13 @@ def signal_failure(codes: dict[int, int], timeout_s: float) -> DdpkitError | Non
         name = signal.Signals(signum).name
     except ValueError:
         name = f"signal {signum}"
+    if signum == signal.SIGABRT and device_type != "cuda":
+        return PeerLost(
+            f"rank {rank} was aborted (SIGABRT) in native code. On CPU this is most often gloo finding that the "
+            f"ranks' collectives do not match (one rank ran a collective the others did not, such as a forward "
+            f"on one rank only, or ran them in another order): its own lines above (gloo's EnforceNotMet, "
+            f"'terminate called') say where; make every rank run the same collectives in the same order"
+        )
     if signum == signal.SIGABRT:
         return CollectiveTimeout(
             f"rank {rank} was aborted (SIGABRT). On GPUs this is NCCL's watchdog: "
@@ -582,7 +594,13 @@ def _report_once(exc: DdpkitError) -> int:
     if filed_for_launcher(exc):
         return exc.exit_code
     rank = os.environ.get(env.RANK, "0") if env.under_launcher() else "0"
-    if rank != "0":
+    if not exc.all_ranks and _group_alive():
+        # The script's process group is still up (a Loop.start()-ed script's, torn down at exit, after this): its
+        # store counts who says what, so the first rank to meet an error says it and the rest stay quiet, with no
+        # wait. Before, every rank other than 0 waited PEER_WAIT_S and said it again (the porter's item B).
+        if not _first_to_say(exc):
+            return exc.exit_code
+    elif rank != "0":
         other_node = os.environ.get(env.GROUP_RANK, "0") != "0"
         if exc.all_ranks or (other_node and os.environ.get(env.LOCAL_RANK, "0") != "0"):
             return exc.exit_code
@@ -594,6 +612,12 @@ def _report_once(exc: DdpkitError) -> int:
     said = "" if isinstance(exc, Stopped) else "error: "  # a stop that saved its snapshot is no error
     print(f"ddpkit: {group_of()}{said}{where}{exc}", file=sys.stderr)
     return exc.exit_code
+
+
+def _group_alive() -> bool:
+    """Whether this process is in a default process group now (never imports torch: the CLI's launcher has not)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def group_of() -> str:

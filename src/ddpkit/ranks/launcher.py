@@ -367,7 +367,7 @@ def _hand_off(spec: LaunchSpec, start: str, entry: Callable | str, args: tuple) 
             with _our_agent(spec, stops):
                 return elastic_launch(config, entry)(*((env, *args) if callable(entry) else args))
     except ChildFailedError as exc:
-        raise launch_failure(first_failures(exc.failures), spec.timeout_s) from None
+        raise launch_failure(first_failures(exc.failures), spec.timeout_s, spec.device_type) from None
     except SignalException as exc:
         # The workers are gone (the agent waited for them): one that stopped cleanly said so, and left its stop
         raise (stopped_report(log_dir) or interrupted(signal.Signals(exc.sigval), spec.resumable)) from None
@@ -650,7 +650,7 @@ def _reporting_agent(base: type, spec: LaunchSpec, stops: _Stops | None = None) 
         def _restart_workers(self, worker_group):
             if self._failures and spec.max_restarts:
                 self._restarts += 1
-                note = restart_note(self._failures, spec.timeout_s, self._restarts, spec.max_restarts)
+                note = restart_note(self._failures, spec.timeout_s, self._restarts, spec.max_restarts, spec.device_type)
                 if note:
                     print(note, file=sys.stderr, flush=True)
                 self._failures = None

@@ -40,6 +40,13 @@ def here_key(group: int) -> str:
     return f"ddpkit/replicas/here/{group}"
 
 
+def asked_key(group: int) -> str:
+    """The launcher's store key where group ``group`` says, as it asks for each step's quorum, "STEP TIME" (the
+    step, and the wall clock's seconds then): how a group outside its step learns that the others wait for it,
+    and how a quorum that did not form names the group it waited for (train/replicas.py)."""
+    return f"ddpkit/replicas/asked/{group}"
+
+
 def all_here(store, count: int) -> bool:
     """Whether every one of the ``count`` groups has reached the meeting (training has begun)."""
     return store.check([here_key(g) for g in range(count)])

@@ -48,7 +48,7 @@ from ..errors import CollectiveTimeout, ConfigError
 from ..ranks import env
 from ..ranks.context import DistContext
 from ..ranks.failures import group_of, public_kind, write_error_file
-from ..ranks.replicas import NEEDS_FT, here_key
+from ..ranks.replicas import NEEDS_FT, asked_key, here_key
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,11 @@ def shares(present: list[int], count: int, me: int) -> list[int]:
     present). Every group of ``range(count)`` is computed by exactly one present group."""
     missing = [g for g in range(count) if g not in present]
     return [me] + [g for k, g in enumerate(missing) if present[k % len(present)] == me]
+
+
+# How many times --timeout-s a group waits at a quorum for a group that has not asked for it: that group ends itself
+# once the wait has lasted --timeout-s (Replicas._watch), and the lighthouse then forms the quorum without it
+QUORUM_WAIT = 2
 
 
 class Replicas:
@@ -137,16 +142,28 @@ class Replicas:
             use_async_quorum=False,  # the quorum (and a heal) before the step's forward, so its batches are known
             init_sync=False,  # every group starts from the same seeded weights (or its own snapshot, healed if behind)
             timeout=limit,
-            quorum_timeout=limit,
+            # A group that lags the others by --timeout-s outside its step ends itself (_watch), and the lighthouse
+            # forms the quorum without it a heartbeat timeout (1 s) later: the others wait up to twice as long
+            quorum_timeout=QUORUM_WAIT * limit,
             connect_timeout=limit,
         )
         self.present: list[int] = []  # at the last step that committed
         self.healed = False  # at this step's quorum
         self.timeout_s = timeout_s
         self._own_since: float | None = None  # when this group's own work in a step began (own_work)
+        self._asked: int | None = None  # the step whose quorum this group asked for last
+        self._in_quorum = False  # between asking for a quorum and its forming (a heal included)
         self._main = threading.main_thread()
-        threading.Thread(target=self._watch, name="ddpkit-replica-watch", daemon=True).start()
+        self._meeting = self._open_meeting()  # the launcher's store: the main thread's client
         self._meet(timeout_s)
+        threading.Thread(target=self._watch, name="ddpkit-replica-watch", daemon=True).start()
+
+    def _open_meeting(self):
+        """A client of the launcher's store (where the groups meet, and say which quorum each asked for last)."""
+        from torch.distributed import TCPStore
+
+        host, _, port = self.place.store.rpartition(":")
+        return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s))
 
     def _meet(self, timeout_s: float) -> None:
         """Say this group is here, and wait until every group is (or ``timeout_s`` has passed) before the first
@@ -154,10 +171,7 @@ class Replicas:
         others healing from it (a copy of the whole state each). Every attempt says it: a group whose first attempt
         failed before it got here is awaited by the others until its restart does. A group restarted once training
         has begun finds every group here already, and joins at once."""
-        from torch.distributed import TCPStore
-
-        host, _, port = self.place.store.rpartition(":")
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = self._meeting
         store.set(here_key(self.place.index), str(env.restart_count()))
         try:
             store.wait([here_key(g) for g in range(self.place.count)])
@@ -173,15 +187,28 @@ class Replicas:
         then which groups are present: one all-reduce of a vector with this group's place set. None where that
         failed (a group left): the step cannot commit, and :meth:`commit` says so."""
         t0 = time.perf_counter()
+        # Said before asking: a group that has not asked for this step's quorum --timeout-s after this one did ends
+        # itself (_watch); one store write a step, beside torchft's own quorum call to the lighthouse
+        self._in_quorum, self._asked = True, step
+        self._meeting.set(asked_key(self.place.index), f"{step} {time.time():.3f}")
         try:
             self.manager.start_quorum()
         except TimeoutError:  # torchft's, from its Rust client: one line instead of its traceback
+            late = "; ".join(
+                f"replica group {g} asked last for step {at}'s, {waited:.0f} s ago"
+                for g, at, waited in self._asks(self._meeting)
+                if at < step
+            )
             raise CollectiveTimeout(
-                f"replica group {self.place.index}: the quorum of step {step} did not form within --timeout-s "
-                f"{self.timeout_s:g} s: a group whose heartbeats go on has not asked for it (stuck in its own code "
-                f"for less than --timeout-s, or not started); rerun the same command to resume"
+                f"the quorum of step {step} did not form within "
+                f"{QUORUM_WAIT} x --timeout-s ({QUORUM_WAIT * self.timeout_s:g} s): a group whose heartbeats go on "
+                f"has not asked for it ({late or 'no group has said which it asked for'}); rerun the same command "
+                f"to resume"
             ) from None
-        self.healed = self.manager.current_step() != step
+        finally:
+            self._in_quorum = False
+        self._asked = self.manager.current_step()  # a heal's step: where this group now is
+        self.healed = self._asked != step
         if self.healed:
             self.record(
                 "replicas",
@@ -212,25 +239,59 @@ class Replicas:
     def _watch(self) -> None:
         """A group stuck in its own code keeps its heartbeats going (torchft sends them from a thread of its own),
         so the lighthouse would wait for it for ever: with two groups the other may not form a quorum alone while
-        it lives. Stuck for --timeout-s, it ends (a line says where), and the others go on without it; its agent
-        restarts it under --max-restarts, and it heals."""
+        it lives. So a group ends (a line says where) when its own part of a step has made no progress for
+        --timeout-s, or, outside its steps (an evaluation, a snapshot, a log interval), when another group has
+        waited --timeout-s at a quorum this one has not asked for: a lag a DDP run's collectives would not have
+        waited out either. The others go on without it; its agent restarts it under --max-restarts, and it heals."""
+        store = self._open_meeting()  # its own client: the main thread's is busy at each step
         while True:
             time.sleep(min(1.0, self.timeout_s / 10))
             since = self._own_since
-            if since is None or time.monotonic() - since < self.timeout_s:
-                continue
-            frame = sys._current_frames().get(self._main.ident)
-            where = traceback.extract_stack(frame)[-1] if frame is not None else None
-            at = f" (in `{where.name}` at {Path(where.filename).name}:{where.lineno})" if where else ""
-            exc = CollectiveTimeout(
-                f"no progress in its own part of a step for --timeout-s {self.timeout_s:g} s{at}: it ends, so that "
-                f"the other groups train on without it"
-            )
-            if os.environ.get(env.ERROR_FILE):  # its agent says it, and that it restarts the group
-                write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=False)
-            else:
-                print(f"ddpkit: {group_of()}error: {exc}", file=sys.stderr, flush=True)
-            os._exit(exc.exit_code)  # its main thread is stuck: no way out through Python
+            if since is not None and time.monotonic() - since >= self.timeout_s:
+                self._end(f"no progress in its own part of a step for --timeout-s {self.timeout_s:g} s")
+            waiting = self._waited_for(store) if since is None else None
+            if waiting is not None:
+                g, at = waiting
+                self._end(
+                    f"outside its step, it has not asked for the quorum of step {at}, at which replica group {g} has "
+                    f"waited --timeout-s {self.timeout_s:g} s"
+                )
+
+    def _waited_for(self, store) -> tuple[int, int] | None:
+        """(a group, the step) where another group has waited --timeout-s or longer at the quorum of a step after the
+        one this group asked for last, while this group is outside its steps' quorums; None otherwise."""
+        asked = self._asked
+        if self._in_quorum or asked is None:
+            return None
+        late = [(g, at) for g, at, waited in self._asks(store) if at > asked and waited >= self.timeout_s]
+        return late[0] if late else None
+
+    def _asks(self, store) -> list[tuple[int, int, float]]:
+        """For each other group that has asked for a quorum: (the group, the step whose quorum it asked for last,
+        the seconds since), read in the launcher's store through ``store`` (a client of the calling thread's).
+        [] where the store cannot answer (its launcher gone): no one to name, and the quorum's timeout stands."""
+        found, now = [], time.time()
+        try:
+            for g in range(self.place.count):
+                if g != self.place.index and store.check([asked_key(g)]):
+                    at, _, t = store.get(asked_key(g)).decode().partition(" ")
+                    found.append((g, int(at), now - float(t)))
+        except Exception:  # noqa: BLE001 - see the docstring
+            return []
+        return found
+
+    def _end(self, why: str) -> None:
+        """End this group from its watch thread (its main thread is stuck: no way out through Python): ``why``,
+        where the main thread is, and that the others go on, said once, by its agent (under one) or here."""
+        frame = sys._current_frames().get(self._main.ident)
+        where = traceback.extract_stack(frame)[-1] if frame is not None else None
+        at = f" (in `{where.name}` at {Path(where.filename).name}:{where.lineno})" if where else ""
+        exc = CollectiveTimeout(f"{why}{at}: it ends, so that the other groups train on without it")
+        if os.environ.get(env.ERROR_FILE):  # its agent says it, and that it restarts the group
+            write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=False)
+        else:
+            print(f"ddpkit: {group_of()}error: {exc}", file=sys.stderr, flush=True)
+        os._exit(exc.exit_code)
 
     def reduce(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """The SUM of every group's ``tensors`` over the groups present, in place: one all-reduce of their
@@ -269,6 +330,10 @@ class Replicas:
             self.present = present
 
     def close(self) -> None:
+        try:  # a group done asks for no more quorums: the others must not read it as waiting for them (_waited_for)
+            self._meeting.delete_key(asked_key(self.place.index))
+        except Exception:  # noqa: BLE001 - the launcher's store gone with it: nobody left to read it
+            pass
         self.manager.shutdown(wait=False)
 
 

@@ -180,3 +180,31 @@ def loop_elastic_line(step: int, old_world: int, new_world: int, per_rank: list[
         f"optimizer and named state exactly; each rank's random streams anew from (seed, step, rank), and each "
         f"loader's split is the new world's from the same place in its epoch{reset if per_rank else ''}"
     )
+
+
+def global_batch_line(index: int, was: tuple[int, int], now: tuple[int, int]) -> str:
+    """A ``Loop.data()`` loader resumed with another global batch than its snapshot's: (world size, each rank's
+    batch) then and now. The run trains on as the script now says; the line says what that changes, and the
+    batch_size that keeps the run's global batch, where the new world size divides it."""
+    (old_world, old_batch), (world, batch) = was, now
+    before, after = old_world * old_batch, world * batch
+    keep = (
+        f"pass batch_size={before} // loop.world_size to loop.data() (each rank's {before // world} here)"
+        if before % world == 0
+        else f"a global batch of {before} does not split into {world} equal shares: choose a world size that divides it"
+    )
+    which = "the loader" if index == 0 else f"loader {index + 1} (in loop.data() order)"
+    return (
+        f"ddpkit: {which} resumed with a global batch of {after} samples per step ({world} x {batch}), where the "
+        f"snapshot's run read {before} ({old_world} x {old_batch}): the steps from here read {after} samples each "
+        f"and the epoch has another number of steps, as the script says; to keep the run's global batch, {keep}"
+    )
+
+
+def finished_line(step: int, epoch: int) -> str:
+    """A ``Loop`` resumed from the snapshot its run wrote as it finished."""
+    return (
+        f"ddpkit: this run dir holds a run that finished at step {step} (epoch {epoch}); resumed there, the loop "
+        f"trains on only past that point (a longer loop.steps() or loop.epochs()); to train again from the start, "
+        f"pass another run_dir to Loop"
+    )
