@@ -190,6 +190,9 @@ class Loop:
                 self.log_writer.log(
                     "end", step=self.state.step, epoch=self.state.epoch, **self.session.snapshot_figures()
                 )
+                # The snapshot of this step is the run's end (saved here, or at the epoch's end): a rerun says so
+                step = str(self.state.step).encode()
+                on_rank0(self.ctx, lambda: atomic_write(self.files.finished, step), "writing checkpoints/finished")
             except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
                 exc_type, exc, tb = type(error), error, error.__traceback__
                 raised_here = error
@@ -413,7 +416,7 @@ class Loop:
         self._best = saved["loop"]["best"]
         if self.amp.scaling and saved.get("scaler"):
             self.amp.scaler.load_state_dict(saved["scaler"])
-        if saved["loop"].get("finished"):
+        if self.ctx.is_main and self._finished_at() == self.state.step:
             # A rerun of a finished run: without this line a loop to the same end ran no step and said nothing
             self.print(report.finished_line(self.state.step, self.state.epoch), file=sys.stderr)
         self._pending_loaders = list(saved["loaders"])
@@ -427,6 +430,13 @@ class Loop:
             report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank),
             file=sys.stderr,
         )
+
+    def _finished_at(self) -> int | None:
+        """The step the run last finished at (``checkpoints/finished``), or None."""
+        try:
+            return int(self.files.finished.read_text())
+        except (OSError, ValueError):
+            return None
 
     def _load_position(self, loader: ShardedLoader, index: int, position: dict) -> None:
         """A loader's saved position, and one line if its global batch is not the snapshot's: a script that

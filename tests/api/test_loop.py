@@ -104,6 +104,26 @@ def test_a_rerun_resumes_at_the_end_and_a_longer_horizon_trains_on(tmp_path, cap
     assert starts[-1]["resumed_at_step"] == 3
 
 
+def test_a_rerun_of_a_finished_epoch_loop_says_it_finished(tmp_path, capsys):
+    """A review found the first form of the line above never said for a loop over loop.epochs(): its final snapshot is
+    the epoch end's, saved before the run ended, so no snapshot was marked finished."""
+
+    def run() -> int:
+        with ddpkit.Loop(str(tmp_path / "r")) as loop:
+            lin = torch.nn.Linear(1, 1)
+            loader = loop.data(TensorDataset(torch.zeros(4, 1)), batch_size=2)
+            state = loop.resume(lin=lin)
+            for _ in loop.epochs(1):
+                for _ in loader:
+                    loop.step()
+            return state.step
+
+    assert run() == 2 and "finished" not in capsys.readouterr().err
+    assert run() == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if "finished" in line]
+    assert len(said) == 1 and "a run that finished at step 2 (epoch 1)" in said[0], said
+
+
 def test_a_snapshot_other_code_made_is_refused_in_one_line(tmp_path):
     run = str(tmp_path / "r")
     _run_to(run, 2)

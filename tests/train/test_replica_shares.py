@@ -84,57 +84,67 @@ def test_each_group_gets_its_own_cores_and_gpu_dealt_in_turn_where_there_are_few
 
 
 def _group(index: int, timeout_s: float, manager=None):
-    """Replica group ``index`` of 2 with its torchft side replaced (no lighthouse), and a real store for the meeting:
-    the launcher's, where the groups say which quorum each asked for last."""
+    """Replica group ``index`` of 3 with its torchft side replaced (no lighthouse), and a real store for the meeting:
+    the launcher's, where the groups say where each is with the quorums."""
     from torch.distributed import TCPStore
 
     from ddpkit.train.replicas import Place, Replicas
 
     group = object.__new__(Replicas)
-    group.place, group.timeout_s, group.manager = Place(index, 2, "", ""), timeout_s, manager
+    group.place, group.timeout_s, group.manager = Place(index, 3, "", ""), timeout_s, manager
     group._meeting = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    group._asked, group._in_quorum = None, False
+    group._asked, group._in_quorum, group._closed = None, False, False
     return group
 
 
-def test_a_quorum_that_does_not_form_is_one_line_naming_the_step_and_the_group_it_waited_for():
+def _said(store, group: int, word: str, step: int, ago_s: float) -> None:
     import time
 
+    from ddpkit.ranks.replicas import quorum_key
+
+    store.set(quorum_key(group), f"{word} {step} {time.time() - ago_s:.3f}")
+
+
+def test_a_quorum_that_does_not_form_is_one_line_naming_the_step_and_where_the_others_are():
     from ddpkit.errors import CollectiveTimeout
-    from ddpkit.ranks.replicas import asked_key
+    from ddpkit.ranks.replicas import quorum_key
 
     class Stuck:  # torchft's Manager whose quorum timed out: its Rust client raises TimeoutError
         def start_quorum(self):
             raise TimeoutError('status: Cancelled, message: "Timeout expired"')
 
     group = _group(1, 8.0, Stuck())
-    group._meeting.set(asked_key(0), f"9 {time.time() - 30:.3f}")  # group 0 asked for step 9's, 30 s ago
+    _said(group._meeting, 0, "formed", 11, 30)  # group 0: its quorum of step 11 formed 30 s ago, none asked since
+    _said(group._meeting, 2, "starting", -1, 4)
     with pytest.raises(CollectiveTimeout) as said:
         group.begin(12)
     assert str(said.value).startswith("the quorum of step 12 did not form within 2 x --timeout-s (16 s)"), said.value
-    assert "(replica group 0 asked last for step 9's, 30 s ago)" in str(said.value), said.value
-    assert group._meeting.get(asked_key(1)).decode().startswith("12 ") and not group._in_quorum
+    assert (
+        "(replica group 0 outside its step since step 11's quorum formed, 30 s ago; replica group 2 starting "
+        in str(said.value)
+    ), said.value
+    assert group._meeting.get(quorum_key(1)).decode().startswith("asked 12 ") and not group._in_quorum
 
 
 def test_a_group_outside_its_step_ends_once_another_has_waited_the_timeout_for_a_quorum_it_has_not_asked_for():
-    import time
-
-    from ddpkit.ranks.replicas import asked_key
-
     group = _group(1, 8.0)
     store = group._meeting
     assert group._waited_for(store) is None  # not yet at its first quorum
     group._asked = 31
-    store.set(asked_key(0), f"32 {time.time() - 3:.3f}")
+    _said(store, 0, "asked", 32, 3)
     assert group._waited_for(store) is None  # group 0 has waited 3 s: a lag a DDP run waits out too
-    store.set(asked_key(0), f"31 {time.time() - 60:.3f}")
+    _said(store, 0, "asked", 31, 60)
     assert group._waited_for(store) is None  # at the same quorum: waiting together
-    store.set(asked_key(0), f"32 {time.time() - 9:.3f}")
-    assert group._waited_for(store) == (0, 32)
+    _said(store, 0, "formed", 32, 60)
+    assert group._waited_for(store) is None  # ahead, but its quorum formed (R >= 3: the others went on)
+    _said(store, 0, "starting", -1, 60)
+    assert group._waited_for(store) is None  # restarting: its last attempt's word is gone
+    _said(store, 2, "asked", 32, 9)
+    assert group._waited_for(store) == (2, 32)
     group._in_quorum = True
     assert group._waited_for(store) is None  # asking itself (a heal that takes long included)
     group._in_quorum = False
-    ended = _group(0, 8.0, type("Done", (), {"shutdown": lambda self, wait: None})())
+    ended = _group(2, 8.0, type("Done", (), {"shutdown": lambda self, wait: None})())
     ended._meeting = store
-    ended.close()  # group 0 has finished the run: it waits for no one
+    ended.close()  # group 2 has finished the run: it waits for no one
     assert group._waited_for(store) is None

@@ -40,11 +40,12 @@ def here_key(group: int) -> str:
     return f"ddpkit/replicas/here/{group}"
 
 
-def asked_key(group: int) -> str:
-    """The launcher's store key where group ``group`` says, as it asks for each step's quorum, "STEP TIME" (the
-    step, and the wall clock's seconds then): how a group outside its step learns that the others wait for it,
-    and how a quorum that did not form names the group it waited for (train/replicas.py)."""
-    return f"ddpkit/replicas/asked/{group}"
+def quorum_key(group: int) -> str:
+    """The launcher's store key where group ``group`` says where it is with the quorums, as "WORD STEP TIME" (TIME:
+    the wall clock's seconds then): "asked" a step's quorum, once it has "formed", "starting" (each attempt, at the
+    meeting), "done" (the run ended). How a group outside its step learns that another waits for it, and how a
+    quorum that did not form names where the others were (train/replicas.py)."""
+    return f"ddpkit/replicas/quorum/{group}"
 
 
 def all_here(store, count: int) -> bool:

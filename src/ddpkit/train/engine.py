@@ -393,9 +393,9 @@ class Engine:
             ok = True
             return summary
         finally:
-            self.session.close()  # however it ends: the write in flight, if any, ends first
-            if self.replicas is not None:
+            if self.replicas is not None:  # first: its watch must not end the process while the rest unwinds
                 self.replicas.close()
+            self.session.close()  # however it ends: the write in flight, if any, ends first
             if self.sample_log is not None:
                 self.sample_log.close()
             self.log.close(ok)

@@ -48,7 +48,7 @@ from ..errors import CollectiveTimeout, ConfigError
 from ..ranks import env
 from ..ranks.context import DistContext
 from ..ranks.failures import group_of, public_kind, write_error_file
-from ..ranks.replicas import NEEDS_FT, asked_key, here_key
+from ..ranks.replicas import NEEDS_FT, here_key, quorum_key
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,9 @@ class Replicas:
         self.healed = False  # at this step's quorum
         self.timeout_s = timeout_s
         self._own_since: float | None = None  # when this group's own work in a step began (own_work)
-        self._asked: int | None = None  # the step whose quorum this group asked for last
+        self._asked: int | None = None  # the step whose quorum this group asked for last (a heal's, once formed)
         self._in_quorum = False  # between asking for a quorum and its forming (a heal included)
+        self._closed = False  # the group is done or failing: its watch ends nothing any more
         self._main = threading.main_thread()
         self._meeting = self._open_meeting()  # the launcher's store: the main thread's client
         self._meet(timeout_s)
@@ -172,6 +173,7 @@ class Replicas:
         failed before it got here is awaited by the others until its restart does. A group restarted once training
         has begun finds every group here already, and joins at once."""
         store = self._meeting
+        self._say("starting", -1)  # an earlier attempt's word ("asked", its last) is not this attempt's
         store.set(here_key(self.place.index), str(env.restart_count()))
         try:
             store.wait([here_key(g) for g in range(self.place.count)])
@@ -187,27 +189,22 @@ class Replicas:
         then which groups are present: one all-reduce of a vector with this group's place set. None where that
         failed (a group left): the step cannot commit, and :meth:`commit` says so."""
         t0 = time.perf_counter()
-        # Said before asking: a group that has not asked for this step's quorum --timeout-s after this one did ends
-        # itself (_watch); one store write a step, beside torchft's own quorum call to the lighthouse
+        # Said before asking and once formed: a group that has not asked for a quorum at which another has waited
+        # --timeout-s ends itself (_watch). Two store writes a step, beside torchft's own quorum call to the lighthouse
         self._in_quorum, self._asked = True, step
-        self._meeting.set(asked_key(self.place.index), f"{step} {time.time():.3f}")
         try:
+            self._say("asked", step)
             self.manager.start_quorum()
+            self._asked = self.manager.current_step()  # a heal's step: where this group now is
+            self._say("formed", self._asked)
         except TimeoutError:  # torchft's, from its Rust client: one line instead of its traceback
-            late = "; ".join(
-                f"replica group {g} asked last for step {at}'s, {waited:.0f} s ago"
-                for g, at, waited in self._asks(self._meeting)
-                if at < step
-            )
             raise CollectiveTimeout(
-                f"the quorum of step {step} did not form within "
-                f"{QUORUM_WAIT} x --timeout-s ({QUORUM_WAIT * self.timeout_s:g} s): a group whose heartbeats go on "
-                f"has not asked for it ({late or 'no group has said which it asked for'}); rerun the same command "
-                f"to resume"
+                f"the quorum of step {step} did not form within {QUORUM_WAIT} x --timeout-s "
+                f"({QUORUM_WAIT * self.timeout_s:g} s): a group whose heartbeats go on has not asked for it "
+                f"({self._where_others_are(step)}); rerun the same command to resume"
             ) from None
         finally:
             self._in_quorum = False
-        self._asked = self.manager.current_step()  # a heal's step: where this group now is
         self.healed = self._asked != step
         if self.healed:
             self.record(
@@ -243,13 +240,18 @@ class Replicas:
         --timeout-s, or, outside its steps (an evaluation, a snapshot, a log interval), when another group has
         waited --timeout-s at a quorum this one has not asked for: a lag a DDP run's collectives would not have
         waited out either. The others go on without it; its agent restarts it under --max-restarts, and it heals."""
-        store = self._open_meeting()  # its own client: the main thread's is busy at each step
-        while True:
+        try:
+            store = self._open_meeting()  # its own client: the main thread's is busy at each step
+        except Exception:  # noqa: BLE001 - the launcher's store gone: the watch of its own work goes on
+            store = None
+        while not self._closed:
             time.sleep(min(1.0, self.timeout_s / 10))
             since = self._own_since
+            if self._closed:
+                return
             if since is not None and time.monotonic() - since >= self.timeout_s:
                 self._end(f"no progress in its own part of a step for --timeout-s {self.timeout_s:g} s")
-            waiting = self._waited_for(store) if since is None else None
+            waiting = self._waited_for(store) if since is None and store is not None else None
             if waiting is not None:
                 g, at = waiting
                 self._end(
@@ -263,22 +265,46 @@ class Replicas:
         asked = self._asked
         if self._in_quorum or asked is None:
             return None
-        late = [(g, at) for g, at, waited in self._asks(store) if at > asked and waited >= self.timeout_s]
+        late = [
+            (g, at)
+            for g, word, at, since in self._words(store)
+            if word == "asked" and at > asked and since >= self.timeout_s
+        ]
         return late[0] if late else None
 
-    def _asks(self, store) -> list[tuple[int, int, float]]:
-        """For each other group that has asked for a quorum: (the group, the step whose quorum it asked for last,
-        the seconds since), read in the launcher's store through ``store`` (a client of the calling thread's).
-        [] where the store cannot answer (its launcher gone): no one to name, and the quorum's timeout stands."""
+    def _say(self, word: str, step: int) -> None:
+        """Where this group is with the quorums (``quorum_key``), in the launcher's store."""
+        self._meeting.set(quorum_key(self.place.index), f"{word} {step} {time.time():.3f}")
+
+    def _words(self, store) -> list[tuple[int, str, int, float]]:
+        """What each other group last said of the quorums (``quorum_key``): (the group, its word, the step, the
+        seconds since), read in the launcher's store through ``store`` (a client of the calling thread's). A key is
+        never deleted, so a ``check`` then a ``get`` cannot wait. [] where the store cannot answer (its launcher
+        gone): no one to name, and the quorum's own timeout stands."""
         found, now = [], time.time()
         try:
             for g in range(self.place.count):
-                if g != self.place.index and store.check([asked_key(g)]):
-                    at, _, t = store.get(asked_key(g)).decode().partition(" ")
-                    found.append((g, int(at), now - float(t)))
+                if g != self.place.index and store.check([quorum_key(g)]):
+                    word, at, t = store.get(quorum_key(g)).decode().split(" ")
+                    found.append((g, word, int(at), now - float(t)))
         except Exception:  # noqa: BLE001 - see the docstring
             return []
         return found
+
+    def _where_others_are(self, step: int) -> str:
+        """For a quorum of ``step`` that did not form: each other group that is not asking for it, and where it is."""
+        said = {
+            "asked": lambda at, s: f"asked for step {at}'s quorum {s:.0f} s ago",
+            "formed": lambda at, s: f"outside its step since step {at}'s quorum formed, {s:.0f} s ago",
+            "starting": lambda at, s: f"starting again, for {s:.0f} s",
+            "done": lambda at, s: "finished the run",
+        }
+        others = [
+            f"replica group {g} {said.get(word, lambda at, s: word)(at, since)}"
+            for g, word, at, since in self._words(self._meeting)
+            if not (word == "asked" and at == step)
+        ]
+        return "; ".join(others) or "no other group has said where it is"
 
     def _end(self, why: str) -> None:
         """End this group from its watch thread (its main thread is stuck: no way out through Python): ``why``,
@@ -330,8 +356,11 @@ class Replicas:
             self.present = present
 
     def close(self) -> None:
-        try:  # a group done asks for no more quorums: the others must not read it as waiting for them (_waited_for)
-            self._meeting.delete_key(asked_key(self.place.index))
+        """The end of this group, done or failing: its watch stops (an error being said is not overwritten by its
+        line), and the others read that it waits for no one."""
+        self._closed = True
+        try:
+            self._say("done", -1)
         except Exception:  # noqa: BLE001 - the launcher's store gone with it: nobody left to read it
             pass
         self.manager.shutdown(wait=False)
