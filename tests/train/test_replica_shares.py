@@ -93,7 +93,7 @@ def _group(index: int, timeout_s: float, manager=None):
     group = object.__new__(Replicas)
     group.place, group.timeout_s, group.manager = Place(index, 3, "", ""), timeout_s, manager
     group._meeting = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    group._asked, group._in_quorum, group._closed = None, False, False
+    group._next, group._in_quorum, group._closed, group._started = None, False, False, 0.0
     return group
 
 
@@ -129,12 +129,12 @@ def test_a_quorum_that_does_not_form_is_one_line_naming_the_step_and_where_the_o
 def test_a_group_outside_its_step_ends_once_another_has_waited_the_timeout_for_a_quorum_it_has_not_asked_for():
     group = _group(1, 8.0)
     store = group._meeting
-    assert group._waited_for(store) is None  # not yet at its first quorum
-    group._asked = 31
+    assert group._waited_for(store) is None  # still at the meeting, which has its own timeout
+    group._next = 32  # its quorum of step 31 formed
     _said(store, 0, "asked", 32, 3)
     assert group._waited_for(store) is None  # group 0 has waited 3 s: a lag a DDP run waits out too
     _said(store, 0, "asked", 31, 60)
-    assert group._waited_for(store) is None  # at the same quorum: waiting together
+    assert group._waited_for(store) is None  # behind this group: it waits for no one here
     _said(store, 0, "formed", 32, 60)
     assert group._waited_for(store) is None  # ahead, but its quorum formed (R >= 3: the others went on)
     _said(store, 0, "starting", -1, 60)
@@ -148,3 +148,22 @@ def test_a_group_outside_its_step_ends_once_another_has_waited_the_timeout_for_a
     ended._meeting = store
     ended.close()  # group 2 has finished the run: it waits for no one
     assert group._waited_for(store) is None
+
+
+def test_a_group_stuck_in_its_start_up_ends_once_another_has_waited_the_timeout_since_it_started():
+    """A review found a restarted group stuck before its first quorum (its heartbeats on from its Manager's start, an
+    evaluation of a cut-short epoch, say) never ended. The others' wait counts from its start at the earliest: they
+    went on without it while it was gone, and began to wait for it only once its heartbeats came."""
+    import time
+
+    class Fresh:  # torchft's Manager, as set_step finds it
+        def load_state_dict(self, state):
+            pass
+
+    group = _group(1, 8.0, Fresh())
+    group.set_step(40)
+    _said(group._meeting, 0, "asked", 40, 60)  # group 0 asked for step 40's quorum a minute ago
+    group._started = time.time() - 3
+    assert group._waited_for(group._meeting) is None  # it started 3 s ago: group 0 has waited for it 3 s
+    group._started = time.time() - 9
+    assert group._waited_for(group._meeting) == (0, 40)

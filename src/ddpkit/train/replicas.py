@@ -151,7 +151,10 @@ class Replicas:
         self.healed = False  # at this step's quorum
         self.timeout_s = timeout_s
         self._own_since: float | None = None  # when this group's own work in a step began (own_work)
-        self._asked: int | None = None  # the step whose quorum this group asked for last (a heal's, once formed)
+        # The step whose quorum this group asks for next (None until set_step: the meeting has its own timeout), and
+        # when its attempt began (torchft's heartbeats with it): another group's wait counts from then at the earliest
+        self._next: int | None = None
+        self._started = time.time()
         self._in_quorum = False  # between asking for a quorum and its forming (a heal included)
         self._closed = False  # the group is done or failing: its watch ends nothing any more
         self._main = threading.main_thread()
@@ -183,6 +186,7 @@ class Replicas:
     def set_step(self, step: int) -> None:
         """After a resume from this group's own snapshot: torchft's step count is the run's."""
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.place.count})
+        self._next = step  # from here a lag counts, start-up included (an evaluation of a cut-short epoch, say)
 
     def begin(self, step: int) -> list[int] | None:
         """The quorum of the step at ``step`` (a group behind the others heals here, loading a live group's state),
@@ -191,12 +195,13 @@ class Replicas:
         t0 = time.perf_counter()
         # Said before asking and once formed: a group that has not asked for a quorum at which another has waited
         # --timeout-s ends itself (_watch). Two store writes a step, beside torchft's own quorum call to the lighthouse
-        self._in_quorum, self._asked = True, step
+        self._in_quorum, self._next = True, step
         try:
             self._say("asked", step)
             self.manager.start_quorum()
-            self._asked = self.manager.current_step()  # a heal's step: where this group now is
-            self._say("formed", self._asked)
+            at = self.manager.current_step()  # a heal's step: where this group now is
+            self._next = at + 1  # (a step that does not commit asks for the same quorum again, as every group does)
+            self._say("formed", at)
         except TimeoutError:  # torchft's, from its Rust client: one line instead of its traceback
             raise CollectiveTimeout(
                 f"the quorum of step {step} did not form within {QUORUM_WAIT} x --timeout-s "
@@ -205,7 +210,7 @@ class Replicas:
             ) from None
         finally:
             self._in_quorum = False
-        self.healed = self._asked != step
+        self.healed = self._next != step + 1
         if self.healed:
             self.record(
                 "replicas",
@@ -260,15 +265,16 @@ class Replicas:
                 )
 
     def _waited_for(self, store) -> tuple[int, int] | None:
-        """(a group, the step) where another group has waited --timeout-s or longer at the quorum of a step after the
-        one this group asked for last, while this group is outside its steps' quorums; None otherwise."""
-        asked = self._asked
-        if self._in_quorum or asked is None:
+        """(a group, the step) where another group has waited --timeout-s or longer (counted from this group's start at
+        the earliest) at the quorum this group asks for next, or a later one, while this group is outside its steps'
+        quorums; None otherwise."""
+        next_step, mine = self._next, time.time() - self._started
+        if self._in_quorum or next_step is None:
             return None
         late = [
             (g, at)
             for g, word, at, since in self._words(store)
-            if word == "asked" and at > asked and since >= self.timeout_s
+            if word == "asked" and at >= next_step and min(since, mine) >= self.timeout_s
         ]
         return late[0] if late else None
 
