@@ -45,7 +45,7 @@ def main(run_dir, steps, mode):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loop.resume(model=model, optimizer=opt)
         for step in loop.steps(steps):
-            if mode == "raise" and loop.rank == 1 and step == 3:
+            if (mode == "raise" and loop.rank == 1 or mode == "raise_all") and step == 3:
                 raise ValueError("boom at step 3")
             loss = model(torch.ones(8, 4)).sum()
             loss.backward()
@@ -119,6 +119,16 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     # the rank's own traceback, once: not one per rank, nor torchrun's ChildFailedError and its box
     assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_the_same_exception_on_every_rank_is_one_traceback(tmp_path, script):
+    """The porter's item I: a plain ValueError every rank raised printed every rank's traceback, the same one twice."""
+    proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "50", "raise_all")
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(said) == 1 and "raised ValueError: boom at step 3 (its traceback is above)" in said[0], proc.stderr
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
 
 
 STARTED = """\

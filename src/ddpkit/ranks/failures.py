@@ -113,8 +113,13 @@ def report_failure(exc: BaseException, rank: int) -> None:
                 print(f"ddpkit: {group_of()}error: {line}", file=sys.stderr, flush=True)
     else:
         if not already:
-            traceback.print_exc()  # a bug keeps its traceback
-            sys.stderr.flush()
+            # A bug keeps its traceback: once for the job where every rank meets the very same one (the same text,
+            # counted in the group's store), as a ddpkit error's line is
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            printed = printed and first_to_say(text)
+            if printed:
+                sys.stderr.write(text)
+                sys.stderr.flush()
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
     if not quiet:
         _note_cause(rank)
@@ -137,9 +142,17 @@ def _first_to_say(exc: DdpkitError) -> bool:
     group's store): an error every rank meets alike, such as a bad argument to a Loop, is one line for the job,
     not one per rank; a different error on another rank is its own line. True when the store cannot answer (it
     went with a dead peer): then each rank says its own."""
+    return first_to_say(f"{type(exc).__name__}: {exc}")
+
+
+def first_to_say(text: str) -> bool:
+    """Whether this rank is the first of its process group to say ``text`` (an error's line, or a traceback): an
+    atomic count in the group's store. True outside a group, or when the store cannot answer."""
+    if not _group_alive():
+        return True
     import torch.distributed as dist
 
-    said = zlib.crc32(f"{type(exc).__name__}: {exc}".encode())
+    said = zlib.crc32(text.encode())
     try:
         return dist.distributed_c10d._get_default_store().add(f"{_SAID_KEY}/{said:08x}", 1) == 1
     except Exception:
