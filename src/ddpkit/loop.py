@@ -60,8 +60,8 @@ from .files import atomic_write
 from .identity import loop_code, running_code
 from .ranks import hangwatch
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
-from .ranks.env import under_launcher
-from .ranks.failures import exit_status, stop_exits_with_its_status
+from .ranks.env import LAUNCHER_PID, under_launcher
+from .ranks.failures import comm_failure, exit_status, stop_exits_with_its_status
 from .run.recorder import MetricLogger
 from .run.runkey import CodeKey
 from .train import report
@@ -227,6 +227,13 @@ class Loop:
 
         def seen(kind, exc, tb):  # the script's uncaught error: close() must not save after it
             loop._uncaught = exc
+            lost = isinstance(exc, RuntimeError) and comm_failure(exc, loop.config.timeout_s) is not None
+            if lost and not os.environ.get(LAUNCHER_PID):  # (ddpkit's launcher names the lost peer itself)
+                # A peer lost mid-collective (or a timeout) under torchrun: the group's teardown at exit says it in one
+                # line, as the with form does. Before, torch's hook printed a [rank0]: traceback wall first (the
+                # porter's item C)
+                loop._lost = True
+                return
             previous(kind, exc, tb)
 
         sys.excepthook = seen
@@ -249,6 +256,9 @@ class Loop:
             exc.already_said = True  # its line or traceback: the teardown notes the cause, prints it no more
             try:
                 self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            except DdpkitError as error:  # a lost peer or a timeout, said by the teardown: its status, not 1
+                if getattr(self, "_lost", False):
+                    _exit_now(exit_status(error))
             except Exception:  # noqa: BLE001 - a teardown after a failure fails too (a lost peer); said already
                 pass
             return

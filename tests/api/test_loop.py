@@ -646,6 +646,25 @@ def test_a_ddpkit_error_in_a_started_loop_under_torchrun_is_said_once(tmp_path):
 
 @pytest.mark.slow
 @pytestmark_mp
+def test_a_peer_killed_under_torchrun_is_one_line_from_a_started_loops_survivor(tmp_path):
+    """The porter's item C: the survivor of a SIGKILLed peer printed torch's [rank0]: traceback wall of the broken
+    collective, then ddpkit's line; now the line alone (with PeerLost's status, 4, where torchrun has not ended it
+    first)."""
+    (tmp_path / "train.py").write_text(
+        "import os, signal, torch\nimport ddpkit\nloop = ddpkit.Loop.start('run', timeout_s=20)\n"
+        "model = loop.wrap(torch.nn.Linear(8, 2))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "loop.resume(model=model, optimizer=opt)\nfor step in loop.steps(50):\n"
+        "    if step == 5 and loop.rank == 1:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    model(torch.ones(4, 8)).sum().backward()\n    opt.step()\n"
+    )
+    proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit:")]
+    assert len(said) == 1 and "rank 0: another rank left mid-collective" in said[0], proc.stderr
+    assert "[rank0]:" not in proc.stderr and 'train.py", line' not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+@pytestmark_mp
 def test_a_bad_loop_argument_under_torchrun_is_one_line_not_a_traceback_per_rank(tmp_path):
     """Before: Loop's settings were checked before its error hook was installed, so each rank printed the
     ConfigError's traceback."""
