@@ -501,3 +501,23 @@ def fails_while_rank0_is_held(mark: str) -> None:
             Path(mark).write_text(repr(time.time()))
             raise RuntimeError("rank 1 fails")
         time.sleep(120)
+
+
+def weight_check_dealt(ctx, nan_in: int) -> dict:
+    """World 2 under DDP: the safe point's weight check, each rank reading its dealt share
+    (``DDPStrategy.weights_to_check``), with a NaN put into parameter ``nan_in`` (-1: none) on every rank, as a
+    NaN in replicated weights is. What rank 0 read, and the verdict every rank got."""
+    from ddpkit.train.metrics import sync_interval
+    from ddpkit.train.strategy import strategy_for
+
+    torch.manual_seed(0)
+    raw = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 2))
+    strategy = strategy_for("ddp")
+    model = strategy.wrap(raw, ctx)
+    params = list(raw.parameters())
+    if nan_in >= 0:
+        with torch.no_grad():
+            params[nan_in].view(-1)[0] = float("nan")
+    mine = strategy.weights_to_check(model, ctx)
+    synced = sync_interval(ctx, None, stop=False, log_error=None, weights=mine)
+    return {"read": [next(i for i, p in enumerate(params) if p is w) for w in mine], "bad": synced.bad_weights}

@@ -52,6 +52,19 @@ class DDPStrategy:
     def local_parameters(self, model: nn.Module) -> list[torch.Tensor]:
         return list(self.unwrap(model).parameters())  # every rank's whole copy
 
+    def weights_to_check(self, model: nn.Module, ctx: DistContext) -> list[torch.Tensor]:
+        # Every rank holds the same whole copy, so each reads a share of it, dealt by size (the largest first, each
+        # to the rank with the fewest elements so far; the same deal on every rank): a snapshot's check costs each
+        # rank 1/world of a pass over the weights (ResNet-9 at world 2 on this CPU: 6-11 ms a snapshot before)
+        params = self.local_parameters(model)
+        load, mine = [0] * ctx.world_size, []
+        for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+            rank = min(range(ctx.world_size), key=lambda r: (load[r], r))
+            load[rank] += params[i].numel()
+            if rank == ctx.rank:
+                mine.append(params[i])
+        return mine
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         # After DDP's all-reduce every rank holds the same whole gradient: its own norm is the global one.
         return nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm, foreach=foreach)

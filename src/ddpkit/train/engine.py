@@ -608,7 +608,9 @@ class Engine:
         """At log intervals and snapshots only (``sync_interval``, one all-reduce): this epoch's metric
         totals ([sums..., counts...]), whether any rank was sent SIGTERM, and (if asked) whether any
         rank holds a non-finite weight. A NaN loss on one rank makes the summed loss NaN."""
-        synced = self.session.sync(self.acc, self.strategy.local_parameters(self.raw) if check_weights else None)
+        synced = self.session.sync(
+            self.acc, self.strategy.weights_to_check(self.raw, self.ctx) if check_weights else None
+        )
         return synced.totals, synced.stop, synced.bad_weights
 
     def _check_finite(self, loss_sum: float, bad_weights: bool = False) -> None:

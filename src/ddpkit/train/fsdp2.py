@@ -188,6 +188,10 @@ class FSDP2Strategy:
         """This rank's shard of each parameter (a check over every rank's covers every weight once)."""
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.unwrap(model).parameters()]
 
+    def weights_to_check(self, model: nn.Module, ctx: DistContext) -> list[torch.Tensor]:
+        """This rank's shards: every rank's together are every weight once."""
+        return self.local_parameters(model)
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         """Each rank holds a shard of each gradient: torch's norm of DTensors is a partial one, completed
         by one all-reduce (``full_tensor``), then every shard scaled by the same factor."""

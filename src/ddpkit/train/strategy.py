@@ -50,6 +50,10 @@ class Strategy(Protocol):
         """The parameter tensors this rank holds (its shards under a sharded strategy): what a check of every
         weight reads on each rank before the check's all-reduce."""
 
+    def weights_to_check(self, model: nn.Module, ctx: DistContext) -> list[torch.Tensor]:
+        """The weights this rank reads in the check for a NaN or an infinity before a snapshot, whose verdict the
+        safe point's all-reduce sums over the ranks: together the ranks read every weight once."""
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient, over every rank; returns that norm."""
 
