@@ -228,7 +228,9 @@ class Loop:
         def seen(kind, exc, tb):  # the script's uncaught error: close() must not save after it
             loop._uncaught = exc
             lost = isinstance(exc, RuntimeError) and comm_failure(exc, loop.config.timeout_s) is not None
-            if lost and not os.environ.get(LAUNCHER_PID):  # (ddpkit's launcher names the lost peer itself)
+            # Under torchrun, several ranks (ddpkit's launcher names the lost peer itself; a world of 1 has no peer,
+            # and its teardown says nothing: a RuntimeError there keeps its traceback)
+            if lost and under_launcher() and loop.world_size > 1 and not os.environ.get(LAUNCHER_PID):
                 # A peer lost mid-collective (or a timeout) under torchrun: the group's teardown at exit says it in one
                 # line, as the with form does. Before, torch's hook printed a [rank0]: traceback wall first (the
                 # porter's item C)

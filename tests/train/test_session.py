@@ -291,6 +291,10 @@ def test_under_ddp_each_rank_checks_a_share_of_the_weights_and_together_every_on
         assert read == sorted(id(p) for p in params), world  # every weight once
         sizes = [sum(w.numel() for w in share) for share in shares]
         assert max(sizes) - min(sizes) <= max(p.numel() for p in params), (world, sizes)
+    # A frozen weight (which a rank may hold its own values of) is read by every rank (a review finding)
+    raw[1].weight.requires_grad_(False)
+    ctxs = [DistContext(r, r, 2, 1, torch.device("cpu"), "gloo") for r in range(2)]
+    assert all(any(w is raw[1].weight for w in strategy_for("ddp").weights_to_check(raw, c)) for c in ctxs)
 
 
 @pytest.mark.multiprocess
