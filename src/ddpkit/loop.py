@@ -191,8 +191,7 @@ class Loop:
                     "end", step=self.state.step, epoch=self.state.epoch, **self.session.snapshot_figures()
                 )
                 # The snapshot of this step is the run's end (saved here, or at the epoch's end): a rerun says so
-                step = str(self.state.step).encode()
-                on_rank0(self.ctx, lambda: atomic_write(self.files.finished, step), "writing checkpoints/finished")
+                self.session.mark_finished(self.state.step, self.state.epoch, "a rerun resumes at its end and says so")
             except BaseException as error:  # noqa: BLE001 - said below as any error in the loop is
                 exc_type, exc, tb = type(error), error, error.__traceback__
                 raised_here = error

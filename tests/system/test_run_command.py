@@ -53,6 +53,23 @@ def main(run_dir, steps, mode):
             opt.zero_grad()
             loop.log(loss=loss.detach())
             time.sleep(0.05)  # so that a signal lands mid-run
+    # After the loop (issue 42's item G): "after", the script's own code; "teardown", an object of its torn down
+    # as the interpreter ends, after the script and its exit handlers
+    if mode == "after":
+        (pids / f"after{rank}").write_text("")
+        time.sleep(600)
+    if mode == "teardown":
+        import builtins
+        builtins.slow = SlowTeardown(pids / f"teardown{rank}")
+
+
+class SlowTeardown:
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self):
+        self.path.write_text("")
+        time.sleep(600)
 
 
 if __name__ == "__main__":
@@ -181,6 +198,41 @@ def test_sigterm_stops_the_job_with_143_and_the_same_command_resumes_and_finishe
     records = read_jsonl(run / "metrics.jsonl")
     assert [r for r in records if r["event"] == "start"][-1]["resumed_at_step"] == step
     assert records[-1]["event"] == "end" and records[-1]["step"] == 200
+
+
+@pytest.mark.parametrize("when", ["after", "teardown"])
+def test_a_sigterm_after_the_loops_end_is_said_as_what_it_stopped(tmp_path, script, when):
+    """Issue 42's item G: a stop after a Loop's ``[end]`` was said as "interrupted ... and stopped the workers",
+    exit 143, as if the run were lost. In the script's code after the loop it now names the finished run (still
+    143: the script did not end); in the teardown, after every rank's script ended, the job ends as finished."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), str(run), "4", when]
+    proc, out = _start(cmd, tmp_path, when)
+    marks = [Path(f"{run}-pids") / f"{when}{rank}" for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text()[-3000:]
+            time.sleep(0.05)
+        assert all(m.exists() for m in marks), out.read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=WAIT_S)
+    finally:
+        _end(proc, _worker_pids(run))
+    err = out.read_text()
+    assert (run / "checkpoints" / "finished").read_text() == "4"
+    said = [line for line in err.splitlines() if line.startswith("ddpkit:")]
+    if when == "after":
+        assert proc.returncode == 143, err[-3000:]
+        assert len(said) == 1 and f"after the run in {run} finished at step 4" in said[0], err[-3000:]
+        assert "a rerun resumes at its end" in said[0]
+    else:
+        assert proc.returncode == 0, err[-3000:]
+        assert said == [
+            "ddpkit: the launcher received SIGTERM after every worker had finished its work: only their teardown "
+            "was stopped, and the job ends as finished"
+        ], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 @pytest.mark.slow

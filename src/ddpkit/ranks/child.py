@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ..errors import DdpkitError
 from . import env as names
+from .endnotes import note_returned
 from .failures import CONSEQUENCE_EXIT_DELAY_S, as_returned, outside_group_bug, outside_group_failure
 
 RESULT_GRACE_S = 5.0  # after returning a stop or failure, a worker exits this long later if nobody reads it
@@ -37,7 +38,9 @@ def worker_entry(env: dict, fn: Callable, *args) -> Any:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_launcher()
     try:
-        return fn(*args)
+        result = fn(*args)
+        note_returned(result)  # for a launcher stopped during the teardown that follows (ranks/endnotes.py)
+        return result
     except DdpkitError as exc:
         if exc.all_ranks:
             # torch's worker wrapper waits, after handing over this result, for the agent to read it; an agent

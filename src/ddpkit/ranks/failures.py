@@ -477,8 +477,18 @@ def signal_failure(codes: dict[int, int], timeout_s: float, device_type: str = "
     )
 
 
-def interrupted(sig: signal.Signals, resumable: bool) -> WorkersFailed:
-    """The launcher was sent ``sig`` (Ctrl-C, SIGTERM) and stopped the workers."""
+def interrupted(sig: signal.Signals, resumable: bool, run_end: dict | None = None) -> WorkersFailed:
+    """The launcher was sent ``sig`` (Ctrl-C, SIGTERM) and stopped the workers. ``run_end``: global rank 0's
+    note that the run had finished before (ranks/endnotes.py), when the workers were stopped after that, in a
+    script's code after its loop or in the teardown."""
+    if run_end is not None:
+        return WorkersFailed(
+            f"interrupted: the launcher received {sig.name} after the run in {run_end['run_dir']} finished at step "
+            f"{run_end['step']} (epoch {run_end['epoch']}), and stopped the workers in what followed it (the "
+            f"script's code after its loop, or the teardown): the run is whole on disk; {run_end['rerun']}",
+            False,
+            128 + sig.value,
+        )
     after = (
         (
             " before they saved a snapshot on the way out (none reached a safe point within the agent's grace "

@@ -55,6 +55,7 @@ from ..errors import ConfigError, PeerLost
 from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
+from .endnotes import read_returned, read_run_end
 from .env import check_launcher_env, under_launcher
 from .failures import (
     Failure,
@@ -370,7 +371,20 @@ def _hand_off(spec: LaunchSpec, start: str, entry: Callable | str, args: tuple) 
         raise launch_failure(first_failures(exc.failures), spec.timeout_s, spec.device_type) from None
     except SignalException as exc:
         # The workers are gone (the agent waited for them): one that stopped cleanly said so, and left its stop
-        raise (stopped_report(log_dir) or interrupted(signal.Signals(exc.sigval), spec.resumable)) from None
+        sig = signal.Signals(exc.sigval)
+        stopped = stopped_report(log_dir)
+        if stopped is not None:
+            raise stopped from None
+        returned = read_returned(log_dir, spec.nproc)
+        if returned is not None:  # the stop came in the workers' teardown, after their work: nothing was lost
+            print(
+                f"ddpkit: the launcher received {sig.name} after every worker had finished its work: only their "
+                f"teardown was stopped, and the job ends as finished",
+                file=sys.stderr,
+                flush=True,
+            )
+            return returned
+        raise interrupted(sig, spec.resumable, read_run_end(log_dir)) from None
     except RendezvousTimeoutError:
         raise PeerLost(
             f"the other node(s) did not join within --timeout-s {spec.timeout_s:g} s at --rdzv-endpoint "

@@ -14,6 +14,7 @@ failed first. The same hook serves a rank of torchrun or srun that ``ddpkit run`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import runpy
@@ -24,6 +25,7 @@ import traceback
 from ..errors import DdpkitError, PeerLost
 from . import env as names
 from .child import die_with_launcher
+from .endnotes import note_returned
 from .failures import CONSEQUENCE_EXIT_DELAY_S, comm_failure, exit_status, filed_for_launcher, write_error_file
 
 
@@ -35,12 +37,19 @@ def main(argv: list[str]) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` puts it (-m put the cwd)
     sys.excepthook = _uncaught(script, ours)
+    # Registered before the script's own exit handlers, so run after them: a Loop.start()-ed loop's final
+    # snapshot and record are written at exit, and the script's work is done only once they are
+    returned = []
+    atexit.register(lambda: returned and note_returned(None))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         if ours:
             _exit_said(done)
+        if done.code in (0, None):
+            returned.append(True)
         raise
+    returned.append(True)
 
 
 def _exit_said(done: SystemExit) -> None:

@@ -10,7 +10,7 @@ RUN_DIR/summary.json     final figures
 RUN_DIR/model.pt         final weights: a plain state_dict without "module." prefixes
 RUN_DIR/best.pt          --keep-best: {"metric", "value", "step", "weights": {"model": state_dict}} (a Loop's too)
 RUN_DIR/checkpoints/     snapshots (run/checkpoint.py); unreadable or damaged ones go to checkpoints/corrupt/;
-                         checkpoints/finished: the step a Loop's run finished at (a rerun says so)
+                         checkpoints/finished: the step the run finished at (a Loop's rerun says so)
 RUN_DIR/plots/           loss, metric and samples/s PNGs (run/plots.py)
 RUN_DIR/.lock            held (flock) by the one process that owns the run while it runs
 RUN_DIR/.fatal.json      an error a restart would only meet again, for restarted workers to report
@@ -80,7 +80,7 @@ class RunFiles:
 
     @property
     def finished(self) -> Path:
-        """The step at which a ``Loop``'s run last finished, as text: its snapshot at that step is the run's end."""
+        """The step the run (a ``Loop``'s or the engine's) last finished at, as text (``Session.mark_finished``)."""
         return self.root / CHECKPOINTS / "finished"
 
     @property

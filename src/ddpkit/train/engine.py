@@ -765,6 +765,10 @@ class Engine:
         write_model(cfg.run_dir, self.strategy.model_state(model), ctx)
         summary = report.summary(self, result, per_rank)
         write_summary(cfg.run_dir, summary, ctx)
+        # as a Loop's end is marked
+        self.session.mark_finished(
+            self.pos.global_step, self.pos.epoch, "--reuse-finished with the same flags returns its result"
+        )
         # The run's last collective: rank 0's last record, plots (if it draws them) and loggers' close keep no rank
         # waiting in a collective that --timeout-s would end (exit 3 after a finished run).
         settle(ctx)

@@ -38,6 +38,7 @@ from torch import nn
 from ..errors import ConfigError, NonFiniteLoss, RunDirError, Stopped
 from ..files import atomic_write, torch_bytes
 from ..ranks.context import DistContext, on_rank0
+from ..ranks.endnotes import note_run_end
 from ..run import shards
 from ..run.checkpoint import Checkpointer, split_by_rank, weights_mismatch
 from ..run.paths import RunFiles
@@ -178,6 +179,18 @@ class Session:
         """Every rank, at the end of the steps: the snapshot write in flight, if any, whole (or its failure
         raised on every rank) before the run's last files are written."""
         self.ckpt.wait()
+
+    def mark_finished(self, step: int, epoch: int, rerun: str) -> None:
+        """Every rank, once the run's last files are whole: global rank 0 writes ``checkpoints/finished`` (the
+        step; a rerun of a Loop says that it resumed a finished run) and leaves its launcher a note
+        (ranks/endnotes.py), so that a stop signal from now on is not said as an interruption of the run;
+        ``rerun``: what running the same command again does, in the launcher's line then."""
+
+        def write():
+            atomic_write(self.files.finished, str(step).encode())
+            note_run_end(self.files.root, step, epoch, rerun)
+
+        on_rank0(self.ctx, write, "writing checkpoints/finished")
 
     def close(self) -> None:
         """This rank, however the run ends (an error included): the write in flight ended, with no collective."""
