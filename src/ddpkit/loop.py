@@ -172,7 +172,6 @@ class Loop:
             )
             self._stack.callback(self.session.close)  # however the loop ends: the write in flight ends first
             self.files = self.session.files
-            on_rank0(self.ctx, lambda: self.files.checkpoints.mkdir(parents=True, exist_ok=True), "making the run dir")
             hangwatch.report_to(cfg.run_dir)
             self.amp = Amp(cfg.amp, self.ctx.device)
         except BaseException:

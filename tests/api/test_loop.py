@@ -79,6 +79,11 @@ def test_misuse_is_one_public_error(tmp_path):
             loop.resume(x=1)
     with pytest.raises(ConfigError, match="amp='fp8'"):
         ddpkit.Loop(str(tmp_path / "c"), amp="fp8")
+    # A loop refused before it wrote anything leaves no run dir behind (it left an empty checkpoints/: issue 42)
+    with pytest.raises(ConfigError, match="strategy='fsdp2'"):
+        with ddpkit.Loop(str(tmp_path / "d")) as loop:
+            loop.wrap(torch.nn.Linear(1, 1), shard=lambda m: False)
+    assert not (tmp_path / "d").exists()
 
 
 def _run_to(run_dir, total: int, value: float = 1.0):
