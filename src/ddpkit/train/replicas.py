@@ -98,6 +98,20 @@ def shares(present: list[int], count: int, me: int) -> list[int]:
 QUORUM_WAIT = 2
 
 
+def _quiet_torchft(manager) -> None:
+    """torchft's two lines at each heal, which ddpkit's ``healed`` record says: the serving group's HTTP server
+    logs each request (``"GET /checkpoint/11/full HTTP/1.1" 200``; its errors are still logged), and its
+    process group, made again at each change of the groups present, calls torch's ``_set_sequence_number_for_group``,
+    which in the torch ddpkit pins does nothing but warn, in C++, at each call (``setSequenceNumberForGroup() is
+    deprecated and is now a no-op``): it is made a no-op that says nothing, in a replica group's process only."""
+    from torch.distributed import ProcessGroupGloo
+
+    ProcessGroupGloo._set_sequence_number_for_group = lambda self: None
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    if server is not None:  # torchft's HTTPTransport: its handler class is its own, made per transport
+        server.RequestHandlerClass.log_request = lambda self, code="-", size="-": None
+
+
 class Replicas:
     """One group's torchft ``Manager`` (a process group of its own over gloo, its store, the lighthouse's client)
     and the step's protocol; ``state`` and ``load``: the state a healing group receives and how it loads it;
@@ -147,6 +161,7 @@ class Replicas:
             quorum_timeout=QUORUM_WAIT * limit,
             connect_timeout=limit,
         )
+        _quiet_torchft(self.manager)
         self.present: list[int] = []  # at the last step that committed
         self.healed = False  # at this step's quorum
         self.timeout_s = timeout_s
