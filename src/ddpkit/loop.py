@@ -397,9 +397,6 @@ class Loop:
             elif not hasattr(value, "state_dict"):
                 check_plain(name, value, "Loop.resume()")
         self.state = State(state)
-        # a background snapshot's copies of the optimizers' parameters and state: made beside the next step's
-        # forward and backward, and each optimizer's step() waits for them (train/session.py)
-        self.session.copy_before(list(state.values()))
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         resumed_from = snap["world_size"] if snap is not None and snap["world_size"] != self.ctx.world_size else None
         self.session.begin(

@@ -50,27 +50,6 @@ def test_a_staged_tree_is_a_copy_in_buffers_reused_and_keeps_tied_tensors_one():
     assert again["model"]["0.weight"].data_ptr() == pointer and torch.equal(again["model"]["0.weight"], before + 100)
 
 
-def test_copies_left_to_the_writer_are_made_by_ready_and_copied_waits_for_them():
-    """``later``: the tensors only an optimizer step changes, copied by the writer's thread (``ready``); the rest at
-    ``stage``. ``copied`` (an optimizer's step pre-hook) blocks until ``ready`` has made them."""
-    weight, running = torch.ones(4), torch.zeros(2)
-    stager = Stager()
-    staged = stager.stage({"w": weight, "bn": running}, frozenset({weight.untyped_storage().data_ptr()}))
-    running.add_(5)  # a forward's in-place change: its copy was made at stage
-    assert torch.equal(staged["bn"], torch.zeros(2))
-    waited = threading.Event()
-    waiter = threading.Thread(target=lambda: (stager.copied(), waited.set()))
-    waiter.start()
-    assert not waited.wait(0.3)  # the next optimizer step would wait here
-    stager.ready()  # the writer's thread
-    waiter.join(30)
-    assert waited.is_set() and torch.equal(staged["w"], torch.ones(4))
-    weight.add_(1)  # the optimizer step, once copied() returned
-    assert torch.equal(staged["w"], torch.ones(4))
-    stager.stage({"w": weight})  # nothing left to the writer: copied() returns at once
-    stager.copied()
-
-
 def test_a_buffer_the_next_snapshot_does_not_use_is_freed():
     """A per-rank value whose shape changes between snapshots (a prefetched batch of another length)."""
     stager = Stager()

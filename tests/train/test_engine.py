@@ -241,8 +241,8 @@ def _run_to_the_end(tmp_path, kill_after_snapshot_at: int | None = None):
         if kill_after_snapshot_at is not None:
             save = engine.session.ckpt.save
 
-            def save_then_die(state, step, *later):
-                path = save(state, step, *later)
+            def save_then_die(state, step):
+                path = save(state, step)
                 if step == kill_after_snapshot_at:
                     raise _Killed
                 return path

@@ -62,8 +62,8 @@ def run(tmp_path, name: str, *, model="convnet", kill_after_snapshot_at=None, ta
         if kill_after_snapshot_at is not None:
             save = engine.session.ckpt.save
 
-            def save_then_die(state, step, *later):
-                path = save(state, step, *later)
+            def save_then_die(state, step):
+                path = save(state, step)
                 if step == kill_after_snapshot_at:
                     raise KeyboardInterrupt
                 return path

@@ -54,7 +54,7 @@ from ..version import __version__
 from . import shards
 from .checksums import checksums, first_difference
 from .paths import RunFiles
-from .staging import Moved, Stager
+from .staging import Stager
 
 if TYPE_CHECKING:
     from .runkey import RunKey
@@ -188,11 +188,9 @@ class Checkpointer:
         found = [(int(m.group(1)), p) for p in self.dir.glob("snapshot-*.pt") if (m := _NAME.search(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def save(self, trainer_state: dict, global_step: int, later: frozenset[int] = frozenset()) -> Path:
+    def save(self, trainer_state: dict, global_step: int) -> Path:
         """Call on every rank. Gathers per-rank state, then rank 0 writes (in the background, it starts the
-        write and returns); every rank learns whether it did, at once or at the next :meth:`wait`. ``later``
-        (background writes): the storages of CPU tensors only an optimizer step changes, whose copies the writer's
-        thread makes (:meth:`copied` waits for them)."""
+        write and returns); every rank learns whether it did, at once or at the next :meth:`wait`."""
         # One write in flight: each rank ends its previous one first (rank 0's, and every rank's part of sharded
         # ones), and rank 0's failure travels with the gather below (no collective of its own), so every rank
         # raises it here, before anything new is staged
@@ -237,13 +235,8 @@ class Checkpointer:
                 self._shard_stager = shards.host_stager(self.ctx.device)
             pending = shards.start_save(entries, shards.folder_of(path), self._shard_group, self._shard_stager)
         if self.ctx.is_main or pending is not None:
-            self._writing = _Write(self, path, trainer_state, gathered, global_step, pending, later)
+            self._writing = _Write(self, path, trainer_state, gathered, global_step, pending)
         return path
-
-    def copied(self) -> None:
-        """Block until the copies left to the writer's thread (``save(later=...)``) are made: before anything
-        changes those tensors in place (an optimizer step's pre-hook, ``train/session.py``)."""
-        self._stager.copied()
 
     def _write(self, path: Path, trainer_state: dict, gathered: list, global_step: int, moment=None) -> None:
         """Rank 0: the snapshot file, whole or not at all, then ``newest``, then the pruning."""
@@ -506,20 +499,12 @@ class _Write:
     snapshot is whole or not there."""
 
     def __init__(
-        self,
-        ckpt: Checkpointer,
-        path: Path,
-        trainer_state: dict,
-        gathered: list,
-        global_step: int,
-        pending=None,
-        later: frozenset[int] = frozenset(),
+        self, ckpt: Checkpointer, path: Path, trainer_state: dict, gathered: list, global_step: int, pending=None
     ):
         self.path, self.error, self.thread = path, None, None
         main = ckpt.ctx.is_main
         try:
-            # ``later``: the copies of the optimizers' parameters and state, made by this write's thread (staging.py)
-            staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered}, later) if main else None
+            staged = ckpt._stager.stage({"trainer": trainer_state, "ranks": gathered}) if main else None
         except Exception as exc:  # noqa: BLE001 - said at the next safe point, on every rank
             self.error = RunDirError(f"global rank 0 failed copying {path.name} aside: {type(exc).__name__}: {exc}")
             staged = None  # the shards' thread still runs: the other ranks' wait for rank 0's part of the gather
@@ -534,8 +519,8 @@ class _Write:
             moment, t0 = _kill_hook(global_step), time.perf_counter()
             try:
                 if staged is not None:
-                    ckpt._stager.ready()  # first: the copies the next optimizer step waits for
                     moment("staged")
+                    ckpt._stager.ready()
                 # (even when rank 0's copy failed: the other ranks' threads wait for its part of the gather)
                 files = _shards_written(ckpt, path, pending) if pending is not None else None
                 if staged is None:
@@ -546,27 +531,14 @@ class _Write:
                 ckpt._write(path, staged["trainer"], staged["ranks"], global_step, moment)
             except RunDirError as exc:
                 self.error = exc
-            except Moved as exc:  # its state is no longer the step's: written, it would resume another run
-                self.error = RunDirError(
-                    f"{path.name} was not written: {exc} changed in place after the snapshot was taken and before the "
-                    f"next step() of its optimizer, outside it, while the writer's thread was copying it (the "
-                    f"parameters and the optimizer state are copied beside the next step, on the CPU); the snapshots "
-                    f"before it are whole. Change them in place only inside the optimizer's step(), or pass "
-                    f"async_snapshots=False (--no-async-snapshots)"
-                )
             except Exception as exc:  # noqa: BLE001 - any failure: the run stops at its next safe point
                 self.error = RunDirError(f"global rank 0 failed saving {path.name}: {type(exc).__name__}: {exc}")
             finally:
-                ckpt._stager.release()  # whatever happened: no optimizer step waits for copies no one makes
                 if staged is not None:
                     ckpt.write_s.append(time.perf_counter() - t0)
 
         self.thread = threading.Thread(target=write, name=f"ddpkit-write-{path.name}")
-        try:
-            self.thread.start()
-        except BaseException:
-            ckpt._stager.release()
-            raise
+        self.thread.start()
 
     @property
     def running(self) -> bool:

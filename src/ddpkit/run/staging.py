@@ -14,14 +14,6 @@ reads the values of the step that was saved; ``ready()`` waits on the event reco
 CPU tensor it is a plain copy (ResNet-9's 50 MiB with momentum: 8.5 ms alone on the 2-core AVX2 VM, 11-16 ms
 with the other rank computing; BENCHMARKS.md, "Snapshots written in the background").
 
-On the CPU, the copies of the tensors only an optimizer's ``step()`` changes (its parameters and its state: the
-bulk of a snapshot, ResNet-9's 50 MiB) can be left to the writer thread (``later``): they are made beside the next
-step's forward and backward, which only read them, and ``copied()``, which the optimizers' step pre-hooks call
-(``train/session.py``), waits until they are made. What a forward changes in place (BatchNorm's running
-statistics), and everything else, is copied before ``stage`` returns. A tensor changed in place meanwhile anyway
-(a loop's own update of its weights outside ``step()``) is found by its version counter, which every in-place
-change moves: :meth:`ready` raises :class:`Moved`, and that snapshot is not written.
-
 The tree is rebuilt too (dicts, lists, tuples): a state dict may hand out a container the loop changes later
 (a scheduler's ``_last_lr``). Leaves that are not tensors are plain values (numbers, strings), which do not
 change. A tensor met twice in one tree (tied weights) is copied once and stays one tensor, as ``torch.save``
@@ -31,14 +23,9 @@ keeps it.
 from __future__ import annotations
 
 import collections
-import threading
 from typing import Any
 
 import torch
-
-
-class Moved(Exception):
-    """A tensor whose copy was left to the writer changed in place before the copy was made."""
 
 
 class Stager:
@@ -49,31 +36,18 @@ class Stager:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._used: set[tuple] = set()  # the buffers the last stage() used
         self._event: torch.cuda.Event | None = None
-        # (buffer, tensor, its version counter at stage, its place in the tree): the copies the writer makes
-        self._later: list[tuple[torch.Tensor, torch.Tensor, int, tuple]] = []
-        self._copied = threading.Event()  # set once no copy is left to make
-        self._copied.set()
 
     @property
     def nbytes(self) -> int:
         """Host memory the buffers hold (bytes)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, tree: Any, later: frozenset[int] = frozenset()) -> Any:
-        """``tree`` with each tensor replaced by a copy in this stager's buffers, and each container rebuilt.
-        ``later``: the storages (``untyped_storage().data_ptr()``) of CPU tensors whose copies :meth:`ready`
-        makes, on the writer's thread; :meth:`copied` waits for them."""
+    def stage(self, tree: Any) -> Any:
+        """``tree`` with each tensor replaced by a copy in this stager's buffers, and each container rebuilt."""
         seen: dict[tuple, torch.Tensor] = {}
         cuda = []
         self._used: set[tuple] = set()
-        self._later = []
-        try:
-            staged = self._copy(tree, (), seen, cuda, later)
-        except BaseException:
-            self._later = []
-            raise
-        if self._later:
-            self._copied.clear()
+        staged = self._copy(tree, (), seen, cuda)
         # A buffer this snapshot did not use is freed: a value whose shape changes from one snapshot to the
         # next (a prefetched batch of another length) would otherwise add a buffer at each
         self._buffers = {k: v for k, v in self._buffers.items() if k in self._used}
@@ -84,44 +58,23 @@ class Stager:
         return staged
 
     def ready(self) -> None:
-        """The writer's thread: make the copies left to it, then block until the copies of the last :meth:`stage`
-        have landed (a CUDA event)."""
-        try:
-            for buf, t, _, _ in self._later:
-                buf.copy_(t)
-            # after the copies: a change during one is found too
-            moved = [path for _, t, version, path in self._later if t._version != version]
-        finally:
-            self._later = []
-            self._copied.set()
-        if moved:
-            raise Moved("/".join(map(str, moved[0])))
+        """Block until the copies of the last :meth:`stage` have landed (a no-op for CPU state)."""
         if self._event is not None:
             self._event.synchronize()
 
-    def copied(self) -> None:
-        """Block until the copies left to the writer's thread are made (at once when none are)."""
-        self._copied.wait()
-
-    def release(self) -> None:
-        """The copies left to the writer will not be made (its thread never started, or a kill in a test): no
-        step waits for them."""
-        self._later = []
-        self._copied.set()
-
-    def _copy(self, tree: Any, path: tuple, seen: dict, cuda: list, later: frozenset[int]) -> Any:
+    def _copy(self, tree: Any, path: tuple, seen: dict, cuda: list) -> Any:
         if isinstance(tree, torch.Tensor):
-            return self._tensor(tree, path, seen, cuda, later)
+            return self._tensor(tree, path, seen, cuda)
         if isinstance(tree, dict):
             out = type(tree)() if type(tree) in (dict, collections.OrderedDict) else {}
             for k, v in tree.items():
-                out[k] = self._copy(v, (*path, k), seen, cuda, later)
+                out[k] = self._copy(v, (*path, k), seen, cuda)
             return out
         if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-            return type(tree)(self._copy(v, (*path, i), seen, cuda, later) for i, v in enumerate(tree))
+            return type(tree)(self._copy(v, (*path, i), seen, cuda) for i, v in enumerate(tree))
         return tree
 
-    def _tensor(self, t: torch.Tensor, path: tuple, seen: dict, cuda: list, later: frozenset[int]) -> torch.Tensor:
+    def _tensor(self, t: torch.Tensor, path: tuple, seen: dict, cuda: list) -> torch.Tensor:
         t = t.detach()
         # One tensor met twice (tied weights: a state_dict detaches each name's anew, so not by object but by
         # the memory it views) is copied once and stays one, as torch.save keeps it
@@ -142,10 +95,7 @@ class Stager:
                 pin = t.device.type == "cuda"
                 buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             non_blocking = t.device.type == "cuda" and buf.is_pinned()
-            if t.device.type == "cpu" and later and t.untyped_storage().data_ptr() in later:
-                self._later.append((buf, t, t._version, path))
-            else:
-                buf.copy_(t, non_blocking=non_blocking)
+            buf.copy_(t, non_blocking=non_blocking)
             if non_blocking:
                 cuda.append(t)
             copy = buf

@@ -218,7 +218,6 @@ class Engine:
             background=cfg.async_snapshots,
             strategy=self.strategy,
         )
-        self.session.copy_before([self.opt])  # a background snapshot's bulk copied beside the next step's compute
         self.pos, self.timing = Position(), Timing()  # part of every snapshot, under these names
         self.interval, self._t_last = Interval(totals=[0.0] * (2 * len(self.acc.names))), time.perf_counter()
         self._resumed_interval: Interval | None = None  # the snapshot's, for the first epoch after a resume
@@ -321,7 +320,6 @@ class Engine:
         """A live group's :meth:`heal_state`, loaded as a snapshot is; this group's metric sums start again from
         zero, and its random streams (its own, which no other group holds) start afresh from (seed, step, group),
         as a rank's do after a resume at another world size."""
-        self.session.ckpt.copied()  # a snapshot's copies of the weights this load overwrites, made first
         self.load_state_dict({**state, "same_world": True, "rank_state": {"acc": [0.0] * (2 * len(self.acc.names))}})
         reseed(self.cfg.seed, self.pos.global_step, self.place.index)
 

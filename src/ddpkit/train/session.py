@@ -81,8 +81,6 @@ class Session:
         # Entered by the face around its steps; a face may enter its own earlier (Loop: before anything else)
         self.signal = signal if signal is not None else StopSignal()
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
-        self._optimizers: list[torch.optim.Optimizer] = []  # whose steps wait for a snapshot's copies (copy_before)
-        self._hooks: list = []
         self.blocked_s: list[float] = []  # per snapshot, the seconds it held this rank's step (state, checks, save)
         self._told = (0, 0)  # how many held times (above) and write times (the checkpointer's) records gave
 
@@ -92,34 +90,10 @@ class Session:
         due = epoch_end or bool(self.every_steps and step % self.every_steps == 0)
         return due and step != self.last_saved
 
-    def copy_before(self, optimizers: list) -> None:
-        """The run's optimizers (``torch.optim.Optimizer``; others are left alone): in a background snapshot on the
-        CPU, the copies of their parameters and state (the bulk of it) are made by the writer's thread, beside the
-        next step's forward and backward, which only read them, and each optimizer's ``step()`` waits until they
-        are made (a step pre-hook; nothing to wait for at almost every step). ``run/staging.py``."""
-        for opt in optimizers:
-            if isinstance(opt, torch.optim.Optimizer) and all(opt is not o for o in self._optimizers):
-                self._optimizers.append(opt)
-                self._hooks.append(opt.register_step_pre_hook(lambda *_: self.ckpt.copied()))
-
-    def _later(self) -> frozenset[int]:
-        """The storages of the tensors only the optimizers' steps change: their parameters and their state's
-        tensors. Only for a background snapshot of CPU state (on a GPU the copies do not block the host anyway)."""
-        if not (self.ckpt.background and self._optimizers and self.ctx.device.type == "cpu"):
-            return frozenset()
-        plain = (torch.Tensor, nn.Parameter)  # not FSDP2's DTensors: their shards have a stager of their own
-        ptrs = set()
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                ptrs.update(p.untyped_storage().data_ptr() for p in group["params"] if type(p) in plain)
-            for per_param in opt.state.values():
-                ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if type(v) in plain)
-        return frozenset(ptrs)
-
     def save(self, state: dict | Callable[[], dict], step: int) -> Path:
         """Snapshot ``state`` (or what the callable returns) at ``step``: every rank; rank 0 writes."""
         t0 = time.perf_counter()
-        path = self.ckpt.save(state() if callable(state) else state, step, self._later())
+        path = self.ckpt.save(state() if callable(state) else state, step)
         self.last_saved = step
         self.blocked_s.append(time.perf_counter() - t0)
         return path
@@ -219,12 +193,8 @@ class Session:
         on_rank0(self.ctx, write, "writing checkpoints/finished")
 
     def close(self) -> None:
-        """This rank, however the run ends (an error included): the write in flight ended, with no collective;
-        the optimizers' step pre-hooks removed (a user's optimizer may outlive its Loop)."""
+        """This rank, however the run ends (an error included): the write in flight ended, with no collective."""
         self.ckpt.close()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._optimizers = [], []
 
     # ------------------------------------------------------------------ the run record
     def begin(
