@@ -14,6 +14,11 @@ reads the values of the step that was saved; ``ready()`` waits on the event reco
 CPU tensor it is a plain copy (ResNet-9's 50 MiB with momentum: 8.5 ms alone on the 2-core AVX2 VM, 11-16 ms
 with the other rank computing; BENCHMARKS.md, "Snapshots written in the background").
 
+On the CPU the copy is made here, in the step, though the step's forward and backward only read most of it: left
+to the writer's thread and awaited by the next optimizer step, it held the step 0.61x as long (BENCHMARKS.md), but
+parameters do change outside ``step()`` (a forward's ``nn.Embedding(max_norm=...)``, a ``.data`` swap for an
+evaluation, which no version counter sees), and the snapshot would then not hold the step's state.
+
 The tree is rebuilt too (dicts, lists, tuples): a state dict may hand out a container the loop changes later
 (a scheduler's ``_last_lr``). Leaves that are not tensors are plain values (numbers, strings), which do not
 change. A tensor met twice in one tree (tied weights) is copied once and stays one tensor, as ``torch.save``
