@@ -121,11 +121,13 @@ class WorkersFailed(Exception):
     launcher): an exception of your own code in a worker (its rank printed the traceback; the
     message names the rank and the exception), a rank's ``sys.exit(N)``, the launcher itself
     interrupted (SIGTERM, Ctrl-C). ``reported``: the workers already printed why; ``exit_code``: the
-    CLI's exit status."""
+    CLI's exit status. ``results``: when the launcher was interrupted after every worker (of this node) had
+    finished its work, only their teardown stopped, their results by global rank (the ``ddpkit`` command then
+    exits 0: nothing was lost); else None."""
 
-    def __init__(self, message: str, reported: bool, exit_code: int = 1):
+    def __init__(self, message: str, reported: bool, exit_code: int = 1, results: dict | None = None):
         super().__init__(message)
-        self.reported, self.exit_code = reported, exit_code
+        self.reported, self.exit_code, self.results = reported, exit_code, results
 
 
 def article(noun: str) -> str:

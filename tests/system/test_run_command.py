@@ -230,7 +230,7 @@ def test_a_sigterm_after_the_loops_end_is_said_as_what_it_stopped(tmp_path, scri
         assert proc.returncode == 0, err[-3000:]
         assert said == [
             "ddpkit: the launcher received SIGTERM after every worker had finished its work: only their teardown "
-            "was stopped, and the job ends as finished"
+            "was stopped, and nothing was lost; the job ends as finished"
         ], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
 

@@ -14,6 +14,7 @@ Only the newest attempt's notes are read: a restarted job's earlier attempt fini
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -26,7 +27,8 @@ from . import env as names
 RETURNED = "returned.pkl"  # (global rank, the entry's result), pickled
 RUN_END = "run_end.json"  # {"run_dir", "step", "epoch", "rerun"}
 # A result bigger than this, pickled, is not kept (a user's launch(fn) may return a model's weights): its
-# launcher, stopped after the workers returned, then says it was interrupted, as before these notes
+# launcher, stopped after the workers returned, then says it was interrupted, as before these notes. The pickling
+# stops there too, so a big result costs no more than this much of a second pickling
 RESULT_MAX_BYTES = 64 * 2**20
 _ATTEMPT = re.compile(r"attempt_(\d+)$")
 
@@ -48,17 +50,38 @@ def _write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+class _TooBig(Exception):
+    pass
+
+
+class _Capped(io.RawIOBase):
+    """A file that takes at most ``RESULT_MAX_BYTES``: a bigger result stops being pickled there."""
+
+    def __init__(self, fh) -> None:
+        self.fh, self.size = fh, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.size += len(data)
+        if self.size > RESULT_MAX_BYTES:
+            raise _TooBig
+        return self.fh.write(data)
+
+
 def note_returned(result: Any) -> None:
     """This worker's entry returned ``result`` (a script: None): its work is done, its teardown may remain."""
     path = _beside_error_file(RETURNED)
     if path is None:
         return
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        blob = pickle.dumps((names.env_rank(), result))
-    except Exception:  # noqa: BLE001 - torch's agent reports an unpicklable result itself
-        return
-    if len(blob) <= RESULT_MAX_BYTES:
-        _write(path, blob)
+        with open(tmp, "wb") as fh:
+            pickle.dump((names.env_rank(), result), _Capped(fh))
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - too big, unpicklable (torch's agent says so) or unwritable: no note
+        tmp.unlink(missing_ok=True)
 
 
 def note_run_end(run_dir: str | Path, step: int, epoch: int, rerun: str) -> None:

@@ -543,6 +543,9 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
         if not getattr(exc, "reported", False):  # else its rank printed it already (report_failure)
             return _report_once(exc)
         return exc.exit_code
+    if isinstance(exc, WorkersFailed) and exc.results is not None:  # stopped in the teardown, the work done
+        print(f"ddpkit: {group_of()}{exc}; the job ends as finished", file=sys.stderr)
+        return 0
     if isinstance(exc, WorkersFailed):
         if not exc.reported:
             print(

@@ -368,6 +368,7 @@ class HangWatch:
             if self._done.is_set():
                 return  # the run ended (its teardown stopped the watch): a finished run reports no hang
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)  # a Loop's run dir appears with its first file
                 path.write_text(json.dumps(report, indent=1) + "\n")
                 where = f"every rank's stack and last collectives: {path}"
                 self.report_path = path

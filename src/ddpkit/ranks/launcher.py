@@ -51,7 +51,7 @@ import torch
 
 from ..config import TrainConfig, check_timeout_s
 from ..device import resolve_device_type
-from ..errors import ConfigError, PeerLost
+from ..errors import ConfigError, PeerLost, WorkersFailed
 from . import env as names
 from .child import worker_entry
 from .context import cpu_threads, distributed
@@ -377,13 +377,15 @@ def _hand_off(spec: LaunchSpec, start: str, entry: Callable | str, args: tuple) 
             raise stopped from None
         returned = read_returned(log_dir, spec.nproc)
         if returned is not None:  # the stop came in the workers' teardown, after their work: nothing was lost
-            print(
-                f"ddpkit: the launcher received {sig.name} after every worker had finished its work: only their "
-                f"teardown was stopped, and the job ends as finished",
-                file=sys.stderr,
-                flush=True,
-            )
-            return returned
+            # Raised all the same, with their results: a Python caller was asked to stop (the ddpkit command
+            # exits 0, its work done: failures.exit_status)
+            raise WorkersFailed(
+                f"the launcher received {sig.name} after every worker had finished its work: only their teardown "
+                f"was stopped, and nothing was lost",
+                False,
+                128 + sig.value,
+                results=returned,
+            ) from None
         raise interrupted(sig, spec.resumable, read_run_end(log_dir)) from None
     except RendezvousTimeoutError:
         raise PeerLost(

@@ -767,7 +767,9 @@ class Engine:
         write_summary(cfg.run_dir, summary, ctx)
         # as a Loop's end is marked
         self.session.mark_finished(
-            self.pos.global_step, self.pos.epoch, "--reuse-finished with the same flags returns its result"
+            self.pos.global_step,
+            self.pos.epoch,
+            "--reuse-finished (reuse_finished=True) with the same settings returns its result",
         )
         # The run's last collective: rank 0's last record, plots (if it draws them) and loggers' close keep no rank
         # waiting in a collective that --timeout-s would end (exit 3 after a finished run).

@@ -101,12 +101,15 @@ QUORUM_WAIT = 2
 def _quiet_torchft(manager) -> None:
     """torchft's two lines at each heal, which ddpkit's ``healed`` record says: the serving group's HTTP server
     logs each request (``"GET /checkpoint/11/full HTTP/1.1" 200``; its errors are still logged), and its
-    process group, made again at each change of the groups present, calls torch's ``_set_sequence_number_for_group``,
-    which in the torch ddpkit pins does nothing but warn, in C++, at each call (``setSequenceNumberForGroup() is
-    deprecated and is now a no-op``): it is made a no-op that says nothing, in a replica group's process only."""
+    process group calls torch's ``_set_sequence_number_for_group``, which in torch 2.14 (the version ddpkit pins, where
+    it was checked) does nothing but warn in C++, once per process (``setSequenceNumberForGroup() is deprecated and
+    is now a no-op``): there, in a replica group's process only, it is made a no-op that says nothing. An older torch,
+    where it may still do its work, keeps it and its line."""
     from torch.distributed import ProcessGroupGloo
+    from torch.torch_version import TorchVersion
 
-    ProcessGroupGloo._set_sequence_number_for_group = lambda self: None
+    if TorchVersion(torch.__version__) >= "2.14":
+        ProcessGroupGloo._set_sequence_number_for_group = lambda self: None
     server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
     if server is not None:  # torchft's HTTPTransport: its handler class is its own, made per transport
         server.RequestHandlerClass.log_request = lambda self, code="-", size="-": None
