@@ -71,7 +71,7 @@ from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
 from .train.strategy import strategy_for
-from .train.syncbn import convert_sync_batchnorm
+from .train.syncbn import convert_sync_batchnorm, refuse_torch_syncbn_off_gpu
 
 STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
 
@@ -135,8 +135,13 @@ class Loop:
         self._acc: Accumulator | None = None
         self._changes: list[str] = []
         self._best: dict = {}
+        # {name: [sum, count]} over every rank since the epoch began (the reduced records' totals, on the host): an
+        # epoch record gives the epoch's means, not its last interval's (the porter's seed 002)
+        self._epoch_sums: dict[str, list[float]] = {}
         self._reset: list[str] = []  # per-rank values an elastic resume left as resume() gave them
-        self.metrics: dict[str, float | None] = {}  # the last record's means, the same on every rank
+        self.metrics: dict[
+            str, float | None
+        ] = {}  # the last record's means (an epoch's: the epoch's), every rank alike
 
     # ------------------------------------------------------------------ 1. the process group
     def __enter__(self) -> "Loop":
@@ -238,6 +243,8 @@ class Loop:
 
         sys.excepthook = seen
         atexit.register(loop._close_at_exit)
+        if loop._owns_group:
+            _closes_at_destroy(loop)
         return loop
 
     def close(self) -> None:
@@ -321,6 +328,7 @@ class Loop:
         if self.config.sync_bn:
             raw = convert_sync_batchnorm(raw, self.ctx.device)
             self._said("SyncBatchNorm")
+        refuse_torch_syncbn_off_gpu(raw, self.ctx.device, "Loop(sync_bn=True)")
         wrapped = self.strategy.wrap(
             raw,
             self.ctx,
@@ -424,6 +432,9 @@ class Loop:
         load_named(self.state, saved["state"], per_rank, mine, self.strategy, self.config.run_dir, models)
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
+        self._epoch_sums = {
+            k: list(v) for k, v in saved["loop"].get("epoch_sums", {}).items()
+        }  # (older snapshots: none)
         if self.amp.scaling and saved.get("scaler"):
             self.amp.scaler.load_state_dict(saved["scaler"])
         if self.ctx.is_main and self._finished_at() == self.state.step:
@@ -511,7 +522,16 @@ class Loop:
     def _record(self, event: str, totals: list[float], names: tuple[str, ...]) -> None:
         now = time.perf_counter()
         elapsed, steps = now - self._t_interval, self._steps_interval
-        self.metrics = means(names, totals)
+        k = len(names)
+        for i, name in enumerate(names):
+            sums = self._epoch_sums.setdefault(name, [0.0, 0.0])
+            sums[0] += totals[i]
+            sums[1] += totals[k + i]
+        if event == "epoch":  # the epoch's means, over every interval of it
+            self.metrics = {n: (s / c if c else None) for n, (s, c) in sorted(self._epoch_sums.items())}
+            self._epoch_sums = {}
+        else:
+            self.metrics = means(names, totals)
         # an epoch record names the epoch that ended (state.epoch counts it already); a step record the current one
         epoch = self.state.epoch - 1 if event == "epoch" else self.state.epoch
         record = {"step": self.state.step, "epoch": epoch, **self.metrics}
@@ -529,7 +549,13 @@ class Loop:
             self.ctx, self.strategy, state, self._models, f"the loop's state at step {state.step}"
         )
         return {
-            "loop": {"step": state.step, "epoch": state.epoch, "best": self._best, "finished": finished},
+            "loop": {
+                "step": state.step,
+                "epoch": state.epoch,
+                "best": self._best,
+                "finished": finished,
+                "epoch_sums": self._epoch_sums,
+            },
             "state": shared,
             "per_rank": sorted(per_rank),
             "scaler": self.amp.scaler.state_dict() if self.amp.scaling else None,
@@ -633,6 +659,31 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
+# torch's own destroy_process_group, once ddpkit's stands in front of it (_closes_at_destroy), and the started Loop
+# that made the default group, while it is open
+_TORCH_DESTROY: list = [None]
+_STARTED: list = [None]
+
+
+def _closes_at_destroy(loop: "Loop") -> None:
+    """A ported script's own ``dist.destroy_process_group()``, the plain script's last line kept under
+    ``Loop.start()``, closes that Loop there, as the script's end would (the final snapshot and the ``end`` record
+    need the group; closing destroys it). Before, the Loop found the group gone at exit: a traceback per rank and no
+    ``end`` record (the porter's seed-002 port). Any other call goes to torch's as it was."""
+    _STARTED[0] = loop
+    if _TORCH_DESTROY[0] is None:
+        _TORCH_DESTROY[0] = dist.destroy_process_group
+        dist.destroy_process_group = _destroy
+
+
+def _destroy(group=None) -> None:
+    loop = _STARTED[0]
+    if (group is None or group is dist.GroupMember.WORLD) and loop is not None and not getattr(loop, "_closed", False):
+        loop.close()  # its teardown calls this again, once closed: torch's then destroys the group
+        return
+    _TORCH_DESTROY[0](group)
+
+
 def _exit_now(code: int) -> None:
     """End the process with ``code`` from an ``atexit`` handler, where an exception would be printed as a
     traceback and leave the status the script's (0): its output flushed first."""

@@ -138,9 +138,25 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
 
 
+STARTED_RAISES = """\
+import sys, torch, ddpkit
+loop = ddpkit.Loop.start(sys.argv[1], device="cpu")
+model = loop.wrap(torch.nn.Linear(4, 1))
+loop.resume(model=model)
+for step in loop.steps(50):
+    if step == 3:
+        raise ValueError("boom at step 3")
+"""
+
+
 @pytest.mark.slow
-def test_the_same_exception_on_every_rank_is_one_traceback(tmp_path, script):
-    """The porter's item I: a plain ValueError every rank raised printed every rank's traceback, the same one twice."""
+@pytest.mark.parametrize("form", ["with", "start"])
+def test_the_same_exception_on_every_rank_is_one_traceback(tmp_path, script, form):
+    """The porter's item I: a plain ValueError every rank raised printed every rank's traceback, the same one twice;
+    and under ``Loop.start()`` still (the porter's seed-002 port: its script's excepthook printed one per rank)."""
+    if form == "start":
+        script = tmp_path / "started.py"
+        script.write_text(STARTED_RAISES)
     proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "50", "raise_all")
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert proc.returncode == 1, proc.stderr[-3000:]

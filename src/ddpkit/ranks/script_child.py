@@ -26,7 +26,14 @@ from ..errors import DdpkitError, PeerLost
 from . import env as names
 from .child import die_with_launcher
 from .endnotes import note_returned
-from .failures import CONSEQUENCE_EXIT_DELAY_S, comm_failure, exit_status, filed_for_launcher, write_error_file
+from .failures import (
+    CONSEQUENCE_EXIT_DELAY_S,
+    comm_failure,
+    exit_status,
+    filed_for_launcher,
+    first_to_say,
+    write_error_file,
+)
 
 
 def main(argv: list[str]) -> None:
@@ -91,7 +98,12 @@ def _uncaught(script: str, ours: bool):
             sys.exit(lost.exit_code)
         while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
             tb = tb.tb_next  # runpy's and this module's frames are not the script's
-        traceback.print_exception(kind, exc, tb)
+        text = "".join(traceback.format_exception(kind, exc, tb))
+        # Once for the job where every rank of the script's group meets the very same one (the count in its store;
+        # torch's hook, in front once a group was made, prefixes what this writes): a Loop.start()-ed script's
+        # ranks printed one each (the porter's seed 002), as a with-block's did before (failures.report_failure)
+        if first_to_say(text):
+            sys.stderr.write(text)
         if ours:  # the launcher's one line: "rank 1 raised ValueError: ... (its traceback is above)"
             line = f"rank {names.env_rank()} raised {type(exc).__name__}: {exc}"
             write_error_file(line, False, 1, traceback_printed=True)

@@ -82,6 +82,24 @@ class AllReduceBatchNorm(_BatchNorm):
         return y.to(x.dtype)
 
 
+def refuse_torch_syncbn_off_gpu(model: nn.Module, device: torch.device, flag: str) -> None:
+    """torch's ``nn.SyncBatchNorm`` (a ported script's own ``convert_sync_batchnorm``) raises at its first forward
+    off a GPU, on every rank, as a traceback: said here instead, before anything runs, with the fix. ``flag``:
+    how this face asks for ddpkit's SyncBatchNorm, which takes those layers as they are (the porter's seed 002)."""
+    if device.type == "cuda":
+        return
+    names = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
+    if names:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"the model holds torch's nn.SyncBatchNorm ({names[0] or 'the model itself'}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), which runs on GPUs only, and this run's "
+            f"device is {device.type}: pass {flag}, ddpkit's SyncBatchNorm, which synchronises them on the CPU too "
+            f"(the same layers, parameters and buffers), or drop the script's convert_sync_batchnorm"
+        )
+
+
 def convert_sync_batchnorm(model: nn.Module, device: torch.device, impl: str = "auto") -> nn.Module:
     """Every BatchNorm*d -> a synchronised one: ``impl`` auto (torch's on CUDA, ours elsewhere),
     ``torch`` or ``allreduce``."""
