@@ -71,7 +71,7 @@ from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
 from .train.strategy import strategy_for
-from .train.syncbn import convert_sync_batchnorm, refuse_torch_syncbn_off_gpu
+from .train.syncbn import convert_sync_batchnorm
 
 STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
 
@@ -158,6 +158,7 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
+                _closes_at_destroy(self, sys._getframe(1).f_globals)  # the script's own destroy, after the block
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
             self.key = CodeKey(cfg, loop_code(self.ctx, self._maker), LoopConfig.HASHED, cfg.check_code)
@@ -204,6 +205,8 @@ class Loop:
                 return True
         except DdpkitError as error:  # the group's teardown names the failure (a lost peer, a timeout)
             exc = raised_here = error
+        finally:
+            _GONE[0] = _GONE[0] or self._owns_group
         if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
             # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
@@ -243,8 +246,8 @@ class Loop:
 
         sys.excepthook = seen
         atexit.register(loop._close_at_exit)
-        if loop._owns_group:
-            _closes_at_destroy(loop)
+        loop._started = True
+        _closes_at_destroy(loop, sys._getframe(1).f_globals)
         return loop
 
     def close(self) -> None:
@@ -328,7 +331,6 @@ class Loop:
         if self.config.sync_bn:
             raw = convert_sync_batchnorm(raw, self.ctx.device)
             self._said("SyncBatchNorm")
-        refuse_torch_syncbn_off_gpu(raw, self.ctx.device, "Loop(sync_bn=True)")
         wrapped = self.strategy.wrap(
             raw,
             self.ctx,
@@ -659,28 +661,43 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
-# torch's own destroy_process_group, once ddpkit's stands in front of it (_closes_at_destroy), and the started Loop
-# that made the default group, while it is open
+# torch's own destroy_process_group, once ddpkit's stands in front of it (_closes_at_destroy); the newest Loop that
+# made or started on the default group; whether a Loop destroyed a group it made
 _TORCH_DESTROY: list = [None]
 _STARTED: list = [None]
+_GONE: list = [False]
 
 
-def _closes_at_destroy(loop: "Loop") -> None:
-    """A ported script's own ``dist.destroy_process_group()``, the plain script's last line kept under
-    ``Loop.start()``, closes that Loop there, as the script's end would (the final snapshot and the ``end`` record
-    need the group; closing destroys it). Before, the Loop found the group gone at exit: a traceback per rank and no
-    ``end`` record (the porter's seed-002 port). Any other call goes to torch's as it was."""
-    _STARTED[0] = loop
+def _closes_at_destroy(loop: "Loop", script: dict) -> None:
+    """A ported script's own ``destroy_process_group()``, the plain script's last line kept under ``Loop.start()``,
+    closes that Loop there, as the script's end would (the final snapshot and the ``end`` record need the group),
+    then the group goes: the Loop's teardown destroys one it made, torch's destroys the script's own. Before, the
+    Loop found the group gone at exit: a traceback per rank and no ``end`` record (the porter's seed-002 port).
+    After a with-block that made the group, the same line has nothing left to do. ``script``: the calling script's
+    globals, where a name bound to torch's function (``from torch.distributed import destroy_process_group``, as
+    the DDP tutorial writes it) is bound to this one too."""
+    if getattr(loop, "_started", False):
+        _STARTED[0] = loop
     if _TORCH_DESTROY[0] is None:
         _TORCH_DESTROY[0] = dist.destroy_process_group
         dist.destroy_process_group = _destroy
+    for name, value in list(script.items()):
+        if value is _TORCH_DESTROY[0]:
+            script[name] = _destroy
 
 
 def _destroy(group=None) -> None:
     loop = _STARTED[0]
-    if (group is None or group is dist.GroupMember.WORLD) and loop is not None and not getattr(loop, "_closed", False):
-        loop.close()  # its teardown calls this again, once closed: torch's then destroys the group
-        return
+    if group is None or group is dist.GroupMember.WORLD:
+        if loop is not None and getattr(loop, "_started", False) and not getattr(loop, "_closed", False):
+            if sys.exc_info()[1] is not None:
+                # In a ``finally:`` an error (or a stop) is on its way up: it is said by the script's excepthook
+                # and the group torn down at exit without a save, as for any error (closed here as a success, the
+                # run would be saved and marked finished at the step it broke in: a review finding)
+                return
+            loop.close()  # its teardown calls this again, once closed: torch's then destroys a group it made
+        if _GONE[0] and not dist.is_initialized():
+            return  # destroyed by a Loop's end (a started one's, or a with-block's): the script's own line is done
     _TORCH_DESTROY[0](group)
 
 

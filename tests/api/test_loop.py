@@ -609,6 +609,49 @@ def test_a_loop_started_without_with_closes_at_exit_and_resumes(tmp_path):
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["event"] == "end"
 
 
+FINALLY_SCRIPT = """\
+import os, torch, ddpkit
+from torch.distributed import destroy_process_group  # as the DDP tutorial imports it
+loop = ddpkit.Loop.start("run", log_every=2)
+model = loop.wrap(torch.nn.Linear(2, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loop.resume(model=model, optimizer=opt)
+try:
+    for step in loop.steps(6):
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if os.environ.get("BUG_AT") == str(step):
+            raise ValueError("bug")
+        if os.environ.get("STOP_AT") == str(step):
+            loop.session.signal.received = "SIGTERM"  # what the handler records on a real signal
+finally:
+    destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytestmark_mp
+def test_a_destroy_in_a_finally_closes_a_started_loop_only_when_nothing_is_on_its_way_up(tmp_path):
+    """Review finding: a script's own destroy_process_group() in a ``finally:`` closed the loop as a success while an
+    error or a stop went up, saving that step and marking the run finished; a rerun then called it finished."""
+    (tmp_path / "train.py").write_text(FINALLY_SCRIPT)
+    files = tmp_path / "run" / "checkpoints"
+
+    def events() -> list[str]:
+        return [json.loads(line)["event"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    bug = run_python("train.py", cwd=tmp_path, BUG_AT="3")
+    assert bug.returncode == 1 and bug.stderr.count("Traceback") == 1, bug.stderr
+    assert not (files / "finished").exists() and "end" not in events()
+    stop = run_python("train.py", cwd=tmp_path, STOP_AT="2")
+    assert stop.returncode == 143 and "Traceback" not in stop.stderr, stop.stderr
+    assert not (files / "finished").exists() and events()[-1] == "stopped"
+    done = run_python("train.py", cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (files / "finished").read_text() == "6" and events()[-1] == "end"
+
+
 def test_a_deleted_newest_snapshot_is_said_when_an_older_one_is_resumed(tmp_path, capsys):
     """Before: the rerun fell back to the older snapshot with no line."""
     run = tmp_path / "r"
@@ -646,7 +689,9 @@ def test_a_bug_in_a_started_loops_script_prints_its_traceback_once(tmp_path):
     proc = run_python("-m", "ddpkit", "run", "--nproc", "2", "train.py", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("]: Traceback (most recent call last)") == 1, proc.stderr  # the first rank's to say it
-    assert proc.stderr.count("Traceback") == 1 and "ddpkit: error: rank 0 raised ValueError: boom" in proc.stderr
+    shown = proc.stderr.split("]: Traceback")[0][-1]  # [rankN]: the rank whose traceback is shown
+    assert proc.stderr.count("Traceback") == 1, proc.stderr
+    assert f"ddpkit: error: rank {shown} raised ValueError: boom (its traceback is above)" in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- found in the last review: each failed before

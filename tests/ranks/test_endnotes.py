@@ -47,6 +47,26 @@ def test_a_result_too_big_to_keep_or_unpicklable_leaves_no_note(tmp_path, monkey
     assert pickle.loads((tmp_path / "ddpkit-run_ab12" / "attempt_0" / "0" / endnotes.RETURNED).read_bytes())[0] == 0
 
 
+_PICKLED = [0]
+
+
+class _Counted:
+    def __reduce__(self):
+        _PICKLED[0] += 1
+        return (int, (7,))
+
+
+def test_the_pickling_of_a_big_result_stops_at_the_cap(tmp_path, monkeypatch):
+    """A review finding: the whole result was pickled a second time before its size was checked (a multi-GB
+    result on every normal run). Pickled into a writer that stops at the cap, most of it is never pickled."""
+    _as_worker(monkeypatch, tmp_path, 0, 0, 0)
+    monkeypatch.setattr(endnotes, "RESULT_MAX_BYTES", 4096)
+    _PICKLED[0] = 0
+    endnotes.note_returned([_Counted() for _ in range(200_000)])  # ~1 MB pickled; pickle writes 64 KiB frames
+    assert endnotes.read_returned(tmp_path, 1) is None
+    assert _PICKLED[0] < 50_000, _PICKLED[0]
+
+
 def test_not_under_ddpkits_launcher_no_note_is_written(tmp_path, monkeypatch):
     _as_worker(monkeypatch, tmp_path, 0, 0, 0)
     monkeypatch.delenv("DDPKIT_LAUNCHER_PID")  # torchrun's worker: torchrun reads no such note

@@ -102,11 +102,14 @@ def _uncaught(script: str, ours: bool):
         # Once for the job where every rank of the script's group meets the very same one (the count in its store;
         # torch's hook, in front once a group was made, prefixes what this writes): a Loop.start()-ed script's
         # ranks printed one each (the porter's seed 002), as a with-block's did before (failures.report_failure)
-        if first_to_say(text):
+        said = first_to_say(text)
+        if said:
             sys.stderr.write(text)
         if ours:  # the launcher's one line: "rank 1 raised ValueError: ... (its traceback is above)"
             line = f"rank {names.env_rank()} raised {type(exc).__name__}: {exc}"
-            write_error_file(line, False, 1, traceback_printed=True)
+            write_error_file(line, False, 1, traceback_printed=True, printed=said)  # the launcher names the rank shown
+            with contextlib.suppress(AttributeError):  # (an exception type that takes no attribute)
+                exc.filed_for_launcher = True  # a started Loop's teardown at exit leaves this file as it is
         # Python exits with status 1 once the hook returns
 
     return hook

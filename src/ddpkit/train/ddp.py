@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..ranks.context import DistContext
 from ..run import shards
 from .optim import optimizer_state
+from .syncbn import refuse_torch_syncbn_off_gpu
 
 # DDP's per-forward buffer broadcast: `broadcast_buffers`, renamed `forward_sync_buffers` in torch 2.14.
 SYNC_BUFFERS = (
@@ -31,6 +32,7 @@ class DDPStrategy:
 
     def wrap(self, raw: nn.Module, ctx: DistContext, **options: Any) -> DDP:
         """:func:`make_ddp`'s wrapper; its options: static_graph, find_unused_parameters, sync_buffers, comm_hook."""
+        refuse_torch_syncbn_off_gpu(raw, ctx.device)
         return make_ddp(raw, ctx, **options)
 
     @staticmethod

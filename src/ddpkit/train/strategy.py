@@ -30,7 +30,7 @@ from ..models import to_channels_last, uses_conv
 from ..ranks.context import DistContext
 from .ddp import DDPStrategy
 from .fsdp2 import FSDP2Strategy, available
-from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers, refuse_torch_syncbn_off_gpu
+from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 
 class Strategy(Protocol):
@@ -134,7 +134,6 @@ def prepare(
         raw = raw.double()
     if cfg.sync_bn:
         raw = convert_sync_batchnorm(raw, ctx.device)  # before the DDP wrap, so DDP sees the final modules
-    refuse_torch_syncbn_off_gpu(raw, ctx.device, "--sync-bn (sync_bn=True)")
     if cfg.channels_last and uses_conv(raw):
         raw = to_channels_last(raw, ctx.device.type)
     # BatchNorm-only buffers are broadcast by the engine before each evaluation, not before every forward

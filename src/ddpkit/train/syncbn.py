@@ -82,21 +82,22 @@ class AllReduceBatchNorm(_BatchNorm):
         return y.to(x.dtype)
 
 
-def refuse_torch_syncbn_off_gpu(model: nn.Module, device: torch.device, flag: str) -> None:
-    """torch's ``nn.SyncBatchNorm`` (a ported script's own ``convert_sync_batchnorm``) raises at its first forward
-    off a GPU, on every rank, as a traceback: said here instead, before anything runs, with the fix. ``flag``:
-    how this face asks for ddpkit's SyncBatchNorm, which takes those layers as they are (the porter's seed 002)."""
+def refuse_torch_syncbn_off_gpu(model: nn.Module, device: torch.device) -> None:
+    """torch's ``nn.SyncBatchNorm`` (a ported script's own ``convert_sync_batchnorm``) in a model DDP wraps off a
+    GPU: DDP's constructor refuses it, or its first training forward raises, on every rank, as a traceback. Said
+    here instead, before the wrap, with the fix (the porter's seed 002): ddpkit's SyncBatchNorm takes those layers."""
     if device.type == "cuda":
         return
-    names = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
         from ..errors import ConfigError
 
         raise ConfigError(
             f"the model holds torch's nn.SyncBatchNorm ({names[0] or 'the model itself'}"
             f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), which runs on GPUs only, and this run's "
-            f"device is {device.type}: pass {flag}, ddpkit's SyncBatchNorm, which synchronises them on the CPU too "
-            f"(the same layers, parameters and buffers), or drop the script's convert_sync_batchnorm"
+            f"device is {device.type}: pass sync_bn=True (Loop(sync_bn=True); --sync-bn for ddpkit train), "
+            f"ddpkit's SyncBatchNorm, which trains those layers' own parameters and buffers on the CPU too, "
+            f"synchronised over every rank; or drop the script's convert_sync_batchnorm"
         )
 
 
