@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..errors import ConfigError
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks. d(sum over ranks)/d(mine) is the sum of every rank's upstream gradient."""
@@ -90,8 +92,6 @@ def refuse_torch_syncbn_off_gpu(model: nn.Module, device: torch.device) -> None:
         return
     names = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
-        from ..errors import ConfigError
-
         raise ConfigError(
             f"the model holds torch's nn.SyncBatchNorm ({names[0] or 'the model itself'}"
             f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), which runs on GPUs only, and this run's "
