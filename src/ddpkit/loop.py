@@ -139,9 +139,8 @@ class Loop:
         # epoch record gives the epoch's means, not its last interval's (the porter's seed 002)
         self._epoch_sums: dict[str, list[float]] = {}
         self._reset: list[str] = []  # per-rank values an elastic resume left as resume() gave them
-        self.metrics: dict[
-            str, float | None
-        ] = {}  # the last record's means (an epoch's: the epoch's), every rank alike
+        # the last record's means (an epoch record's: the epoch's), the same on every rank
+        self.metrics: dict[str, float | None] = {}
 
     # ------------------------------------------------------------------ 1. the process group
     def __enter__(self) -> "Loop":
@@ -434,9 +433,8 @@ class Loop:
         load_named(self.state, saved["state"], per_rank, mine, self.strategy, self.config.run_dir, models)
         self.state.step, self.state.epoch = saved["loop"]["step"], saved["loop"]["epoch"]
         self._best = saved["loop"]["best"]
-        self._epoch_sums = {
-            k: list(v) for k, v in saved["loop"].get("epoch_sums", {}).items()
-        }  # (older snapshots: none)
+        # the epoch's sums so far (a snapshot older than them has none: its epoch's means start at the resume)
+        self._epoch_sums = {k: list(v) for k, v in saved["loop"].get("epoch_sums", {}).items()}
         if self.amp.scaling and saved.get("scaler"):
             self.amp.scaler.load_state_dict(saved["scaler"])
         if self.ctx.is_main and self._finished_at() == self.state.step:
