@@ -149,16 +149,22 @@ for step in loop.steps(50):
 """
 
 
+def _run_in_form(tmp_path: Path, script: Path, form: str, started: str, *args: str):
+    """``ddpkit run --nproc 2`` of the with-form script, or (``form`` "start") of ``started``, a Loop.start() one;
+    the run and its ``ddpkit: error:`` lines."""
+    if form == "start":
+        script = tmp_path / "started.py"
+        script.write_text(started)
+    proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), *args)
+    return proc, [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["with", "start"])
 def test_the_same_exception_on_every_rank_is_one_traceback(tmp_path, script, form):
     """The porter's item I: a plain ValueError every rank raised printed every rank's traceback, the same one twice;
     and under ``Loop.start()`` still (the porter's seed-002 port: its script's excepthook printed one per rank)."""
-    if form == "start":
-        script = tmp_path / "started.py"
-        script.write_text(STARTED_RAISES)
-    proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "50", "raise_all")
-    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    proc, said = _run_in_form(tmp_path, script, form, STARTED_RAISES, "50", "raise_all")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert len(said) == 1 and "raised ValueError: boom at step 3 (its traceback is above)" in said[0], proc.stderr
     assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
@@ -175,11 +181,7 @@ model = loop.wrap(torch.nn.Linear(4, 1), shard=lambda m: False)
 def test_a_ddpkit_error_every_rank_meets_in_a_loop_is_said_once(tmp_path, script, form):
     """Before: each rank's process-group teardown printed it, one line per rank (``with``); and with
     ``Loop.start()`` nothing was printed at all: the teardown at exit filed the error as printed."""
-    if form == "start":
-        script = tmp_path / "started.py"
-        script.write_text(STARTED)
-    proc = run_cli("run", "--nproc", "2", str(script), str(tmp_path / "run"), "5", "shard")
-    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    proc, said = _run_in_form(tmp_path, script, form, STARTED, "5", "shard")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(said) == 1 and "strategy='fsdp2'" in said[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

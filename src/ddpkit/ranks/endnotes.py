@@ -14,6 +14,7 @@ Only the newest attempt's notes are read: a restarted job's earlier attempt fini
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -22,6 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..errors import RunDirError
+from ..files import atomic_write
 from . import env as names
 
 RETURNED = "returned.pkl"  # (global rank, the entry's result), pickled
@@ -38,16 +41,6 @@ def _beside_error_file(name: str) -> Path | None:
     if not error_file or not os.environ.get(names.LAUNCHER_PID):  # torchrun's worker, or not a worker
         return None
     return Path(error_file).with_name(name)
-
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:  # a note is a courtesy to the launcher: without it, a late stop reads as an interruption
-        tmp.unlink(missing_ok=True)
 
 
 class _TooBig(Exception):
@@ -90,7 +83,9 @@ def note_run_end(run_dir: str | Path, step: int, epoch: int, rerun: str) -> None
     path = _beside_error_file(RUN_END)
     if path is not None:
         note = {"run_dir": str(run_dir), "step": step, "epoch": epoch, "rerun": rerun}
-        _write(path, json.dumps(note).encode())
+        # a note is a courtesy to the launcher: without it, a late stop reads as an interruption
+        with contextlib.suppress(RunDirError):
+            atomic_write(path, json.dumps(note).encode())
 
 
 def _newest_attempt(log_dir: str | Path) -> list[Path]:
