@@ -53,7 +53,7 @@ from .optim import (
     user_optimizer,
     user_schedule,
 )
-from .replicas import Replicas, SampleLog, data_context, replica_place, shares
+from .replicas import Replicas, SampleLog, data_context, replica_place
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
 from .strategy import prepare, strategy_for
@@ -506,55 +506,21 @@ class Engine:
             self.ema.update(self.raw)
 
     def _replica_step(self) -> None:
-        """One optimizer step of a replica group (``--replicas``, train/replicas.py): the quorum (a group that is
-        behind heals there, and the state it loads is the step's), this group's batches and those of the groups
-        that are gone, the gradient summed over the groups present, and the optimizer step only if every group's
-        all-reduce succeeded; else the same step again, on the same batches, over the groups then present."""
-        rep = self.replicas
-        scale = 1.0 / (self.accum * rep.place.count)  # a micro-batch's mean loss, as a share of the global batch's
-        # The trained parameters: a frozen one gets no gradient, so no weight decay or momentum, as under DDP
-        params = [p for p in self.raw.parameters() if p.requires_grad]
-        buffers = list(self.raw.buffers())
-        start = [b.detach().clone() for b in buffers]  # the step's buffers: an attempt that did not commit moved them
-        attempts, t0 = 0, time.perf_counter()
-        while True:
-            attempts += 1
-            # The step's buffers back before the quorum, where this group may serve a heal: an attempt that did not
-            # commit left another group's share 0 statistics, or zeros, in them
-            for b, s0 in zip(buffers, start):
-                b.copy_(s0)
-            present = rep.begin(self.pos.global_step)
-            if rep.healed:  # the step's state is a live group's, just loaded
-                start = [b.detach().clone() for b in buffers]
-                self._healed()
-            measures, kept = [], None
-            computed = [] if present is None else shares(present, rep.place.count, rep.place.index)
-            self.opt.zero_grad(set_to_none=False)
-            if present is not None:
-                with rep.own_work():  # stuck here for --timeout-s, this group ends and the others go on
-                    for g in computed:
-                        if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
-                            for b, s0 in zip(buffers, start):
-                                b.copy_(s0)
-                        for batch in self._share(g):
-                            with self.autocast:
-                                loss, outputs = self.task.loss(self.model, batch)
-                            self.scaler.scale(loss * scale).backward()
-                            measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
-                        if g == 0:
-                            kept = [b.detach().clone() for b in buffers]
-                for p in params:  # every group all-reduces every trained parameter's gradient
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                rep.reduce([p.grad for p in params])
-                # The buffers (BatchNorm's running statistics) after share 0's forwards, as DDP keeps rank 0's: given
-                # by the group that computed share 0, zeros by the others; in float64, where an int64 count is exact
-                for b, given in zip(buffers, kept or [torch.zeros_like(b) for b in buffers]):
-                    b.copy_(given)
-                rep.reduce(buffers, torch.float64)
-            if rep.commit():
-                break
-        rep.committed(self.pos.global_step, present, attempts, time.perf_counter() - t0)
+        """One optimizer step of a replica group (``--replicas``, train/replicas.py): ``Replicas.step`` runs the
+        quorum, the shares, the all-reduce and the commit, attempt after attempt; this recipe's part is a share's
+        batches and their loss, each micro-batch's a share of the global batch's mean."""
+        scale = 1.0 / (self.accum * self.replicas.place.count)
+
+        def compute(share: int) -> list:
+            measures = []
+            for batch in self._share(share):
+                with self.autocast:
+                    loss, outputs = self.task.loss(self.model, batch)
+                self.scaler.scale(loss * scale).backward()
+                measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
+            return measures
+
+        computed, measures = self.replicas.step(self.raw, self.opt, lambda: self.pos.global_step, compute, self._healed)
         if self.sample_log is not None:
             self.sample_log.write(self.pos.epoch, self.pos.step_in_epoch, self.pos.global_step, computed)
         for m in measures:  # the committed attempt's only: a step computed again is counted once

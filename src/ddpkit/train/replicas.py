@@ -13,11 +13,16 @@ sample is dropped and none is used twice.
 
     place = replica_place(cfg)                  # None unless this process is one group of --replicas
     group = Replicas(place, engine.heal_state, engine.load_heal, timeout_s, log.log)
+    computed, measures = group.step(model, optimizer, at, compute, healed)   # one step's gradient, committed:
+    optimizer.step()                            # (the loop's own batches and loss are ``compute(share)``)
+
+where :meth:`Replicas.step` is, attempt after attempt until one commits::
+
     present = group.begin(step)                 # the quorum (a heal loads the state), the groups present
-    ...forward and backward over shares(present, place.count, place.index), each loss scaled by 1/R...
+    ...compute(g) for g in shares(present, place.count, place.index): forwards, backwards, each loss / R...
     group.reduce(grads)                         # one SUM all-reduce over the groups present
     group.reduce(buffers, torch.float64)        # share 0's BatchNorm statistics, from the group that computed it
-    if group.commit(): optimizer.step()         # else: the same step again
+    if group.commit(): break                    # else: the same step again, on the same batches
     group.committed(step, present, attempts, seconds)   # its records: a step redone, the groups present
 
 torchft (the ``ddpkit[ft]`` extra) is imported only when a group starts.
@@ -342,6 +347,63 @@ class Replicas:
         else:
             print(f"ddpkit: {group_of()}error: {exc}", file=sys.stderr, flush=True)
         os._exit(exc.exit_code)
+
+    def step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        at: Callable[[], int],
+        compute: Callable[[int], list],
+        healed: Callable[[], None],
+    ) -> tuple[list[int], list]:
+        """One optimizer step's gradient over the groups, up to (not including) ``optimizer.step()``: the quorum (a
+        group that is behind heals there, and the state it loads is the step's; then ``healed()``), this group's
+        share and those of the groups that are gone (``compute(share)``: its micro-batches' forwards and backwards,
+        each loss scaled by 1/R; it returns what they measured), the gradient summed over the groups present, and
+        again, on the same batches over the groups then present, until every group's all-reduce succeeded.
+        ``at()``: the step the run is at (a heal moves it). Returns the shares the committed attempt computed and
+        its measures (a step computed again is counted once). The loop's own part is the batches and the loss; this
+        is the protocol, whoever's loop it is."""
+        # The trained parameters: a frozen one gets no gradient, so no weight decay or momentum, as under DDP
+        params = [p for p in model.parameters() if p.requires_grad]
+        buffers = list(model.buffers())
+        start = [b.detach().clone() for b in buffers]  # the step's buffers: an attempt that did not commit moved them
+        attempts, t0 = 0, time.perf_counter()
+        while True:
+            attempts += 1
+            # The step's buffers back before the quorum, where this group may serve a heal: an attempt that did not
+            # commit left another group's share 0 statistics, or zeros, in them
+            for b, s0 in zip(buffers, start):
+                b.copy_(s0)
+            present = self.begin(at())
+            if self.healed:  # the step's state is a live group's, just loaded
+                start = [b.detach().clone() for b in buffers]
+                healed()
+            measures, kept = [], None
+            computed = [] if present is None else shares(present, self.place.count, self.place.index)
+            optimizer.zero_grad(set_to_none=False)
+            if present is not None:
+                with self.own_work():  # stuck here for --timeout-s, this group ends and the others go on
+                    for g in computed:
+                        if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
+                            for b, s0 in zip(buffers, start):
+                                b.copy_(s0)
+                        measures += compute(g)
+                        if g == 0:
+                            kept = [b.detach().clone() for b in buffers]
+                for p in params:  # every group all-reduces every trained parameter's gradient
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self.reduce([p.grad for p in params])
+                # The buffers (BatchNorm's running statistics) after share 0's forwards, as DDP keeps rank 0's: given
+                # by the group that computed share 0, zeros by the others; in float64, where an int64 count is exact
+                for b, given in zip(buffers, kept or [torch.zeros_like(b) for b in buffers]):
+                    b.copy_(given)
+                self.reduce(buffers, torch.float64)
+            if self.commit():
+                break
+        self.committed(at(), present, attempts, time.perf_counter() - t0)
+        return computed, measures
 
     def reduce(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """The SUM of every group's ``tensors`` over the groups present, in place: one all-reduce of their
