@@ -99,6 +99,9 @@ class Fingerprint:
     name: str
     parts: dict = field(default_factory=dict)
     unproven: tuple = ()
+    # A Loop's code's environment reads, {label: value as parts would hold it}: recorded, not compared, so that a
+    # resume can say the ones that changed (a setting read from the environment is otherwise silently the snapshot's)
+    environ: dict = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -109,7 +112,8 @@ class Fingerprint:
         return f"{self.name}#{self.digest}"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "parts": self.parts, "unproven": list(self.unproven), "reading": READING}
+        made = {"name": self.name, "parts": self.parts, "unproven": list(self.unproven), "reading": READING}
+        return {**made, "environ": self.environ} if self.environ else made
 
 
 def _in_library(filename: str) -> bool:
@@ -469,10 +473,11 @@ class _Reader:
         self._folders: list[tuple[str, str]] = []  # (label, path) of folders a dataset names
         self._modules_open: set[str] = set()  # modules being read through (pkg.sub.CONST): one naming itself stops
         self._layers: dict[int, str] = {}  # the model's own modules by id -> path: referenced, not read again
-        self.read_environ = True  # False: an environment variable code reads is listed in unproven (a Loop's)
+        self.read_environ = True  # False: an environment variable code reads is kept apart, not compared (a Loop's)
+        self.environ_values: dict[str, str] = {}  # ...and its value kept apart, for a resume to say a change
 
     def fingerprint(self, name: str) -> Fingerprint:
-        return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)))
+        return Fingerprint(name, dict(self.parts), tuple(dict.fromkeys(self.unproven)), dict(self.environ_values))
 
     def _once(self, obj: Any) -> bool:
         if id(obj) in self._seen:
@@ -585,16 +590,17 @@ class _Reader:
             label = f"os.environ[{key!r}]"
             if _PLACEMENT_ENV.fullmatch(key) or label in self.parts:
                 continue
-            if not self.read_environ:
-                self.unproven.append(f"{label} (read by {who}): the environment is not compared on a resume")
-                continue
             value = os.environ.get(key)
             if value is None:
-                self.parts[label] = "unset"
+                shown = "unset"
             elif _SECRET_ENV.search(key) or len(repr(value)) > _TEXT:  # a token is not written to the run dir
-                self.parts[label] = f"set, sha {_digest(value)[:16]}"
+                shown = f"set, sha {_digest(value)[:16]}"
             else:
-                self.parts[label] = repr(value)
+                shown = repr(value)
+            if self.read_environ:
+                self.parts[label] = shown
+            else:  # said once for all of them, on the start line (Loop.resume)
+                self.environ_values.setdefault(label, shown)
         if other:
             self.unproven.append(
                 f"code {who}: reads the environment other than by a constant name (os.environ[name], "
@@ -935,9 +941,10 @@ def with_code(fp: Fingerprint, label: str, fn: Any) -> Fingerprint:
 
 def code_fingerprint(name: str, callables: dict, read_environ: bool = True) -> Fingerprint:
     """What each of ``callables`` ({label: fn}, e.g. the loss and the metrics; or a :class:`Script`) runs.
-    ``read_environ=False`` (a Loop's code): the environment variables it reads are listed in ``unproven``,
-    not read: a loop's own code reads them for how to run (``SAVE``, when to stop, test hooks), which may
-    change between a run and its resume."""
+    ``read_environ=False`` (a Loop's code): the environment variables it reads are not compared: a loop's own
+    code reads them for how to run (``SAVE``, when to stop, test hooks), which may change between a run and its
+    resume. Their values are kept in ``environ``, for the resume to say a change (``LR=0.5`` on a rerun of an
+    ``LR=0.01`` run trains on at the snapshot's lr: the porter's seed-000 port)."""
     reader = _Reader()
     reader.read_environ = read_environ
     for label, fn in callables.items():

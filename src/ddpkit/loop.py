@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -407,6 +408,10 @@ class Loop:
                 check_plain(name, value, "Loop.resume()")
         self.state = State(state)
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
+        if snap is not None:
+            before = ((snap.get("config") or {}).get("code") or {}).get("environ") or {}
+            for line in report.environ_lines(before, self.key.code.get("environ") or {}, self.state.step):
+                self.print(line, file=sys.stderr)
         resumed_from = snap["world_size"] if snap is not None and snap["world_size"] != self.ctx.world_size else None
         self.session.begin(
             self.state.step,
@@ -418,7 +423,7 @@ class Loop:
             resumed_from_world=resumed_from,
             reset_per_rank=self._reset or None,  # at another world size: each rank's own values, as given
             changes="; ".join(self._changes) or "none",
-            not_read="; ".join(self.key.code.get("unproven", [])) or None,
+            not_read="; ".join(self.key.code.get("unproven", []) + environ_note(self.key.code)) or None,
         )
         self._t_interval, self._steps_interval = time.perf_counter(), 0
         return self.state
@@ -447,8 +452,9 @@ class Loop:
             self._restore_metrics(saved["rank_state"] or {})
             return
         self._reset = list(per_rank)
+        plain_bn = report.plain_batchnorm(models)  # a wrapped model's BatchNorm, not synced: said, with its cost
         self.print(
-            report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank),
+            report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank, plain_bn),
             file=sys.stderr,
         )
 
@@ -659,6 +665,17 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
+def environ_note(code: dict) -> list[str]:
+    """The environment variables the loop's code reads, in one entry of the start line's ``not_read`` (one per
+    variable made the line unreadable: the porter's seed-000 port read four)."""
+    names = [re.sub(r"^os\.environ\[(.*)\]$", r"\1", label) for label in code.get("environ") or {}]
+    return (
+        [f"the environment the loop reads ({', '.join(names)}): not compared on a resume; a change is said"]
+        if names
+        else []
+    )
+
+
 # torch's own destroy_process_group, once ddpkit's stands in front of it (_closes_at_destroy); the newest Loop that
 # made or started on the default group; whether a Loop destroyed a group it made
 _TORCH_DESTROY: list = [None]

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 from clirun import ROOT, run_python
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
 from ddpkit.errors import ConfigError, RunDirError, Stopped
+from ddpkit.train import report
 
 HELPERS = ROOT / "tests" / "helpers"
 
@@ -302,11 +304,24 @@ def test_a_world_1_resume_of_a_world_2_run_reads_the_same_global_batches(tmp_pat
     one = ddpkit.launch(lw.global_batch_regression, run, None, nproc=1, device="cpu")
     drift = max((one[k] - whole[k]).abs().max().item() for k in whole)
     assert drift < 1e-12, drift  # float64 summation noise is ~1e-16 here; skipped samples moved it ~1e-2
-    assert "global batch" not in capsys.readouterr().err  # kept: nothing to say
+    err = capsys.readouterr().err
+    assert "global batch" not in err and "BatchNorm" not in err  # kept: nothing to say; a model with no BatchNorm
     ddpkit.launch(lw.global_batch_regression, str(tmp_path / "fixed"), None, 4, nproc=1, device="cpu")
     said = [line for line in capsys.readouterr().err.splitlines() if "global batch" in line]
     assert len(said) == 1 and "global batch of 4 samples per step (1 x 4)" in said[0], said
     assert "read 8 (2 x 4)" in said[0] and "pass batch_size=8 // loop.world_size" in said[0], said
+
+
+def test_the_elastic_line_says_what_plain_batchnorm_changes_and_syncbatchnorm_not():
+    """Regression (the porter's seed-000 port): a world-1 resume of a world-2 run of the MNIST ConvNet, whose
+    BatchNorm normalises each rank's batch, ended 4e-3 off the uninterrupted run where the line said only what is
+    exact; the line now says BatchNorm's share of the batch changes the run (as the Trainer's line does)."""
+    plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert report.plain_batchnorm([nn.Linear(2, 2), plain]) and not report.plain_batchnorm([synced])
+    line = report.loop_elastic_line(4, 2, 1, [], plain_bn=True)
+    assert "BatchNorm normalises each rank's share of the batch" in line and "Loop(sync_bn=True)" in line
+    assert "BatchNorm" not in report.loop_elastic_line(4, 2, 1, [])
 
 
 @pytestmark_mp

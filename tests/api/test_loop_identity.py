@@ -127,17 +127,25 @@ def loop_reading_the_environment(run_dir: str) -> None:
             pass
 
 
-def test_the_environment_a_loop_reads_is_listed_not_compared(tmp_path, monkeypatch):
+def test_the_environment_a_loop_reads_is_listed_not_compared_and_a_change_is_said(tmp_path, monkeypatch, capsys):
     """A loop's own code reads the environment for how to run (where to save, when to stop, a test's hook):
-    it is said on the [start] line as not read, and another value resumes."""
+    it is said on the [start] line as not compared, and another value resumes. Regression (the porter's seed-000
+    port): a rerun with LR=0.5 of an LR=0.01 run resumed silently at the snapshot's lr; a changed value is now
+    said in one line, an unchanged one not."""
     run = tmp_path / "r"
     monkeypatch.setenv("SAVE_41", "1")
     loop_reading_the_environment(str(run))
+    loop_reading_the_environment(str(run))  # the same value: nothing to say
+    assert "SAVE_41" not in capsys.readouterr().err
     monkeypatch.setenv("SAVE_41", "2")
     loop_reading_the_environment(str(run))
-    first, second = starts(run)
-    assert second["resumed_at_step"] == 2
-    assert "os.environ['SAVE_41'] (read by loop_reading_the_environment): the environment is not" in first["not_read"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "SAVE_41" in line]
+    assert len(said) == 1, said
+    assert "os.environ['SAVE_41'] is '2' now and was '1' when this run began" in said[0], said
+    assert "step 2's snapshot is loaded as it was saved" in said[0] and "pass another run_dir" in said[0], said
+    first, _, third = starts(run)
+    assert third["resumed_at_step"] == 2
+    assert "the environment the loop reads ('SAVE_41'): not compared on a resume; a change is said" in first["not_read"]
 
 
 def test_a_snapshot_whose_code_was_not_read_is_matched_on_the_rest():

@@ -278,11 +278,11 @@ def ported_train():
         pin_memory=True,
     )
     train_loader = loop.data(train_loader, seed=seed)
-    loop.resume(model=model, optimizer=optimizer)
+    state = loop.resume(model=model, optimizer=optimizer)
 
     losses = []
-    step = 0
-    sample_count = 0
+    step = state.step
+    sample_count = step * (batch_size // loop.world_size)
     last_step_time = time.time()
     for epoch in loop.epochs(num_epochs):
         for images, labels in train_loader:

@@ -127,7 +127,8 @@ def test_a_users_socket_interfaces_and_threads_are_left_alone(monkeypatch):
     [
         ({1: -6}, "CollectiveTimeout", ["rank 1 was aborted (SIGABRT)", "NCCL's watchdog", "--timeout-s 30 s"]),
         ({0: -6, 1: -9}, "CollectiveTimeout", ["rank 0 was aborted"]),
-        ({1: -9}, "PeerLost", ["rank 1 was killed (SIGKILL)", "out-of-memory killer"]),
+        # (not "lower --batch-size", a flag `ddpkit run` has not: the porter's seed-000 port)
+        ({1: -9}, "PeerLost", ["rank 1 was killed (SIGKILL)", "out-of-memory killer", "or your script's own"]),
         ({0: -11}, "PeerLost", ["rank 0 died of SIGSEGV"]),
     ],
 )

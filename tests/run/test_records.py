@@ -165,6 +165,25 @@ def test_a_one_point_x_axis_ticks_its_step_once(tmp_path, monkeypatch):
         assert shown == ["8"], (ax.get_title(), shown)
 
 
+def test_a_loops_run_gets_its_steps_per_second_drawn_as_its_throughput(tmp_path, monkeypatch):
+    """Regression (the porter's seed-000 port): a Loop's step records give steps/s, not samples/s, and `ddpkit
+    plot` drew an empty samples/s panel (ticks "1 1 1 0 0 0") and steps/s as a metric of its own."""
+    loop_steps = [{"event": "step", "step": n, "epoch": 0, "loss": 1.0 / n, "steps_per_s": 0.5 * n} for n in (5, 10)]
+    write_run(tmp_path / "run", [json.dumps(START)] + [json.dumps(r) for r in loop_steps])
+    figures = drawn_figures(monkeypatch)
+    written = training_plots([tmp_path / "run"], tmp_path / "plots")
+    assert [p.name for p in written] == ["loss.png", "throughput.png"]
+    ax = figures[1].axes[0]
+    assert ax.get_ylabel() == "optimizer steps/s"
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[2.5, 5.0]]
+    shown = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(set(shown)) == len(shown), shown  # no tick label repeated
+    # A Trainer's run beside it: the panel is samples/s, the Loop's run has none to draw in it
+    write_run(tmp_path / "trainer", [json.dumps(START), json.dumps(step(5)), json.dumps(step(10))])
+    written = training_plots([tmp_path / "trainer", tmp_path / "run"], tmp_path / "both")
+    assert figures[-1].axes[0].get_ylabel() == "samples/s" and "steps_per_s.png" not in [p.name for p in written]
+
+
 def test_a_plot_killed_mid_write_leaves_the_previous_png_whole(tmp_path, monkeypatch):
     """Regression: savefig wrote into the PNG itself, so a kill or a full disk mid-write left half a PNG."""
     write_run(tmp_path / "run", [json.dumps(step(n)) for n in (4, 8)])

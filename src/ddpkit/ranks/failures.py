@@ -469,7 +469,8 @@ def signal_failure(codes: dict[int, int], timeout_s: float, device_type: str = "
     if signum == signal.SIGKILL:
         return PeerLost(
             f"rank {rank} was killed (SIGKILL): most often by the kernel's out-of-memory killer "
-            f"(see `dmesg`; lower --batch-size or --nproc), or from outside the job"
+            f"(see `dmesg`; a smaller batch per rank, ddpkit train's --batch-size or your script's own, or fewer "
+            f"processes, --nproc), or from outside the job"
         )
     return PeerLost(
         f"rank {rank} died of {name}; if nothing above explains it, it is a crash in native code "

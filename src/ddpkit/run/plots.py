@@ -34,11 +34,15 @@ RUN_STYLES = [
 ]
 
 # Step-record fields that get no plot of their own (each metric of the model does): the run's timing
-# (samples/s has the throughput plot), the lr, and the seconds snapshots held the steps or were written
+# (samples/s, or a Loop's steps/s, has the throughput plot), the lr, and the seconds snapshots held the steps or
+# were written
 NOT_CURVES = frozenset(
-    {"event", "time", "epoch", "step", "lr", "samples_per_s", "grad_norm", "tflops", "mfu"}
+    {"event", "time", "epoch", "step", "lr", "samples_per_s", "steps_per_s", "grad_norm", "tflops", "mfu"}
     | {"snapshot_blocked_s", "snapshot_write_s"}
 )
+# The throughput panel's figure, the first any run records: a Trainer's step records give samples/s; a Loop's give
+# steps/s (it does not know what a step reads: a loop may draw from several loaders, or none)
+RATES = (("samples_per_s", "samples/s"), ("steps_per_s", "optimizer steps/s"))
 
 
 def _stderr(line: str) -> None:
@@ -98,7 +102,8 @@ def draw_run_plots(run_dir: str | Path, warn=_stderr) -> None:
 
 def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str = "--out") -> list[Path]:
     """loss.png (train per log interval, test per epoch), one PNG per other metric (accuracy, the
-    user's), and throughput.png, for one run or several overlaid. Returns the files written.
+    user's), and throughput.png (samples/s; a Loop's steps/s; none where no run records either), for one run or
+    several overlaid. Returns the files written.
     ``warn`` gets one line per metrics.jsonl with lines that are not records; a write error names
     ``flag``, the caller's flag that moves the figures (plot's ``--out``, train's ``--run-dir``)."""
     runs = [read_run(d, warn) for d in run_dirs]
@@ -118,18 +123,23 @@ def training_plots(run_dirs: list, out_dir: str | Path, warn=_stderr, flag: str 
         written.append(
             _curve_figure(runs, metric, out / f"{stem}.png", pct, ylabel=f"{metric} (%)" if pct else metric, flag=flag)
         )
-    written.append(
-        _curve_figure(
-            runs,
-            "samples_per_s",
-            out / f"{THROUGHPUT}.png",
-            False,
-            ylabel="samples/s",
-            test=False,
-            title="Training throughput per log interval",
-            flag=flag,
+    # Regression (the porter's seed-000 port): a Loop's run, which records steps/s, got an empty samples/s panel
+    recorded = [
+        (key, label) for key, label in RATES if any(r.get(key) is not None for run in runs for r in run["steps"])
+    ]
+    for key, label in recorded[:1]:
+        written.append(
+            _curve_figure(
+                runs,
+                key,
+                out / f"{THROUGHPUT}.png",
+                False,
+                ylabel=label,
+                test=False,
+                title="Training throughput per log interval",
+                flag=flag,
+            )
         )
-    )
     return written
 
 
@@ -182,6 +192,8 @@ def _curve_figure(
     if metric == "samples_per_s":
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    elif metric == "steps_per_s":  # a few a second, or a fraction of one: matplotlib's own ticks (0.5, 1.0, ...)
+        ax.set_ylim(bottom=0)
     elif metric == "loss" and _spread(ax) > 30:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)

@@ -133,16 +133,11 @@ def utilisation(e: Engine, samples_per_s: float) -> dict:
 
 def elastic_line(e: Engine, old_world: int) -> str:
     """What a resume at another world size keeps exact, and what it does not (said once)."""
-    plain_bn = [
-        m
-        for m in e.raw.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-    ]
     caveats = ["each rank's random stream (dropout) starts afresh"]
     # a collate_fn's draws are keyed by rank and batch (data/seeds.py); __getitem__'s by sample: the same
     if e.train_src.path == "dataloader" and e.train_src.draws_by_batch:
         caveats.append("random draws in your collate_fn (or __getitems__) follow each rank's new batches")
-    if plain_bn and not e.cfg.sync_bn:
+    if plain_batchnorm([e.raw]) and not e.cfg.sync_bn:
         caveats.append(
             "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
             f"{e.per_rank_batch // e.accum} samples"
@@ -171,15 +166,45 @@ def divergence_line(e: Engine, loss: float) -> str:
     )
 
 
-def loop_elastic_line(step: int, old_world: int, new_world: int, per_rank: list[str]) -> str:
+def plain_batchnorm(modules: list[nn.Module]) -> bool:
+    """Whether any of ``modules`` holds a BatchNorm that normalises over each rank's own batch (not SyncBatchNorm):
+    the statistics, and so the run, then depend on the world size."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+        for module in modules
+        for m in module.modules()
+    )
+
+
+def loop_elastic_line(step: int, old_world: int, new_world: int, per_rank: list[str], plain_bn: bool = False) -> str:
     """A ``Loop``'s resume at another world size: what it keeps exactly, and the values ``per_rank`` (different
-    on every rank) it cannot follow, kept as this resume() was given them."""
+    on every rank) it cannot follow, kept as this resume() was given them; ``plain_bn``: a wrapped model's
+    BatchNorm normalises each rank's batch, which the new world size changes (the porter's seed-000 port: 4e-3 off
+    the uninterrupted run, where SyncBatchNorm is 2e-7 off)."""
     reset = f"; {', '.join(map(repr, per_rank))} (different on every rank) as this resume() was given them"
+    bn = (
+        "; BatchNorm normalises each rank's share of the batch, which the world size changes: from here the run "
+        "differs from the uninterrupted one by more than float noise (Loop(sync_bn=True) normalises over the "
+        "global batch)"
+    )
     return (
         f"ddpkit: resumed at step {step} from a snapshot made at world size {old_world}, now {new_world}: weights, "
         f"optimizer and named state exactly; each rank's random streams anew from (seed, step, rank), and each "
         f"loader's split is the new world's from the same place in its epoch{reset if per_rank else ''}"
+        f"{bn if plain_bn else ''}"
     )
+
+
+def environ_lines(before: dict, now: dict, step: int) -> list[str]:
+    """A ``Loop``'s code reads environment variables that are not compared on a resume (``identity``'s
+    ``environ``: {label: value shown}); one line for each whose value differs from the snapshot's run's."""
+    return [
+        f"ddpkit: warning: {label} is {now[label]} now and was {was} when this run began: a Loop does not compare "
+        f"the environment on a resume, so step {step}'s snapshot is loaded as it was saved (an optimizer's lr with "
+        f"it) and only what your code reads afresh sees the new value; pass another run_dir to start over with it"
+        for label, was in sorted(before.items())
+        if label in now and now[label] != was
+    ]
 
 
 def global_batch_line(index: int, was: tuple[int, int], now: tuple[int, int]) -> str:
