@@ -581,9 +581,9 @@ class _Reader:
 
     def environ(self, code: types.CodeType, scope: dict, who: str) -> None:
         """The environment variables ``code`` reads (:func:`_environ_reads`): each read by a constant name
-        is part of the identity, its value or its absence (``os.environ['MUL'] '2'``, ``unset``); listed
-        in ``unproven`` instead when ``read_environ`` is off (a Loop's code). One read otherwise (a name
-        that is not a constant, the whole mapping) is listed. Where a launcher or ddpkit places a rank
+        is part of the identity, its value or its absence (``os.environ['MUL'] '2'``, ``unset``); kept in
+        ``environ_values`` instead, not compared, when ``read_environ`` is off (a Loop's code). One read
+        otherwise (a name that is not a constant, the whole mapping) is listed. Where a launcher or ddpkit places a rank
         (``RANK``, ``WORLD_SIZE``, ``SLURM_*``...) is neither: it is not what the run computes."""
         keys, other = _environ_reads(code, scope)
         for key in keys:
@@ -1062,8 +1062,8 @@ def running_code(frame) -> types.FunctionType | Script:
 def loop_code(ctx, maker: types.FunctionType | Script) -> dict:
     """A ``ddpkit.Loop``'s run identity: the code of the function or the script that made it
     (:func:`running_code`), as global rank 0 read it; every rank uses rank 0's, so all decide alike (``ctx``:
-    a ``ranks.context.DistContext``; one broadcast). An environment variable the code reads is listed under
-    ``unproven``, not compared (``SAVE``, a test's ``DIE_AT``)."""
+    a ``ranks.context.DistContext``; one broadcast). An environment variable the code reads is recorded under
+    ``environ``, not compared (``SAVE``, a test's ``DIE_AT``): a resume says a changed one."""
     mine = None
     if ctx.is_main or ctx.world_size == 1:
         name = maker.name if isinstance(maker, Script) else maker.__qualname__

@@ -410,8 +410,12 @@ class Loop:
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         if snap is not None:
             before = ((snap.get("config") or {}).get("code") or {}).get("environ") or {}
-            for line in report.environ_lines(before, self.key.code.get("environ") or {}, self.state.step):
+            now = self.key.code.get("environ") or {}
+            for line in report.environ_lines(before, now, self.state.step):
                 self.print(line, file=sys.stderr)
+            # The run's values, as its first attempt read them, go on into its snapshots: every later resume compares
+            # with those, not with the last attempt's (a review finding: a second rerun at the new value said nothing)
+            self.key.code["environ"] = {**now, **before}
         resumed_from = snap["world_size"] if snap is not None and snap["world_size"] != self.ctx.world_size else None
         self.session.begin(
             self.state.step,

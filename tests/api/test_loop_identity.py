@@ -141,9 +141,15 @@ def test_the_environment_a_loop_reads_is_listed_not_compared_and_a_change_is_sai
     loop_reading_the_environment(str(run))
     said = [line for line in capsys.readouterr().err.splitlines() if "SAVE_41" in line]
     assert len(said) == 1, said
-    assert "os.environ['SAVE_41'] is '2' now and was '1' when this run began" in said[0], said
-    assert "step 2's snapshot is loaded as it was saved" in said[0] and "pass another run_dir" in said[0], said
-    first, _, third = starts(run)
+    assert "os.environ['SAVE_41'] is '2' now; this run began with '1'" in said[0], said
+    assert "step 2's snapshot is loaded as saved" in said[0] and "pass another run_dir" in said[0], said
+    # Compared with the run's first values, not the last attempt's: said again at '2', not at '1' (a review finding)
+    loop_reading_the_environment(str(run))
+    assert "this run began with '1'" in capsys.readouterr().err
+    monkeypatch.setenv("SAVE_41", "1")
+    loop_reading_the_environment(str(run))
+    assert "SAVE_41" not in capsys.readouterr().err
+    first, _, third, _, _ = starts(run)
     assert third["resumed_at_step"] == 2
     assert "the environment the loop reads ('SAVE_41'): not compared on a resume; a change is said" in first["not_read"]
 

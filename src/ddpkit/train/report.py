@@ -199,9 +199,9 @@ def environ_lines(before: dict, now: dict, step: int) -> list[str]:
     """A ``Loop``'s code reads environment variables that are not compared on a resume (``identity``'s
     ``environ``: {label: value shown}); one line for each whose value differs from the snapshot's run's."""
     return [
-        f"ddpkit: warning: {label} is {now[label]} now and was {was} when this run began: a Loop does not compare "
-        f"the environment on a resume, so step {step}'s snapshot is loaded as it was saved (an optimizer's lr with "
-        f"it) and only what your code reads afresh sees the new value; pass another run_dir to start over with it"
+        f"ddpkit: {label} is {now[label]} now; this run began with {was}. A Loop does not compare the environment "
+        f"on a resume (a loop reads how to run there), so step {step}'s snapshot is loaded as saved: a value it holds "
+        f"(an optimizer's lr, say) stays the snapshot's; pass another run_dir to start over with the new one"
         for label, was in sorted(before.items())
         if label in now and now[label] != was
     ]
