@@ -37,13 +37,10 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
 import re
 import sys
 import time
-import traceback
 from contextlib import ExitStack
 from typing import Any, Callable, Iterator
 
@@ -59,10 +56,10 @@ from .data.shard import ShardedLoader
 from .errors import ConfigError, DdpkitError
 from .files import atomic_write
 from .identity import loop_code, running_code
-from .ranks import hangwatch
+from .ranks import hangwatch, scriptend
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
-from .ranks.env import LAUNCHER_PID, under_launcher
-from .ranks.failures import comm_failure, exit_status, stop_exits_with_its_status
+from .ranks.env import under_launcher
+from .ranks.failures import exit_status, stop_exits_with_its_status
 from .run.recorder import MetricLogger
 from .run.runkey import CodeKey
 from .train import report
@@ -158,7 +155,7 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
-                _closes_at_destroy(self, sys._getframe(1).f_globals)  # the script's own destroy, after the block
+                scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)  # the script's own destroy, after it
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
             self.key = CodeKey(cfg, loop_code(self.ctx, self._maker), LoopConfig.HASHED, cfg.check_code)
@@ -206,7 +203,7 @@ class Loop:
         except DdpkitError as error:  # the group's teardown names the failure (a lost peer, a timeout)
             exc = raised_here = error
         finally:
-            _GONE[0] = _GONE[0] or self._owns_group
+            scriptend.group_gone(self._owns_group)
         if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
             # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
@@ -228,26 +225,7 @@ class Loop:
         loop = cls(run_dir, **settings)
         loop._maker = running_code(sys._getframe(1))  # the script's code, not this method's
         loop.__enter__()
-        loop._uncaught = None
-        previous = sys.excepthook
-
-        def seen(kind, exc, tb):  # the script's uncaught error: close() must not save after it
-            loop._uncaught = exc
-            lost = isinstance(exc, RuntimeError) and comm_failure(exc, loop.config.timeout_s) is not None
-            # Under torchrun, several ranks (ddpkit's launcher names the lost peer itself; a world of 1 has no peer,
-            # and its teardown says nothing: a RuntimeError there keeps its traceback)
-            if lost and under_launcher() and loop.world_size > 1 and not os.environ.get(LAUNCHER_PID):
-                # A peer lost mid-collective (or a timeout) under torchrun: the group's teardown at exit says it in one
-                # line, as the with form does. Before, torch's hook printed a [rank0]: traceback wall first (the
-                # porter's item C)
-                loop._lost = True
-                return
-            previous(kind, exc, tb)
-
-        sys.excepthook = seen
-        atexit.register(loop._close_at_exit)
-        loop._started = True
-        _closes_at_destroy(loop, sys._getframe(1).f_globals)
+        scriptend.end_with_script(loop, sys._getframe(1).f_globals)  # ranks/scriptend.py
         return loop
 
     def close(self) -> None:
@@ -257,30 +235,9 @@ class Loop:
             self._closed = True
             self.__exit__(None, None, None)
 
-    def _close_at_exit(self) -> None:
-        if self.ctx is None or getattr(self, "_closed", False):
-            return
-        self._closed = True
-        exc = getattr(self, "_uncaught", None)
-        if exc is not None:  # said already, by the excepthook, with its status: the teardown is all that is left
-            exc.already_said = True  # its line or traceback: the teardown notes the cause, prints it no more
-            try:
-                self._stack.__exit__(type(exc), exc, exc.__traceback__)
-            except DdpkitError as error:  # a lost peer or a timeout, said by the teardown: its status, not 1
-                if getattr(self, "_lost", False):
-                    _exit_now(exit_status(error))
-            except Exception:  # noqa: BLE001 - a teardown after a failure fails too (a lost peer); said already
-                pass
-            return
-        try:
-            self.__exit__(None, None, None)
-        except SystemExit as done:  # a launcher's one line, printed by __exit__: its status is the process's
-            _exit_now(done.code if isinstance(done.code, int) else 1)
-        except DdpkitError as error:  # the final save or the teardown failed after the script ended
-            _exit_now(exit_status(error))
-        except BaseException:  # noqa: BLE001 - a bug there: its traceback, and a failed status, not 0
-            traceback.print_exc()
-            _exit_now(1)
+    def _teardown(self, exc: BaseException) -> None:
+        """The group's teardown alone, after ``exc`` ended a started script (no save after an error)."""
+        self._stack.__exit__(type(exc), exc, exc.__traceback__)
 
     @property
     def rank(self) -> int:
@@ -678,51 +635,3 @@ def environ_note(code: dict) -> list[str]:
         if names
         else []
     )
-
-
-# torch's own destroy_process_group, once ddpkit's stands in front of it (_closes_at_destroy); the newest Loop that
-# made or started on the default group; whether a Loop destroyed a group it made
-_TORCH_DESTROY: list = [None]
-_STARTED: list = [None]
-_GONE: list = [False]
-
-
-def _closes_at_destroy(loop: "Loop", script: dict) -> None:
-    """A ported script's own ``destroy_process_group()``, the plain script's last line kept under ``Loop.start()``,
-    closes that Loop there, as the script's end would (the final snapshot and the ``end`` record need the group),
-    then the group goes: the Loop's teardown destroys one it made, torch's destroys the script's own. Before, the
-    Loop found the group gone at exit: a traceback per rank and no ``end`` record (the porter's seed-002 port).
-    After a with-block that made the group, the same line has nothing left to do. ``script``: the calling script's
-    globals, where a name bound to torch's function (``from torch.distributed import destroy_process_group``, as
-    the DDP tutorial writes it) is bound to this one too."""
-    if getattr(loop, "_started", False):
-        _STARTED[0] = loop
-    if _TORCH_DESTROY[0] is None:
-        _TORCH_DESTROY[0] = dist.destroy_process_group
-        dist.destroy_process_group = _destroy
-    for name, value in list(script.items()):
-        if value is _TORCH_DESTROY[0]:
-            script[name] = _destroy
-
-
-def _destroy(group=None) -> None:
-    loop = _STARTED[0]
-    if group is None or group is dist.GroupMember.WORLD:
-        if loop is not None and getattr(loop, "_started", False) and not getattr(loop, "_closed", False):
-            if sys.exc_info()[1] is not None:
-                # In a ``finally:`` an error (or a stop) is on its way up: it is said by the script's excepthook
-                # and the group torn down at exit without a save, as for any error (closed here as a success, the
-                # run would be saved and marked finished at the step it broke in: a review finding)
-                return
-            loop.close()  # its teardown calls this again, once closed: torch's then destroys a group it made
-        if _GONE[0] and not dist.is_initialized():
-            return  # destroyed by a Loop's end (a started one's, or a with-block's): the script's own line is done
-    _TORCH_DESTROY[0](group)
-
-
-def _exit_now(code: int) -> None:
-    """End the process with ``code`` from an ``atexit`` handler, where an exception would be printed as a
-    traceback and leave the status the script's (0): its output flushed first."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
