@@ -36,6 +36,8 @@ def register(parser) -> None:
                 "times the elastic agent restarts all workers after a failure; a ddpkit.Loop in the script resumes "
                 "from its newest snapshot (default: 0)"
             )
+        if action.dest == "replicas":
+            action.help = "ddpkit train's replica groups: not yet for a script under ddpkit run (refused in one line)"
         if action.dest == "rdzv_id":
             action.help = (
                 "job id shared by all nodes (default: derived from the script, its arguments and these flags, so "
@@ -52,6 +54,12 @@ def register(parser) -> None:
 def run(args) -> int:
     check_script(args.script)
     launch = {name: value for name, value in vars(args).items() if name in LAUNCH_FIELDS}
+    if launch.get("replicas", 1) > 1:  # a launch flag, so listed here too: before, it was taken and ignored
+        raise ConfigError(
+            f"--replicas {launch['replicas']} is not yet supported by ddpkit run (a ddpkit.Loop's step cannot yet "
+            f"compute a lost group's share): use ddpkit train --replicas, or ddpkit run --max-restarts N, whose "
+            f"Loop resumes from its newest snapshot (docs/fault-tolerance.md)"
+        )
     # The launch flags checked as `ddpkit train` checks them; a recipe named, so nothing else is resolved
     TrainConfig(recipe="mnist", **launch).filled()
     from ..ranks.launcher import LaunchSpec, run_script
