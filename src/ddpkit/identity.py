@@ -116,6 +116,15 @@ class Fingerprint:
         return {**made, "environ": self.environ} if self.environ else made
 
 
+def _module_of(obj: Any) -> str:
+    """The module ``obj`` was defined in, by the name a run identity gives it: the script's own (``__main__``)
+    under either name it runs as. A worker of ``ddpkit.launch`` (multiprocessing's forkserver) imports the
+    script as ``__mp_main__``, where a world of one runs it in the script's process as ``__main__``: the same
+    code read as two, and a resume at another world size refused (the porter's seed-001 port)."""
+    name = getattr(obj, "__module__", None) or ""
+    return "__main__" if name == "__mp_main__" else name
+
+
 def _in_library(filename: str) -> bool:
     if filename.startswith("<"):  # "<string>" (python -c), "<stdin>", notebooks' "<ipython-input-..>" are yours
         return filename.startswith("<frozen")
@@ -506,7 +515,7 @@ class _Reader:
         return type(obj).__qualname__
 
     def function(self, fn: types.FunctionType) -> str:
-        code, name = fn.__code__, f"{fn.__module__}.{fn.__qualname__}"
+        code, name = fn.__code__, f"{_module_of(fn)}.{fn.__qualname__}"
         if _in_library(code.co_filename) or not self._once(fn):
             return name
         label = f"code {fn.__qualname__}"
@@ -530,7 +539,7 @@ class _Reader:
             if isinstance(scope[var], types.ModuleType):
                 self.module(scope[var], names)
                 continue
-            label = f"global {fn.__module__}.{var}"
+            label = f"global {_module_of(fn)}.{var}"
             if label not in self.parts:
                 self.parts[label] = "..."  # taken before reading: a function that names itself stops here
                 self.parts[label] = self.value(scope[var], label, 1)
@@ -639,7 +648,7 @@ class _Reader:
         return script.name
 
     def cls(self, klass: type) -> str:
-        name = f"{klass.__module__}.{klass.__qualname__}"
+        name = f"{_module_of(klass)}.{klass.__qualname__}"
         if _module_in_library(klass.__module__) or not self._once(klass):
             return name
         for base in klass.__mro__[1:]:

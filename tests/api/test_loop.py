@@ -310,6 +310,7 @@ def test_a_world_1_resume_of_a_world_2_run_reads_the_same_global_batches(tmp_pat
     said = [line for line in capsys.readouterr().err.splitlines() if "global batch" in line]
     assert len(said) == 1 and "global batch of 4 samples per step (1 x 4)" in said[0], said
     assert "read 8 (2 x 4)" in said[0] and "pass batch_size=8 // loop.world_size" in said[0], said
+    assert "unless Loop(check_code=False)" in said[0], said  # the edit it asks for is one a resume would refuse
 
 
 def test_the_elastic_line_says_what_plain_batchnorm_changes_and_syncbatchnorm_not():
@@ -394,6 +395,28 @@ def test_epoch_records_name_the_epoch_that_ended_and_survive_a_rerun(tmp_path):
     run()
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if r["event"] == "epoch"] == [0, 1]
+
+
+def test_an_epoch_loop_that_never_steps_is_said_once(tmp_path, capsys):
+    """Regression (the porter's seed-001 port): a loop that forgot loop.step() trained with no word, its records at
+    step 0 and a stop waiting for the epoch's end. Said once now; a loop that steps, or reads nothing, is not."""
+    data = TensorDataset(torch.arange(8.0))
+
+    def run(name: str, step: bool, read: bool = True) -> None:
+        with ddpkit.Loop(str(tmp_path / name), log_every=100) as loop:
+            loader = loop.data(data, batch_size=2)
+            loop.resume()
+            for _ in loop.epochs(2):
+                for _batch in loader if read else ():
+                    if step:
+                        loop.step()
+
+    run("forgot", step=False)
+    said = [line for line in capsys.readouterr().err.splitlines() if "loop.step()" in line]
+    assert len(said) == 1 and "epoch 0 read 4 batches through loop.data() and called loop.step() never" in said[0]
+    run("steps", step=True)
+    run("reads nothing", step=False, read=False)
+    assert "loop.step()" not in capsys.readouterr().err
 
 
 def test_an_epoch_record_gives_the_epochs_means_across_its_intervals_and_a_resume(tmp_path):
@@ -665,6 +688,17 @@ def test_a_destroy_in_a_finally_closes_a_started_loop_only_when_nothing_is_on_it
     done = run_python("train.py", cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert (files / "finished").read_text() == "6" and events()[-1] == "end"
+
+
+@pytestmark_mp
+def test_a_launched_functions_own_destroy_ends_its_started_loop_and_the_launch_well(tmp_path):
+    """Regression (the porter's seed-001 port): an mp.spawn script's main under ddpkit.launch, with Loop.start() in
+    it and its own destroy_process_group() kept as its last line, trained, saved and tested, then ended in 7
+    tracebacks and exit 1 ("Process group cannot be None": the launch's own teardown found the group gone)."""
+    run = tmp_path / "r"
+    assert ddpkit.launch(lw.started_then_destroyed, str(run), nproc=2, device="cpu") == 2
+    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert events[-1] == "end" and (run / "checkpoints" / "finished").read_text() == "2"
 
 
 def test_a_deleted_newest_snapshot_is_said_when_an_older_one_is_resumed(tmp_path, capsys):

@@ -13,6 +13,7 @@ import torch
 
 import ddpkit
 from ddpkit.errors import RunDirError
+from ddpkit.identity import code_fingerprint
 from ddpkit.loop import LoopConfig
 from ddpkit.run.runkey import CodeKey
 
@@ -152,6 +153,33 @@ def test_the_environment_a_loop_reads_is_listed_not_compared_and_a_change_is_sai
     first, _, third, _, _ = starts(run)
     assert third["resumed_at_step"] == 2
     assert "the environment the loop reads ('SAVE_41'): not compared on a resume; a change is said" in first["not_read"]
+
+
+SCRIPT_41 = """
+import torch
+SCALE = 2.0
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+    def forward(self, x):
+        return x * SCALE
+def main(ctx):
+    return Net()(torch.ones(1)) * SCALE
+"""
+
+
+def test_a_scripts_code_reads_the_same_in_a_launch_worker_as_in_the_script():
+    """Regression (the porter's seed-001 port): a Loop made in ``main(ctx)`` under ``ddpkit.launch`` was read in
+    the workers as ``__mp_main__`` (multiprocessing's name for the script there) and at world 1 in the script's
+    process as ``__main__``, so a resume at another world size was refused for "global __mp_main__.SCALE removed"
+    and "closure __class__ __mp_main__.Net -> __main__.Net"."""
+    read = []
+    for name in ("__main__", "__mp_main__"):
+        scope = {"__name__": name}
+        exec(compile(SCRIPT_41, "/tmp/my_script.py", "exec"), scope)
+        read.append(code_fingerprint("main", {"loop": scope["main"]}, read_environ=False).parts)
+    assert read[0] == read[1]
+    assert "global __main__.SCALE" in read[0], read[0]
 
 
 def test_a_snapshot_whose_code_was_not_read_is_matched_on_the_rest():

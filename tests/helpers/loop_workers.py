@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -248,3 +249,20 @@ def snapshot_every_2_steps(_ctx, run_dir: str) -> dict:
     steps with SGD's momentum and a snapshot every 2: the run tests/system/test_fault_tolerance.py kills inside
     snapshot writes."""
     return _per_rank_loop(run_dir, 12, None, save_every_steps=2, momentum=0.9)
+
+
+def started_then_destroyed(_ctx, run_dir: str) -> int:
+    """An mp.spawn script's main kept under ddpkit.launch: ``Loop.start()`` in it, and its own
+    ``destroy_process_group()`` as its last line (the porter's seed-001 port)."""
+    loop = ddpkit.Loop.start(run_dir, log_every=1)
+    torch.manual_seed(0)
+    model = loop.wrap(nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop.resume(model=model, optimizer=opt)
+    for _ in loop.steps(2):
+        opt.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        opt.step()
+    step = loop.state.step
+    dist.destroy_process_group()
+    return step

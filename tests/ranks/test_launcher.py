@@ -19,6 +19,19 @@ from ddpkit.ranks import launcher
 from ddpkit.ranks.failures import signal_failure
 
 
+def test_mp_spawn_words_are_mapped_in_one_line_and_a_context_is_not_a_rank():
+    """Regressions (the porter's seed-001 port): launch(main, args=(ws,), nprocs=ws) was a bare TypeError; and a
+    ``main(rank, world_size)`` kept under launch compared the DistContext it is given with 0, False on every rank,
+    so the script's rank-0 work silently never ran."""
+    with pytest.raises(ConfigError, match=r"mp.spawn\(fn, args=\(a, b\), nprocs=N\) is launch\(fn, a, b, nproc=N\)"):
+        launcher.launch(print, args=(2,), nprocs=2)
+    ctx = dist.DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo")
+    with pytest.raises(ConfigError, match=r"compared with the number 0: .* read the rank as ctx.rank"):
+        ctx == 0  # noqa: B015 - the comparison is what raises
+    assert ctx == dist.DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo") and ctx != None  # noqa: E711
+    assert hash(ctx) == hash(dist.DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo"))
+
+
 def test_auto_is_one_process_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launcher.resolve_nproc("auto", "auto") == 1

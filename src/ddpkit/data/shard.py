@@ -83,6 +83,7 @@ class ShardedLoader:
         self.batches = KeyedBatches(self.sampler, batch_size, drop_last)
         self.epoch, self.batch = 0, 0
         self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
+        self.yielded = 0  # batches given out by this loader, all passes: a Loop's check that its epochs step
         if num_workers:  # each sample read, and each batch collated, under its own seeds, in whichever worker
             self.loader = seeded_loader(
                 dataset, self.batches, seed, ctx.rank, num_workers, pin_memory, collate_fn, worker_init_fn
@@ -151,6 +152,7 @@ class ShardedLoader:
         self.batches.key, self.batches.samples = train_keys(self.seed, self.epoch, self.ctx.rank)
         for batch in unwrapped(self.loader):
             self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
+            self.yielded += 1
             yield to_device(batch, self.ctx.device) if self.to_device else batch
         # a whole pass: the next one is the next epoch's order, from its start
         self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0

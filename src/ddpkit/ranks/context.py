@@ -53,6 +53,21 @@ class DistContext:
         """Global rank 0: the only rank that writes files or prints."""
         return self.rank == 0
 
+    def __eq__(self, other) -> bool:
+        if isinstance(other, int) and not isinstance(other, bool):
+            # ``fn(rank, world_size)`` kept from an mp.spawn script under ddpkit.launch, which passes a DistContext
+            # there: ``rank == 0`` was False on every rank, and the script's rank-0 work (its prints, its saved
+            # model) silently never ran (the porter's seed-001 port)
+            error = ConfigError(
+                f"a DistContext was compared with the number {other}: ddpkit.launch(fn) calls fn(ctx, *args), not "
+                f"mp.spawn's fn(rank, *args); read the rank as ctx.rank (and ctx.world_size, ctx.device)"
+            )
+            error.all_ranks = True  # every rank meets it: said once
+            raise error
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self.__dataclass_fields__)
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce; every rank must call it."""
         if self.world_size > 1:
@@ -232,7 +247,10 @@ def distributed(
             # without an active exception"). Not on error: a dead peer would make it wait the full
             # timeout. A peer still busy past --timeout-s is a timeout here, said as any other.
             # Not after settle(): that barrier was this one, and rank 0's work since must not be waited for.
-            if not _SETTLED[0]:
+            # Not after the function's own destroy_process_group() (an mp.spawn script's last line, kept under
+            # ddpkit.launch): its group is gone, and with it this wait (before, an AssertionError per rank after a
+            # run that had finished: the porter's seed-001 port).
+            if not _SETTLED[0] and dist.is_initialized():
                 ctx.barrier()
         except SystemExit as exc:
             # sys.exit(N) in this rank's own code: this rank is the cause, and says so, so that the
@@ -254,7 +272,8 @@ def distributed(
         if hangwatch.WATCH is not None:
             hangwatch.WATCH.stop()
             hangwatch.WATCH = None
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (destroyed already by the function's own call)
+            dist.destroy_process_group()
 
 
 # The groups this process has made under a launcher, each with its own keys in the job's store (_group_store)

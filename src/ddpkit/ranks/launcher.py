@@ -233,6 +233,7 @@ def launch(
     device: str = "auto",
     timeout_s: float = 600.0,
     max_restarts: int = 0,
+    **unknown: Any,
 ) -> Any:
     """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
 
@@ -242,6 +243,12 @@ def launch(
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
+    if unknown:  # mp.spawn's words (args=, nprocs=, join=) in a port: the mapping, not a bare TypeError
+        raise ConfigError(
+            f"ddpkit.launch() got {', '.join(f'{k}=' for k in unknown)}: it is launch(fn, *args, nproc=N, "
+            f"device=, timeout_s=, max_restarts=); mp.spawn(fn, args=(a, b), nprocs=N) is launch(fn, a, b, "
+            f"nproc=N), and fn is called as fn(ctx, a, b) with the rank in ctx.rank"
+        )
     check_timeout_s(timeout_s, "timeout_s")  # 1e30 was an OverflowError on every rank
     refuse_if_importing_main()
     stop_exits_with_its_status()  # a stop of fn's Loop ends the script with 143 and its line
@@ -279,7 +286,8 @@ def check_returnable(result: Any, ctx) -> None:
     except Exception as exc:  # noqa: BLE001 - pickle raises TypeError, AttributeError, PicklingError, ...
         problem = f"a {type(result).__module__}.{type(result).__qualname__} ({type(exc).__name__}: {exc})"
     problems = [problem]
-    if ctx.world_size > 1:
+    # (fn destroyed its group itself, as an mp.spawn script's main ends: each rank says its own then)
+    if ctx.world_size > 1 and torch.distributed.is_initialized():
         problems = [None] * ctx.world_size
         torch.distributed.all_gather_object(problems, problem)
     bad = [(rank, p) for rank, p in enumerate(problems) if p]

@@ -214,7 +214,10 @@ def global_batch_line(index: int, was: tuple[int, int], now: tuple[int, int]) ->
     (old_world, old_batch), (world, batch) = was, now
     before, after = old_world * old_batch, world * batch
     keep = (
-        f"pass batch_size={before} // loop.world_size to loop.data() (each rank's {before // world} here)"
+        # (the edit it asks for is one a resume refuses: said, so that the hint does not lead to a refusal, the
+        # porter's seed-001 port)
+        f"pass batch_size={before} // loop.world_size to loop.data() (each rank's {before // world} here; an edit "
+        f"of the loop's code, which a resume refuses unless Loop(check_code=False))"
         if before % world == 0
         else f"a global batch of {before} does not split into {world} equal shares: choose a world size that divides it"
     )
@@ -223,6 +226,15 @@ def global_batch_line(index: int, was: tuple[int, int], now: tuple[int, int]) ->
         f"ddpkit: {which} resumed with a global batch of {after} samples per step ({world} x {batch}), where the "
         f"snapshot's run read {before} ({old_world} x {old_batch}): the steps from here read {after} samples each "
         f"and the epoch has another number of steps, as the script says; to keep the run's global batch, {keep}"
+    )
+
+
+def no_step_line(epoch: int, batches: int) -> str:
+    """A ``Loop.epochs()`` epoch that read batches through ``loop.data()`` with no ``loop.step()`` in it."""
+    return (
+        f"ddpkit: note: epoch {epoch} read {batches} batches through loop.data() and called loop.step() never: "
+        f"without it the loop's snapshots, records and stop signals come at epoch ends only (a stop waits for the "
+        f"epoch's end) and state.step stays where it was; call loop.step() after each optimizer.step()"
     )
 
 
