@@ -293,6 +293,35 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, scrip
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
 
 
+SPAWNING = """\
+import torch.multiprocessing as mp
+
+
+def work(i):
+    print("worker", i, flush=True)
+
+
+if __name__ == "__main__":
+    mp.spawn(work, nprocs=2)
+"""
+
+
+@pytest.mark.slow
+def test_an_unported_mp_spawn_script_is_one_line_at_two_ranks_and_runs_at_one(tmp_path):
+    """Regression (the porter's seed-001 port): an mp.spawn script run unported under ``ddpkit run --nproc 2``
+    started 2 x 2 processes that hung at the script's rendezvous with no output; refused in one line now, once
+    for the job. At one rank its own processes are the only ones, and it runs as under python."""
+    path = tmp_path / "spawning.py"
+    path.write_text(SPAWNING)
+    two = run_cli("run", "--nproc", "2", str(path), cwd=tmp_path)
+    said = [line for line in two.stderr.splitlines() if "torch.multiprocessing.spawn" in line]
+    assert two.returncode == 2 and len(said) == 1 and "ddpkit run has started 2 already" in said[0], two.stderr
+    assert "Traceback" not in two.stderr, two.stderr
+    one = run_cli("run", "--nproc", "1", str(path), cwd=tmp_path)
+    workers = sorted(line for line in one.stdout.splitlines() if line.startswith("worker"))
+    assert one.returncode == 0 and workers == ["worker 0", "worker 1"], one.stdout + one.stderr
+
+
 @pytest.mark.slow
 def test_a_loop_under_torchrun_stops_and_saves_when_its_agent_is_killed(tmp_path, script):
     """Before, a SIGKILLed torchrun left its workers training on to the end. Each rank's StopSignal notices its

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.abc
 import os
 import runpy
 import sys
 import time
 import traceback
 
-from ..errors import DdpkitError, PeerLost
+from ..errors import ConfigError, DdpkitError, PeerLost
 from . import env as names
 from .child import die_with_launcher
 from .endnotes import note_returned
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` puts it (-m put the cwd)
     sys.excepthook = _uncaught(script, ours)
+    sys.meta_path.insert(0, _SpawnGuard())  # before the script imports torch: its own mp.spawn, refused in one line
     # Registered before the script's own exit handlers, so run after them: a Loop.start()-ed loop's final
     # snapshot and record are written at exit, and the script's work is done only once they are
     returned = []
@@ -57,6 +59,57 @@ def main(argv: list[str]) -> None:
             returned.append(True)
         raise
     returned.append(True)
+
+
+SPAWN_REFUSED = (
+    "the script starts its own ranks (torch.multiprocessing.spawn), and ddpkit run has started {world} already: "
+    "each would start its own, and they would wait for each other at the script's rendezvous for ever. Run it as "
+    "`python SCRIPT`, or port it: ddpkit.launch(fn, *args, nproc=N) is mp.spawn's counterpart, or a ddpkit.Loop "
+    "under ddpkit run (docs/port.md)"
+)
+
+
+class _SpawnGuard(importlib.abc.MetaPathFinder):
+    """``torch.multiprocessing``, once imported, has its ``spawn`` and ``start_processes`` refuse where ``ddpkit run``
+    started more than one rank: an mp.spawn script run unported under ``ddpkit run --nproc 2`` started 2 x 2
+    processes that hung at its rendezvous, with no output (the porter's seed-001 port). At one rank the script's
+    own processes are all there are, and it runs as under ``python``. No import of torch here: the script's own
+    import is the one that runs."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch.multiprocessing":
+            return None
+        for finder in sys.meta_path:
+            found = (
+                finder.find_spec(fullname, path, target)
+                if finder is not self and hasattr(finder, "find_spec")
+                else None
+            )
+            if found is not None and found.loader is not None and hasattr(found.loader, "exec_module"):
+                loader = found.loader
+                run = loader.exec_module
+
+                def exec_module(module, run=run) -> None:
+                    run(module)
+                    for name in ("spawn", "start_processes"):
+                        if callable(getattr(module, name, None)):
+                            setattr(module, name, _refused(getattr(module, name)))
+
+                loader.exec_module = exec_module
+                return found
+        return None
+
+
+def _refused(spawn):
+    def refused(*args, **kwargs):
+        world = int(os.environ.get(names.WORLD_SIZE, "1"))
+        if world > 1:
+            error = ConfigError(SPAWN_REFUSED.format(world=world))
+            error.all_ranks = True  # every rank meets it: said once
+            raise error
+        return spawn(*args, **kwargs)
+
+    return refused
 
 
 def _exit_said(done: SystemExit) -> None:
