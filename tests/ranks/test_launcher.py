@@ -25,6 +25,15 @@ def test_mp_spawn_words_are_mapped_in_one_line_and_a_context_is_not_a_rank():
     so the script's rank-0 work silently never ran."""
     with pytest.raises(ConfigError, match=r"mp.spawn\(fn, args=\(a, b\), nprocs=N\) is launch\(fn, a, b, nproc=N\)"):
         launcher.launch(print, args=(2,), nprocs=2)
+
+    def main(ctx, world_size, epochs):
+        return world_size * epochs
+
+    # a missing argument: before any worker starts, not a TypeError on every rank after
+    with pytest.raises(
+        ConfigError, match=r"main\(ctx, world_size, epochs\) cannot take \(ctx, 2\): missing a required"
+    ):
+        launcher.launch(main, 2, nproc=2)
     ctx = dist.DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError, match=r"compared with the number 0: .* read the rank as ctx.rank"):
         ctx == 0  # noqa: B015 - the comparison is what raises

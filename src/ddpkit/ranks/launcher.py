@@ -249,6 +249,7 @@ def launch(
             f"device=, timeout_s=, max_restarts=); mp.spawn(fn, args=(a, b), nprocs=N) is launch(fn, a, b, "
             f"nproc=N), and fn is called as fn(ctx, a, b) with the rank in ctx.rank"
         )
+    _check_call(fn, args)
     check_timeout_s(timeout_s, "timeout_s")  # 1e30 was an OverflowError on every rank
     refuse_if_importing_main()
     stop_exits_with_its_status()  # a stop of fn's Loop ends the script with 143 and its line
@@ -267,6 +268,28 @@ def launch(
         device_type=resolve_device_type(device),
     )
     return run_workers(_in_process_group, (fn, device, timeout_s, *args), spec)
+
+
+def _check_call(fn: Callable, args: tuple) -> None:
+    """``fn(ctx, *args)`` can be called as written, or one line before any worker starts (before, a missing
+    argument was a TypeError on every rank after the workers had started: the porter's seed-001 port)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read
+        return
+    try:
+        signature.bind(None, *args)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ConfigError(
+            f"ddpkit.launch calls {name}(ctx, *args) on every rank, and {name}{signature} cannot take "
+            f"(ctx, {', '.join(map(_short, args))}): {exc}"
+        ) from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _in_process_group(fn: Callable, device: str, timeout_s: float, *args) -> Any:
