@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import types
 
 import pytest
 import torch
@@ -168,18 +169,22 @@ def main(ctx):
 """
 
 
-def test_a_scripts_code_reads_the_same_in_a_launch_worker_as_in_the_script():
+def test_a_scripts_code_reads_the_same_in_a_launch_worker_as_in_the_script(tmp_path, monkeypatch):
     """Regression (the porter's seed-001 port): a Loop made in ``main(ctx)`` under ``ddpkit.launch`` was read in
     the workers as ``__mp_main__`` (multiprocessing's name for the script there) and at world 1 in the script's
     process as ``__main__``, so a resume at another world size was refused for "global __mp_main__.SCALE removed"
     and "closure __class__ __mp_main__.Net -> __main__.Net"."""
+    script = tmp_path / "my_script.py"
+    script.write_text(SCRIPT_41)
     read = []
     for name in ("__main__", "__mp_main__"):
-        scope = {"__name__": name}
-        exec(compile(SCRIPT_41, "/tmp/my_script.py", "exec"), scope)
-        read.append(code_fingerprint("main", {"loop": scope["main"]}, read_environ=False).parts)
+        module = types.ModuleType(name)
+        module.__file__ = str(script)  # the script as each process has it in sys.modules: yours, not a library's
+        monkeypatch.setitem(sys.modules, name, module)
+        exec(compile(SCRIPT_41, str(script), "exec"), module.__dict__)
+        read.append(code_fingerprint("main", {"loop": module.main}, read_environ=False).parts)
     assert read[0] == read[1]
-    assert "global __main__.SCALE" in read[0], read[0]
+    assert "global __main__.SCALE" in read[0] and "code Net.forward" in read[0], read[0]  # the class read too
 
 
 def test_a_snapshot_whose_code_was_not_read_is_matched_on_the_rest():

@@ -1,6 +1,7 @@
 """--nproc resolution, the CPU thread budget, launch specs and the agent's configuration."""
 
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -34,6 +35,15 @@ def test_mp_spawn_words_are_mapped_in_one_line_and_a_context_is_not_a_rank():
         ConfigError, match=r"main\(ctx, world_size, epochs\) cannot take \(ctx, 2\): missing a required"
     ):
         launcher.launch(main, 2, nproc=2)
+
+    def supplied(fn):
+        @functools.wraps(fn)
+        def wrapper(ctx):
+            return fn(ctx, {"lr": 0.1})
+
+        return wrapper
+
+    launcher._check_call(supplied(lambda ctx, cfg: cfg), ())  # a decorator's argument: its own signature is read
     ctx = dist.DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError, match=r"compared with the number 0: .* read the rank as ctx.rank"):
         ctx == 0  # noqa: B015 - the comparison is what raises

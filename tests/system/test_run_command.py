@@ -315,7 +315,7 @@ def test_an_unported_mp_spawn_script_is_one_line_at_two_ranks_and_runs_at_one(tm
     path.write_text(SPAWNING)
     two = run_cli("run", "--nproc", "2", str(path), cwd=tmp_path)
     said = [line for line in two.stderr.splitlines() if "torch.multiprocessing.spawn" in line]
-    assert two.returncode == 2 and len(said) == 1 and "ddpkit run has started 2 already" in said[0], two.stderr
+    assert two.returncode == 2 and len(said) == 1 and "ddpkit run has started 2 ranks already" in said[0], two.stderr
     assert "Traceback" not in two.stderr, two.stderr
     one = run_cli("run", "--nproc", "1", str(path), cwd=tmp_path)
     workers = sorted(line for line in one.stdout.splitlines() if line.startswith("worker"))

@@ -236,6 +236,7 @@ def launch(
     **unknown: Any,
 ) -> Any:
     """Run ``fn(ctx, *args)`` in ``nproc`` processes, each inside its process group; return rank 0's result.
+    (``unknown``: mp.spawn's keywords in a port, ``args=`` and ``nprocs=``, refused in one line naming these.)
 
     ``ctx`` is a :class:`ddpkit.ranks.context.DistContext` (rank, local_rank, world_size, device,
     backend, and all_reduce/broadcast/all_gather/barrier helpers). The process group is
@@ -274,7 +275,8 @@ def _check_call(fn: Callable, args: tuple) -> None:
     """``fn(ctx, *args)`` can be called as written, or one line before any worker starts (before, a missing
     argument was a TypeError on every rank after the workers had started: the porter's seed-001 port)."""
     try:
-        signature = inspect.signature(fn)
+        # fn's own, not what it wraps: a decorator may supply an argument (functools.wraps sets __wrapped__)
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or C function: no signature to read
         return
     try:
@@ -283,7 +285,7 @@ def _check_call(fn: Callable, args: tuple) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
         raise ConfigError(
             f"ddpkit.launch calls {name}(ctx, *args) on every rank, and {name}{signature} cannot take "
-            f"(ctx, {', '.join(map(_short, args))}): {exc}"
+            f"({', '.join(['ctx', *map(_short, args)])}): {exc}"
         ) from None
 
 
@@ -308,19 +310,20 @@ def check_returnable(result: Any, ctx) -> None:
         problem = None
     except Exception as exc:  # noqa: BLE001 - pickle raises TypeError, AttributeError, PicklingError, ...
         problem = f"a {type(result).__module__}.{type(result).__qualname__} ({type(exc).__name__}: {exc})"
-    problems = [problem]
-    # (fn destroyed its group itself, as an mp.spawn script's main ends: each rank says its own then)
-    if ctx.world_size > 1 and torch.distributed.is_initialized():
+    gathered = ctx.world_size > 1 and torch.distributed.is_initialized()
+    if gathered:
         problems = [None] * ctx.world_size
         torch.distributed.all_gather_object(problems, problem)
-    bad = [(rank, p) for rank, p in enumerate(problems) if p]
+        bad = [(rank, p) for rank, p in enumerate(problems) if p]
+    else:  # one rank, or fn destroyed its group itself (an mp.spawn script's main ends so): this rank's own
+        bad = [(ctx.rank, problem)] if problem else []
     if bad:
         rank, what = bad[0]
         error = ConfigError(
             f"rank {rank}'s return value cannot be sent back to the launcher: {what} does not pickle; "
             f"return plain data (numbers, strings, tensors, lists and dicts of them)"
         )
-        error.all_ranks = True  # every rank knows it from the gather: said once, by the launcher
+        error.all_ranks = gathered  # every rank knows it from the gather: said once, by the launcher
         raise error
 
 

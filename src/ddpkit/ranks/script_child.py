@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.abc
 import os
 import runpy
@@ -45,7 +46,13 @@ def main(argv: list[str]) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` puts it (-m put the cwd)
     sys.excepthook = _uncaught(script, ours)
-    sys.meta_path.insert(0, _SpawnGuard())  # before the script imports torch: its own mp.spawn, refused in one line
+    # Before the script imports torch: its own mp.spawn refused in one line, where this run started several ranks
+    # (the world as ddpkit run started it, read now: the script may set WORLD_SIZE itself for its own processes)
+    world = int(os.environ.get(names.WORLD_SIZE, "1"))
+    if world > 1 and "torch.multiprocessing" in sys.modules:  # imported already (a process that preloaded torch)
+        _refuse_spawn(sys.modules["torch.multiprocessing"], world)
+    elif world > 1:
+        sys.meta_path.insert(0, _SpawnGuard(world))
     # Registered before the script's own exit handlers, so run after them: a Loop.start()-ed loop's final
     # snapshot and record are written at exit, and the script's work is done only once they are
     returned = []
@@ -62,54 +69,64 @@ def main(argv: list[str]) -> None:
 
 
 SPAWN_REFUSED = (
-    "the script starts its own ranks (torch.multiprocessing.spawn), and ddpkit run has started {world} already: "
-    "each would start its own, and they would wait for each other at the script's rendezvous for ever. Run it as "
-    "`python SCRIPT`, or port it: ddpkit.launch(fn, *args, nproc=N) is mp.spawn's counterpart, or a ddpkit.Loop "
-    "under ddpkit run (docs/port.md)"
+    "the script starts its own processes with torch.multiprocessing.spawn, as an mp.spawn script starts its ranks, "
+    "and ddpkit run has started {world} ranks already: each would start its own, and they would wait for each "
+    "other at the script's rendezvous for ever. Run it as `python SCRIPT`, or port it: ddpkit.launch(fn, *args, "
+    "nproc=N) is mp.spawn's counterpart, or a ddpkit.Loop under ddpkit run (docs/port.md); processes that are not "
+    "ranks, start them with Python's multiprocessing"
 )
 
 
 class _SpawnGuard(importlib.abc.MetaPathFinder):
-    """``torch.multiprocessing``, once imported, has its ``spawn`` and ``start_processes`` refuse where ``ddpkit run``
-    started more than one rank: an mp.spawn script run unported under ``ddpkit run --nproc 2`` started 2 x 2
-    processes that hung at its rendezvous, with no output (the porter's seed-001 port). At one rank the script's
-    own processes are all there are, and it runs as under ``python``. No import of torch here: the script's own
-    import is the one that runs."""
+    """Installed where ``ddpkit run`` started more than one rank: ``torch.multiprocessing``, once imported, has its
+    ``spawn`` refuse. An mp.spawn script run unported under ``ddpkit run --nproc 2`` started 2 x 2 processes that
+    hung at its rendezvous, with no output (the porter's seed-001 port). At one rank the script's own processes are
+    all there are, and it runs as under ``python``. No import of torch here: the script's own import is the one
+    that runs; this finder answers that one import and leaves ``sys.meta_path`` (``start_processes``, which torch's
+    elastic agent also uses, is left as it is)."""
+
+    def __init__(self, world: int):
+        self.world = world
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "torch.multiprocessing":
             return None
+        sys.meta_path.remove(self)  # once: the module is imported once
         for finder in sys.meta_path:
-            found = (
-                finder.find_spec(fullname, path, target)
-                if finder is not self and hasattr(finder, "find_spec")
-                else None
-            )
+            found = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if found is not None and found.loader is not None and hasattr(found.loader, "exec_module"):
-                loader = found.loader
-                run = loader.exec_module
-
-                def exec_module(module, run=run) -> None:
-                    run(module)
-                    for name in ("spawn", "start_processes"):
-                        if callable(getattr(module, name, None)):
-                            setattr(module, name, _refused(getattr(module, name)))
-
-                loader.exec_module = exec_module
+                found.loader = _Refusing(found.loader, self.world)  # a loader of this spec alone: none shared
                 return found
         return None
 
 
-def _refused(spawn):
-    def refused(*args, **kwargs):
-        world = int(os.environ.get(names.WORLD_SIZE, "1"))
-        if world > 1:
-            error = ConfigError(SPAWN_REFUSED.format(world=world))
-            error.all_ranks = True  # every rank meets it: said once
-            raise error
-        return spawn(*args, **kwargs)
+class _Refusing(importlib.abc.Loader):
+    """``loader``'s module, with its ``spawn`` refusing (:data:`SPAWN_REFUSED`)."""
 
-    return refused
+    def __init__(self, loader, world: int):
+        self.loader, self.world = loader, world
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _refuse_spawn(module, self.world)
+
+
+def _refuse_spawn(module, world: int) -> None:
+    """``module`` (``torch.multiprocessing``) with its ``spawn`` refusing (:data:`SPAWN_REFUSED`)."""
+    spawn = getattr(module, "spawn", None)
+    if not callable(spawn):
+        return
+
+    @functools.wraps(spawn)
+    def refused(*args, **kwargs):
+        error = ConfigError(SPAWN_REFUSED.format(world=world))
+        error.all_ranks = True  # every rank meets it: said once
+        raise error
+
+    module.spawn = refused
 
 
 def _exit_said(done: SystemExit) -> None:
