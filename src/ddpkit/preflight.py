@@ -118,7 +118,12 @@ def preflight(
     cfg = dataclasses.replace(cfg, **{k: fp.tag for k, fp in found.items()}).named()
     if splits.meta is None and model is None:
         raise ConfigError("pass model=... (or meta=...) with a Dataset that is not an ImageData")
-    if splits.test is None or len(splits.test) == 0:
+    if splits.test is None:  # (not "empty": the split is missing, the porter's seed-004 port read it as emptied)
+        raise ConfigError(
+            f"{cfg.dataset} has no test split: pass test_data= to Trainer (each epoch ends with its evaluation, and "
+            f"its accuracy is the run's result), or return (train, test) from a --dataset function"
+        )
+    if len(splits.test) == 0:
         raise DataError(
             f"the test set of {cfg.dataset} is empty: there is nothing to evaluate on. Give at least "
             f"one test sample (check --limit-test, or pass test_data)"
@@ -440,6 +445,15 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         x = first_tensor(batch)
         shape = list(x.shape) if x is not None else "?"
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+        narrow = (torch.int8, torch.int16, torch.int32)
+        if isinstance(task, Classification) and isinstance(labels, torch.Tensor) and labels.dtype in narrow:
+            # Not the model's fault: the classification loss takes int64 class indices (the porter's seed-004
+            # port: int32 labels were said as "model ... fails on a batch")
+            raise DataError(
+                f"the labels of {cfg.dataset} are {labels.dtype}: the classification loss needs int64 class "
+                f"indices; return them as torch.long from your dataset (y.long()). ({type(exc).__name__}: {first})"
+            ) from None
         step = "model" if isinstance(task, Classification) else f"{task.identity} step with model"
         raise ConfigError(
             f"{step} {cfg.model} fails on a batch of {cfg.dataset} (input {shape}): {type(exc).__name__}: {first}"

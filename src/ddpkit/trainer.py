@@ -112,6 +112,13 @@ class Trainer:
         collate_fn: Callable | None = None,
         val_data: Dataset | None = None,
     ):
+        # First: a bad argument met here (a ConfigError) ends an uncaught script in one line and exit 2, as the same
+        # error does in fit(); it was a traceback and 1 (the porter's seed-004 port)
+        stop_exits_with_its_status()
+        if isinstance(model, type):  # the class, not a model: its state_dict() failed deep in the identity's read
+            raise ConfigError(
+                f"model= is the class {model.__qualname__}, not a model: pass an instance, {model.__qualname__}(...)"
+            )
         cfg = config or TrainConfig()
         model, train_data, test_data, meta, collate_fn = by_import_path(
             cfg, model, train_data, test_data, meta, collate_fn

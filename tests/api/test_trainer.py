@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from clirun import run_cli, run_python
+from torch.utils.data import TensorDataset
 from user_code import (
     CharModel,
     DictData,
@@ -26,7 +27,7 @@ from user_code import (
 )
 
 from ddpkit import TrainConfig, Trainer
-from ddpkit.errors import ConfigError, RunDirError, TaskError
+from ddpkit.errors import ConfigError, DataError, RunDirError, TaskError
 from ddpkit.models import ConvNet
 
 SMALL = dict(batch_size=32, epochs=2, lr=0.05, progress=False, device="cpu", num_workers=0, log_every=5)
@@ -84,6 +85,40 @@ def test_sequence_logits_under_the_default_task_are_one_line_before_launch(tmp_p
     )
     with pytest.raises(TaskError, match=r"output has shape \[2, 8, 11\]; the default classification task needs"):
         trainer.fit()
+
+
+@pytest.mark.multiprocess  # (fit() starts the forkserver early, before its checks)
+def test_newcomer_mistakes_with_a_toy_model_are_one_line_naming_the_mistake(tmp_path):
+    """Regressions (the porter's seed-004 port, appendix A's toy): the model's class passed for a model was a
+    TypeError from deep in the identity's read; int32 labels were said as the model failing on a batch; no
+    test_data was "the test set ... is empty". Each is now one line naming what to change, before launch."""
+    x = torch.randn(64, 2)
+    labels = torch.tensor([0, 1] * 32)
+    cfg = TrainConfig(nproc="2", run_dir=str(tmp_path / "r"), **SMALL)
+    toy = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"model= is the class Sequential, not a model: pass an instance"):
+        Trainer(cfg, model=torch.nn.Sequential, train_data=TensorDataset(x, labels), test_data=TensorDataset(x, labels))
+    narrow = TensorDataset(x, labels.int())
+    with pytest.raises(DataError, match=r"labels of custom:\S+ are torch.int32: .* return them as torch.long"):
+        Trainer(cfg, model=toy, train_data=narrow, test_data=narrow).fit()
+    with pytest.raises(ConfigError, match=r"has no test split: pass test_data= to Trainer"):
+        Trainer(cfg, model=toy, train_data=TensorDataset(x, labels)).fit()
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_config_error_in_trainers_constructor_ends_a_script_in_one_line(tmp_path):
+    """Regression (the porter's seed-004 port): a ConfigError raised while Trainer(...) was built ended an uncaught
+    script in a traceback and exit 1, where the same class raised in fit() is one line and exit 2."""
+    script = tmp_path / "mistake.py"
+    script.write_text(
+        "import torch\nfrom ddpkit import TrainConfig, Trainer\n"
+        "opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.5)\n"
+        "Trainer(TrainConfig(lr=0.1), model=torch.nn.Linear(2, 2), optimizer=opt)\n"
+    )
+    proc = run_python(script, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("you pass your own optimizer, so the config's lr would be ignored") == 1, proc.stderr
 
 
 def TensorDatasetOfTokens():
