@@ -292,14 +292,7 @@ def past_the_epochs(cfg: TrainConfig, splits: DataSplits, world: int) -> str:
 def agent_started_at() -> float:
     """When this worker's parent (torchrun's elastic agent, which restarts the workers) started, in seconds
     since the epoch; infinity where unknown. A finished run written after it is this job's own."""
-    try:
-        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
-        boot = next(
-            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:6] == "btime "
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return float("inf")
+    return env.process_started_at(os.getppid())
 
 
 def check_validation(cfg: TrainConfig, splits: DataSplits) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -9,7 +12,9 @@ from ddpkit.config import TrainConfig
 from ddpkit.data import load_dataset
 from ddpkit.models import build_model
 from ddpkit.ranks.context import distributed
+from ddpkit.ranks.env import process_started_at
 from ddpkit.train.engine import Engine
+from ddpkit.train.report import startup_seconds
 from ddpkit.train.task import Classification
 
 
@@ -287,3 +292,14 @@ def test_the_test_loss_of_a_float64_run_is_computed_in_float64(tmp_path):
     assert result["test_samples"] == len(y) == 51
     assert abs(result["test_loss"] - ref) <= 1e-15 * ref, (result["test_loss"], ref)
     assert in_float32 != ref  # what the float32 path gave is told apart
+
+
+def test_startup_after_a_restart_in_the_job_is_this_attempts_own():
+    """Regression (the porter's seed-004 port): after the agent restarted the workers (--max-restarts), summary.json's
+    startup_s ran from the job's launch, so it held the first attempt's whole training (21 s for a 2 s start)."""
+    assert startup_seconds(100.0, 103.5, 0, 150.0) == 3.5  # the first attempt: from the launch
+    assert startup_seconds(100.0, 153.0, 1, 150.0) == 3.0  # a restart: from its own process's start
+    assert startup_seconds(100.0, 153.0, 1, float("inf")) is None  # unknown: no figure rather than a wrong one
+    assert startup_seconds(None, 103.5, 0, 150.0) is None
+    here = process_started_at(os.getpid())  # the real reader, on this process: started before now, and not long ago
+    assert time.time() - 86400 < here <= time.time() + 1

@@ -335,3 +335,16 @@ def replica_group(env: Mapping[str, str] = os.environ) -> tuple[int, str, str] |
         return None
     index = int_var(env, REPLICA, "a replica group's index", "it is ddpkit's own: unset it", low=0)
     return index, env.get(LIGHTHOUSE, ""), env.get(REPLICA_STORE, "")
+
+
+def process_started_at(pid: int) -> float:
+    """When process ``pid`` started, in seconds since the epoch (Linux's /proc: field 22 of its stat, clock ticks
+    after boot); infinity where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line[:6] == "btime ")
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("inf")
