@@ -121,7 +121,7 @@ def preflight(
     if splits.test is None:  # (not "empty": the split is missing, the porter's seed-004 port read it as emptied)
         raise ConfigError(
             f"{cfg.dataset} has no test split: pass test_data= to Trainer (each epoch ends with its evaluation, and "
-            f"its accuracy is the run's result), or return (train, test) from a --dataset function"
+            f"its accuracy is the run's result)"
         )
     if len(splits.test) == 0:
         raise DataError(
@@ -440,7 +440,14 @@ def check_one_batch(model: nn.Module, splits: DataSplits, task: Task, cfg: Train
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
         narrow = (torch.int8, torch.int16, torch.int32)
-        if isinstance(task, Classification) and isinstance(labels, torch.Tensor) and labels.dtype in narrow:
+        # (the loss's own complaint about the target's type only: a model's error with such labels is the model's)
+        about_target = "target" in first.lower() or "expected scalar type long" in first.lower()
+        if (
+            isinstance(task, Classification)
+            and isinstance(labels, torch.Tensor)
+            and labels.dtype in narrow
+            and about_target
+        ):
             # Not the model's fault: the classification loss takes int64 class indices (the porter's seed-004
             # port: int32 labels were said as "model ... fails on a batch")
             raise DataError(

@@ -101,6 +101,9 @@ def test_newcomer_mistakes_with_a_toy_model_are_one_line_naming_the_mistake(tmp_
     narrow = TensorDataset(x, labels.int())
     with pytest.raises(DataError, match=r"labels of custom:\S+ are torch.int32: .* return them as torch.long"):
         Trainer(cfg, model=toy, train_data=narrow, test_data=narrow).fit()
+    wrong = torch.nn.Sequential(torch.nn.Linear(3, 2))  # the model's own error, int32 labels or not: the model's
+    with pytest.raises(ConfigError, match=r"fails on a batch of custom:\S+ \(input \[2, 2\]\): RuntimeError: mat1"):
+        Trainer(cfg, model=wrong, train_data=narrow, test_data=narrow).fit()
     with pytest.raises(ConfigError, match=r"has no test split: pass test_data= to Trainer"):
         Trainer(cfg, model=toy, train_data=TensorDataset(x, labels)).fit()
     assert not (tmp_path / "r").exists()

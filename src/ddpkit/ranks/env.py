@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Mapping
 
 from ..errors import ConfigError
@@ -339,12 +340,12 @@ def replica_group(env: Mapping[str, str] = os.environ) -> tuple[int, str, str] |
 
 def process_started_at(pid: int) -> float:
     """When process ``pid`` started, in seconds since the epoch (Linux's /proc: field 22 of its stat, clock ticks
-    after boot); infinity where unknown."""
+    after boot, set against the boot clock now: /proc/stat's ``btime`` is whole seconds, up to 1 s early, the size
+    of the start-ups this times); infinity where unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line[:6] == "btime ")
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
         return float("inf")

@@ -562,8 +562,8 @@ def stop_exits_with_its_status() -> None:
     """From now on, a ddpkit error that reaches the top of the user's script uncaught ends it as the CLI
     does: its one line, once, and its exit status (a :class:`Stopped`: 143, 138 for SIGUSR1, 130 for Ctrl-C;
     a bad config: 2), not a traceback and status 1. Any other exception, and any in an interactive session
-    (which a stop must not end), goes to the hook that was there. Installed once per process, by
-    ``Trainer.fit()``, ``Loop`` and ``launch()``: a stop is how a preempted job is meant to end, and schedulers
+    (which a stop must not end), goes to the hook that was there. Installed once per process, by ``Trainer()``
+    (and its ``fit()``), ``Loop`` and ``launch()``: a stop is how a preempted job is meant to end, and schedulers
     read its status; from Python the error is raised as it is, for a caller to catch."""
     if _STOP_HOOK[0]:
         return

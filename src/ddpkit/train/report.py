@@ -73,9 +73,13 @@ def summary(e: Engine, result: dict, per_rank: list[dict]) -> dict:
 
 def startup_seconds(t0: float | None, first_step_at: float | None, restarts: int, process_start: float) -> float | None:
     """summary.json's ``startup_s``: from the launch (``t0``) to this attempt's first step; after a restart inside
-    the job (the agent's, ``--max-restarts``), from this attempt's process start, which the agent made then: the
-    launch's time also held the first attempt's training (21 s in the porter's seed-004 run, for a 2 s start)."""
-    start = t0 if restarts == 0 else (process_start if process_start != float("inf") else None)
+    the job (the agent's, ``--max-restarts``), from this attempt's own start: its process's, which the agent made
+    then, where ``t0`` is the job's launch handed down by ddpkit's launcher (it held the first attempt's training:
+    21 s in the porter's seed-004 run, for a 0.4 s start); ``t0`` where it is later (a script under torchrun calls
+    fit() again in each attempt, and times it from there, as its first attempt is)."""
+    if restarts and process_start == float("inf"):
+        return None  # unknown: no figure rather than a wrong one
+    start = t0 if not restarts or t0 is None else max(t0, process_start)
     return round(first_step_at - start, 3) if start and first_step_at else None
 
 
