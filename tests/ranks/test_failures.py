@@ -141,3 +141,28 @@ def test_of_two_ranks_lines_the_launcher_says_the_timeout_not_the_peer_it_broke(
     failures = {rank: types.SimpleNamespace(error_file=str(path), exitcode=3) for rank, path in files.items()}
     said = launch_failure(failures, 6.0)
     assert isinstance(said, CollectiveTimeout) and "the barrier timed out" in str(said)
+
+
+def test_an_error_file_is_whole_or_not_there_when_its_rank_is_stopped_while_writing_it(tmp_path, monkeypatch):
+    """Regression (a clean-clone run): the error file was opened in place, so a rank stopped between the
+    truncation and the write (the agent's SIGTERM to a rank filing a lost peer) left an empty file, and torch's
+    agent failed reading it with a JSONDecodeError traceback wall instead of the job's one line."""
+    import json
+
+    from ddpkit.ranks import env, failures
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(env.ERROR_FILE, str(path))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # what a stop signal's handler raises, between the open and the write
+
+    monkeypatch.setattr(failures.json, "dump", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        failures.write_error_file("rank 0: lost a peer", False, 4, consequence=True)
+    assert not path.exists()  # not an empty file for the agent to choke on
+    monkeypatch.undo()
+    monkeypatch.setenv(env.ERROR_FILE, str(path))
+    failures.write_error_file("rank 0: lost a peer", False, 4, consequence=True)
+    assert json.loads(path.read_text())["message"] == "rank 0: lost a peer"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]

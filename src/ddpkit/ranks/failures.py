@@ -203,11 +203,17 @@ def write_error_file(
         # cause (the JSON's "timestamp", torch's, is whole seconds)
         "at": time.time(),
     }
+    # Whole or not at all: written aside and renamed. Opened in place, a rank stopped between the truncation and the
+    # write (the agent's SIGTERM to a rank that was filing a lost peer) left an empty file, and torch's agent failed
+    # reading it with a JSONDecodeError traceback in place of the job's one line (a clean-clone run, 2026-11-29)
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as fh:
+        with open(tmp, "w") as fh:
             json.dump({"message": first, "timestamp": int(time.time()), "ddpkit": ddpkit}, fh)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def _note_cause(rank: int) -> None:
