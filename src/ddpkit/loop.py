@@ -69,7 +69,7 @@ from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
 from .train.strategy import strategy_for
-from .train.syncbn import convert_sync_batchnorm
+from .train.syncbn import convert_sync_batchnorm, per_rank_batchnorm
 
 STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
 
@@ -414,7 +414,7 @@ class Loop:
             self._restore_metrics(saved["rank_state"] or {})
             return
         self._reset = list(per_rank)
-        plain_bn = report.plain_batchnorm(models)  # a wrapped model's BatchNorm, not synced: said, with its cost
+        plain_bn = per_rank_batchnorm(models)  # a wrapped model's BatchNorm, not synced: said, with its cost
         self.print(
             report.loop_elastic_line(self.state.step, saved["world_size"], self.ctx.world_size, per_rank, plain_bn),
             file=sys.stderr,

@@ -155,9 +155,9 @@ def test_an_error_file_is_whole_or_not_there_when_its_rank_is_stopped_while_writ
     monkeypatch.setenv(env.ERROR_FILE, str(path))
 
     def stopped(*args, **kwargs):
-        raise KeyboardInterrupt  # what a stop signal's handler raises, between the open and the write
+        raise KeyboardInterrupt  # what a stop signal's handler raises, once the file is open and written to
 
-    monkeypatch.setattr(failures.json, "dump", stopped)
+    monkeypatch.setattr(failures.os, "fsync", stopped)
     with pytest.raises(KeyboardInterrupt):
         failures.write_error_file("rank 0: lost a peer", False, 4, consequence=True)
     assert not path.exists()  # not an empty file for the agent to choke on

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .. import errors
 from ..errors import AlreadyReported, CollectiveTimeout, ConfigError, DdpkitError, PeerLost, Stopped, WorkersFailed
+from ..files import atomic_write
 from . import env
 
 CONSEQUENCES = (CollectiveTimeout, PeerLost)  # what a rank meets when another fails
@@ -203,17 +204,12 @@ def write_error_file(
         # cause (the JSON's "timestamp", torch's, is whole seconds)
         "at": time.time(),
     }
-    # Whole or not at all: written aside and renamed. Opened in place, a rank stopped between the truncation and the
-    # write (the agent's SIGTERM to a rank that was filing a lost peer) left an empty file, and torch's agent failed
+    # Whole or not at all (files.atomic_write). Opened in place, a rank stopped between the truncation and the write
+    # (the agent's SIGTERM to a rank that was filing a lost peer) left an empty file, and torch's agent failed
     # reading it with a JSONDecodeError traceback in place of the job's one line (a clean-clone run, 2026-11-29)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as fh:
-            json.dump({"message": first, "timestamp": int(time.time()), "ddpkit": ddpkit}, fh)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+    data = json.dumps({"message": first, "timestamp": int(time.time()), "ddpkit": ddpkit}).encode()
+    with contextlib.suppress(errors.RunDirError):  # (an OSError, said as one): the launcher then says what it saw
+        atomic_write(Path(path), data)
 
 
 def _note_cause(rank: int) -> None:

@@ -13,12 +13,12 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from ..ranks import env
 from ..run.rundir import unproven
 from .ddp import ddp_timers
 from .metrics import DIVERGED_RATIO, means, peak_memory_mb
+from .syncbn import per_rank_batchnorm
 from .task import Classification
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def elastic_line(e: Engine, old_world: int) -> str:
     # a collate_fn's draws are keyed by rank and batch (data/seeds.py); __getitem__'s by sample: the same
     if e.train_src.path == "dataloader" and e.train_src.draws_by_batch:
         caveats.append("random draws in your collate_fn (or __getitems__) follow each rank's new batches")
-    if plain_batchnorm([e.raw]) and not e.cfg.sync_bn:
+    if per_rank_batchnorm([e.raw]) and not e.cfg.sync_bn:
         caveats.append(
             "BatchNorm without --sync-bn normalises each rank's share of the batch, now "
             f"{e.per_rank_batch // e.accum} samples"
@@ -180,16 +180,6 @@ def divergence_line(e: Engine, loss: float) -> str:
         f"{DIVERGED_RATIO:g}x its first logged {e.watch.first_loss:.4g}. The likely cause is the learning "
         f"rate ({e.lr_policy}) for a global batch of {e.cfg.batch_size}: try a lr several times lower"
         f" (--lr, or your optimizer's), or a longer warm-up (--warmup-frac)"
-    )
-
-
-def plain_batchnorm(modules: list[nn.Module]) -> bool:
-    """Whether any of ``modules`` holds a BatchNorm that normalises over each rank's own batch (not SyncBatchNorm):
-    the statistics, and so the run, then depend on the world size."""
-    return any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-        for module in modules
-        for m in module.modules()
     )
 
 

@@ -137,6 +137,16 @@ PLAIN_BATCHNORM = (
 )
 
 
+def per_rank_batchnorm(modules: list[nn.Module]) -> bool:
+    """Whether any of ``modules`` holds a BatchNorm that normalises over each rank's own batch (neither torch's
+    SyncBatchNorm nor ddpkit's AllReduceBatchNorm): its statistics, and so the run, depend on the world size."""
+    return any(
+        isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, AllReduceBatchNorm))
+        for module in modules
+        for m in module.modules()
+    )
+
+
 def only_batchnorm_buffers(model: nn.Module) -> bool:
     """Whether every buffer of ``model`` is a running statistic of a plain BatchNorm.
 
