@@ -53,10 +53,12 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: s
     return f"cannot write {path}: {exc.strerror or exc}"
 
 
-def atomic_write(path: Path, data: bytes, flag: str = "--run-dir", moment=None) -> None:
+def atomic_write(path: Path, data: bytes, flag: str = "--run-dir", moment=None, durable: bool = True) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync and rename; on failure remove the
     temporary file and raise a one-line RunDirError (the old ``path``, if any, is untouched). ``moment``
-    (a test hook: run/checkpoint.py's kill-anywhere tests) is called with the name of each point passed."""
+    (a test hook: run/checkpoint.py's kill-anywhere tests) is called with the name of each point passed.
+    ``durable=False``: no fsync, for a file read back on this machine by a process that outlives a crash of
+    this one only (a rank's error file, written as the agent may be about to kill the rank: fast matters)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     moment = moment or (lambda name: None)
@@ -71,15 +73,17 @@ def atomic_write(path: Path, data: bytes, flag: str = "--run-dir", moment=None) 
             fh.write(view[half:])
             fh.flush()
             moment("written")
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         moment("fsynced")
         os.replace(tmp, path)
         moment("renamed")
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        if durable:
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # make the rename itself durable
+            finally:
+                os.close(dir_fd)
         moment("dir-synced")
     except OSError as exc:
         try:

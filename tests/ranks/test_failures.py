@@ -157,7 +157,7 @@ def test_an_error_file_is_whole_or_not_there_when_its_rank_is_stopped_while_writ
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt  # what a stop signal's handler raises, once the file is open and written to
 
-    monkeypatch.setattr(failures.os, "fsync", stopped)
+    monkeypatch.setattr(failures.os, "replace", stopped)
     with pytest.raises(KeyboardInterrupt):
         failures.write_error_file("rank 0: lost a peer", False, 4, consequence=True)
     assert not path.exists()  # not an empty file for the agent to choke on

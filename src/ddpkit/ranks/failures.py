@@ -209,7 +209,7 @@ def write_error_file(
     # reading it with a JSONDecodeError traceback in place of the job's one line (a clean-clone run, 2026-11-29)
     data = json.dumps({"message": first, "timestamp": int(time.time()), "ddpkit": ddpkit}).encode()
     with contextlib.suppress(errors.RunDirError):  # (an OSError, said as one): the launcher then says what it saw
-        atomic_write(Path(path), data)
+        atomic_write(Path(path), data, durable=False)  # (no fsync: written in a race with the agent's kill)
 
 
 def _note_cause(rank: int) -> None:
