@@ -166,3 +166,40 @@ def test_an_error_file_is_whole_or_not_there_when_its_rank_is_stopped_while_writ
     failures.write_error_file("rank 0: lost a peer", False, 4, consequence=True)
     assert json.loads(path.read_text())["message"] == "rank 0: lost a peer"
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_a_timeout_filed_after_the_peer_it_broke_is_not_silenced_by_that_peer(tmp_path, monkeypatch):
+    """Regression (a clean clone of 9b0d5d2, test_hangwatch[extra], exit 4 for 3): rank 1's collective timed out
+    and gloo closed its connections; rank 0's barrier broke at once ("Connection closed by peer") and rank 0 filed
+    its lost peer first, which marked the job's cause as said in the store. Rank 1 then found a cause said, filed
+    its timeout as quiet, and the launcher, which skips quiet lines, said the lost peer (exit 4), not the timeout
+    that caused it (exit 3). A lost peer is a consequence: it silences another lost peer, never a timeout."""
+    import types
+
+    from ddpkit.ranks import env
+    from ddpkit.ranks.failures import launch_failure, report_failure, worker_failure
+
+    monkeypatch.setenv(env.LAUNCHER_PID, "1")  # under ddpkit's launcher: a lost peer is left to it (deferred)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # the job's store, as both ranks see it
+    try:
+        files = {rank: tmp_path / str(rank) / "error.json" for rank in (0, 1)}
+        broke = {
+            0: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
+            1: RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms for recv"),
+        }
+        said = {}
+        for rank in (0, 1):  # rank 0's lost peer is filed first
+            files[rank].parent.mkdir()
+            monkeypatch.setenv(env.ERROR_FILE, str(files[rank]))
+            said[rank] = worker_failure(broke[rank], 2, 6.0)
+            report_failure(said[rank], rank)
+        assert isinstance(said[0], PeerLost) and isinstance(said[1], CollectiveTimeout)
+        assert not said[1].quiet
+        # a second lost peer (a third rank) is still one line for the job
+        assert worker_failure(RuntimeError(str(broke[0])), 2, 6.0).quiet
+    finally:
+        dist.destroy_process_group()
+    failures = {rank: types.SimpleNamespace(error_file=str(path), exitcode=4 - rank) for rank, path in files.items()}
+    job = launch_failure(failures, 6.0)
+    assert isinstance(job, CollectiveTimeout) and job.exit_code == 3, job

@@ -45,6 +45,8 @@ PEER_WAIT_S = 5.0  # under torchrun, how long a rank other than 0 leaves rank 0 
 # inside the training loop, where SIGTERM is only noted, costs the job this second.
 CONSEQUENCE_EXIT_DELAY_S = 1.0
 _CAUSE_KEY = "ddpkit/cause-reported"
+# Set instead by a rank that filed a lost peer: it silences another lost peer, never a timeout (see worker_failure)
+_LOST_KEY = "ddpkit/peer-lost-reported"
 _SAID_KEY = "ddpkit/said"  # + an error's checksum: how many ranks met it (_first_to_say)
 
 
@@ -95,7 +97,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
         # it, filed_for_launcher): the launcher says it once. Rewriting the file here marked it printed, and the
         # job ended with its exit status and no line at all
         if not quiet:
-            _note_cause(rank)
+            _note_cause(rank, exc)
         exc.reported, exc.deferred = True, False
         return
     consequence = isinstance(exc, CONSEQUENCES)
@@ -123,7 +125,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
                 sys.stderr.flush()
         line, code = f"rank {rank} raised {type(exc).__name__}: {exc}", 1
     if not quiet:
-        _note_cause(rank)
+        _note_cause(rank, exc)
     write_error_file(
         line,
         quiet,
@@ -164,11 +166,14 @@ def worker_failure(exc: BaseException, world_size: int, timeout_s: float) -> Bas
     """What a rank raises when its work raised ``exc``: a broken collective said in the user's
     terms (quiet if another rank already said why), reported before the group is torn down."""
     user_error = (unused_parameters(exc) or comm_failure(exc, timeout_s)) if isinstance(exc, RuntimeError) else None
-    if isinstance(user_error or exc, (PeerLost, CollectiveTimeout)):
+    said = user_error or exc
+    if isinstance(said, (PeerLost, CollectiveTimeout)):
         # Another rank's failure reached this one as a broken collective. If that rank said why,
-        # this rank stays quiet: one line for one cause.
-        (user_error or exc).quiet = world_size > 1 and cause_reported()
-    return user_error or exc
+        # this rank stays quiet: one line for one cause. A lost peer said first is not a why for a timeout: in a
+        # hang, the rank that timed out closes its connections, which breaks its peer's collective at once, and
+        # that peer can file its lost peer first (a clean-clone run: the job said exit 4, not the timeout's 3)
+        said.quiet = world_size > 1 and cause_reported(lost_peer=isinstance(said, PeerLost))
+    return said
 
 
 def write_error_file(
@@ -212,22 +217,27 @@ def write_error_file(
         atomic_write(Path(path), data, durable=False)  # (no fsync: written in a race with the agent's kill)
 
 
-def _note_cause(rank: int) -> None:
-    """Tell the job (through the process group's store) that this rank prints why it failed."""
+def _note_cause(rank: int, exc: BaseException) -> None:
+    """Tell the job (through the process group's store) that this rank says why it failed: ``exc``, under its
+    own key when it is a lost peer (which silences only other lost peers)."""
     import torch.distributed as dist
 
     try:
-        dist.distributed_c10d._get_default_store().set(_CAUSE_KEY, str(rank))
+        dist.distributed_c10d._get_default_store().set(
+            _LOST_KEY if isinstance(exc, PeerLost) else _CAUSE_KEY, str(rank)
+        )
     except Exception:  # the store may be gone with a dead peer: then the others speak for themselves
         pass
 
 
-def cause_reported() -> bool:
-    """Whether another rank already said why the job failed (a non-blocking store check)."""
+def cause_reported(lost_peer: bool = True) -> bool:
+    """Whether another rank already said why the job failed (a non-blocking store check); ``lost_peer``: a
+    rank's lost peer counts."""
     import torch.distributed as dist
 
     try:
-        return dist.distributed_c10d._get_default_store().check([_CAUSE_KEY])
+        store = dist.distributed_c10d._get_default_store()
+        return store.check([_CAUSE_KEY]) or (lost_peer and store.check([_LOST_KEY]))
     except Exception:
         return False
 
