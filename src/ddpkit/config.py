@@ -12,13 +12,16 @@ written to ``config.toml`` and into every snapshot is exactly what ran.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import hashlib
+import inspect
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import tomli_w
 
@@ -749,8 +752,6 @@ class TrainConfig:
         names = set(section_of)
         unknown = sorted(set(flat) - names)
         if unknown:
-            import difflib
-
             near = {k: difflib.get_close_matches(k, names, 1) for k in unknown}
             hints = [f"{k} (did you mean {m[0]}?)" if m else k for k, m in near.items()]
             raise ConfigError(
@@ -1010,3 +1011,32 @@ def _choose(value: Any, choices: tuple[str, ...]) -> str:
     near = difflib.get_close_matches(str(value), choices, 1) if isinstance(value, str) else []
     listed = f"choose one of {', '.join(choices)}"
     return f"did you mean {near[0]!r}? ({listed})" if near else listed
+
+
+def keywords_checked(init: Callable | None = None, *, first: Callable[[], None] | None = None) -> Callable:
+    """``init`` (a public class's ``__init__``) raising :class:`ConfigError` for a keyword it does not take, with
+    the nearest it does: Python's own TypeError names the keyword alone, with no hint (``Loop(log_evry=10)``),
+    and it was a traceback per rank. ``first``: called before that error is raised (``Loop``'s hook that makes an
+    uncaught ddpkit error one line under torchrun, which ``init`` itself installs first thing). Its signature,
+    for ``help()`` and editors, is ``init``'s. ``@keywords_checked`` or ``@keywords_checked(first=...)``."""
+    if init is None:
+        return functools.partial(keywords_checked, first=first)
+    params = list(inspect.signature(init).parameters.values())[1:]  # less self
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    owner = init.__qualname__.rsplit(".", 1)[0]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            near = {k: difflib.get_close_matches(k, names, 1) for k in unknown}
+            said = ", ".join(f"{k}= (did you mean {m[0]}=?)" if m else f"{k}=" for k, m in near.items())
+            if first is not None:
+                first()
+            raise ConfigError(f"{owner}() takes no keyword {said}: see help(ddpkit.{owner}) for the ones it takes")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+TrainConfig.__init__ = keywords_checked(TrainConfig.__init__)  # (a dataclass's, made by @dataclass above)

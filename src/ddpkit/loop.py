@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .config import LoopConfig
+from .config import LoopConfig, keywords_checked
 from .data.batch import leading_size
 from .data.loader import rank_share
 from .data.shard import ShardedLoader
@@ -85,6 +85,7 @@ class State(dict):
 class Loop:
     """See the module docstring. Every method that says "every rank" is a collective: call it on all."""
 
+    @keywords_checked(first=stop_exits_with_its_status)
     def __init__(
         self,
         run_dir: str = "runs/loop",
@@ -121,7 +122,8 @@ class Loop:
         # not a traceback per rank and 1
         stop_exits_with_its_status()
         self.config.validate()
-        self._maker = running_code(sys._getframe(1))  # the run identity reads the loop's own code
+        # the run identity reads the loop's own code: the frame above keywords_checked's wrapper, which called this
+        self._maker = running_code(sys._getframe(2))
         self.ctx: DistContext | None = None
         self._stack = ExitStack()
         self._owns_group = False
@@ -387,7 +389,7 @@ class Loop:
             changes="; ".join(self._changes) or "none",
             not_read="; ".join(self.key.code.get("unproven", []) + environ_note(self.key.code)) or None,
         )
-        self._t_interval, self._steps_interval = time.perf_counter(), 0
+        self._t_interval, self._steps_interval, self._samples_at = time.perf_counter(), 0, self._samples_read()
         return self.state
 
     def _load(self, saved: dict) -> None:
@@ -512,10 +514,22 @@ class Loop:
         record = {"step": self.state.step, "epoch": epoch, **self.metrics}
         if steps and elapsed > 0:
             record["steps_per_s"] = round(steps / elapsed, 3)
+        read = self._samples_read()
+        if read is not None and read > self._samples_at and elapsed > 0:
+            # Every rank reads as many samples a step (DistributedSampler's equal shares): this rank's, times the
+            # world size, is the job's
+            record["samples_per_s"] = round((read - self._samples_at) * self.ctx.world_size / elapsed, 3)
+        self._samples_at = read
         self.log_writer.log(event, **record, **self.session.interval_figures())
         if self._acc is not None:
             self._acc.reset()
         self._t_interval, self._steps_interval = now, 0
+
+    def _samples_read(self) -> int | None:
+        """The samples this rank's ``data()`` loaders have given out (a loader made later starts at 0), or None when
+        one of them cannot count them."""
+        counts = [loader.samples for loader in self._loaders]
+        return None if None in counts else sum(counts)
 
     def _snapshot(self, finished: bool = False) -> dict:
         """What a snapshot of this Loop holds (every rank: what differs by rank is found by one collective)."""

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, default_collate
 
-from .config import TrainConfig
+from .config import TrainConfig, keywords_checked
 from .data import DataSplits, Meta, load_dataset
 from .data.materialize import materialize
 from .data.stream import check_stream
@@ -97,6 +97,7 @@ class Trainer:
     ``collate_fn`` is given to the DataLoader for ``train_data`` and ``test_data``.
     """
 
+    @keywords_checked
     def __init__(
         self,
         config: TrainConfig | None = None,

@@ -70,6 +70,22 @@ def test_a_peek_at_the_loader_costs_nothing_as_with_a_dataloader(tmp_path):
     assert torch.equal(got_after, want_after)
 
 
+def test_a_misspelt_keyword_is_one_public_error_with_the_nearest_name():
+    """Python's TypeError named the keyword alone (TrainConfig(epoch=2)), with no hint; the signatures stay."""
+    import inspect
+
+    for make, words in (
+        (lambda: ddpkit.Loop("r", log_evry=5), "Loop() takes no keyword log_evry= (did you mean log_every=?)"),
+        (lambda: ddpkit.TrainConfig(epoch=2), "TrainConfig() takes no keyword epoch= (did you mean epochs=?)"),
+        (lambda: ddpkit.Trainer(modle=None), "Trainer() takes no keyword modle= (did you mean model=?)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            make()
+        assert words in str(error.value)
+    assert "log_every" in inspect.signature(ddpkit.Loop).parameters
+    assert "epochs" in inspect.signature(ddpkit.TrainConfig).parameters
+
+
 def test_misuse_is_one_public_error(tmp_path):
     with ddpkit.Loop(str(tmp_path / "a")) as loop:
         with pytest.raises(ConfigError, match="call loop.resume"):
@@ -211,6 +227,23 @@ def test_logged_values_are_reduced_exactly_over_ranks(tmp_path):
     # steps 4..7 of the second interval: rank 0 logs 4..7, rank 1 logs 14..17
     assert means["v"] == pytest.approx(np.mean([4, 5, 6, 7, 14, 15, 16, 17]), abs=0)
     assert means["acc"] == (1 + 2) * 4 / (4 * 2 * 4)  # (sum, count) pairs: sums 1 and 2 per step, count 4
+    # The samples read through loop.data(), the job's: 2 ranks of 3 a step (the porter's seed 000: steps/s alone)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_s"] / r["steps_per_s"] for r in records if r["event"] == "step"]
+    assert len(rates) == 2 and rates == pytest.approx([6.0, 6.0], rel=1e-2)  # (each is rounded to 3 decimals)
+
+
+def test_a_loop_says_no_samples_per_second_for_batches_it_cannot_count(tmp_path):
+    """A collate_fn's own batch type holds no tensor to count samples by: no figure rather than a wrong one."""
+    data = DataLoader(list("abcdefgh"), batch_size=2, collate_fn=lambda items: "".join(items))
+    with ddpkit.Loop(str(tmp_path / "r"), log_every=2) as loop:
+        batches = iter(loop.data(data, to_device=False))
+        loop.resume()
+        for _ in loop.steps(4):
+            next(batches)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert len(steps) == 2 and all("steps_per_s" in r and "samples_per_s" not in r for r in steps)
 
 
 @pytestmark_mp
@@ -839,11 +872,15 @@ def test_a_started_loops_runtime_error_that_reads_like_a_lost_peer_keeps_its_tra
 
 @pytest.mark.slow
 @pytestmark_mp
-def test_a_bad_loop_argument_under_torchrun_is_one_line_not_a_traceback_per_rank(tmp_path):
+@pytest.mark.parametrize(
+    "setting,words",
+    [("strategy='bogus'", "choose one of auto, ddp, fsdp2"), ("log_evry=10", "(did you mean log_every=?)")],
+)
+def test_a_bad_loop_argument_under_torchrun_is_one_line_not_a_traceback_per_rank(tmp_path, setting, words):
     """Before: Loop's settings were checked before its error hook was installed, so each rank printed the
-    ConfigError's traceback."""
-    (tmp_path / "train.py").write_text("import ddpkit\nwith ddpkit.Loop('run', strategy='bogus') as loop:\n    pass\n")
+    ConfigError's traceback; and a misspelt keyword was Python's TypeError, a traceback per rank with no hint."""
+    (tmp_path / "train.py").write_text(f"import ddpkit\nwith ddpkit.Loop('run', {setting}) as loop:\n    pass\n")
     proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py", cwd=tmp_path)
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
-    assert proc.returncode != 0 and len(said) == 1 and "choose one of auto, ddp, fsdp2" in said[0], proc.stderr
+    assert proc.returncode != 0 and len(said) == 1 and words in said[0], proc.stderr
     assert "ddpkit.errors.ConfigError" not in proc.stderr and "loop.py" not in proc.stderr, proc.stderr

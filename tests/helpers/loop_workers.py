@@ -66,8 +66,10 @@ def loader_resumes(_ctx, run_dir: str, workers: int, stop_after: int | None) -> 
 def logged_means(_ctx, run_dir: str) -> dict:
     """Each rank logs its own values: the record's means are the exact means over every rank and step."""
     with ddpkit.Loop(run_dir, log_every=4) as loop:
+        batches = iter(loop.data(TensorDataset(torch.arange(64.0)), batch_size=3))  # each rank's 3 a step
         loop.resume()
         for step in loop.steps(8):
+            next(batches)
             value = torch.tensor(float(10 * loop.rank + step), dtype=torch.float64)
             loop.log(v=value, acc=(torch.tensor(loop.rank + 1.0), 4))
         return loop.metrics

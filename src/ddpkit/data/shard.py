@@ -39,7 +39,7 @@ from torch.utils.data import (
 
 from ..errors import ConfigError, article
 from ..ranks.context import DistContext
-from .batch import to_device
+from .batch import first_tensor, to_device
 from .draws import KeyedBatches
 from .loader import seeded_loader, unwrapped
 from .seeds import discarded_generator, plain_loader_draw, train_keys
@@ -84,6 +84,9 @@ class ShardedLoader:
         self.epoch, self.batch = 0, 0
         self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
         self.yielded = 0  # batches given out by this loader, all passes: a Loop's check that its epochs step
+        # and their samples, read from the batches' shapes (no host sync), for a Loop's samples/s; None once a batch
+        # held no tensor to count them by (a collate_fn's own batch type)
+        self.samples: int | None = 0
         if num_workers:  # each sample read, and each batch collated, under its own seeds, in whichever worker
             self.loader = seeded_loader(
                 dataset, self.batches, seed, ctx.rank, num_workers, pin_memory, collate_fn, worker_init_fn
@@ -153,6 +156,9 @@ class ShardedLoader:
         for batch in unwrapped(self.loader):
             self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
             self.yielded += 1
+            if self.samples is not None:
+                first = first_tensor(batch)
+                self.samples = None if first is None else self.samples + (first.shape[0] if first.dim() else 1)
             yield to_device(batch, self.ctx.device) if self.to_device else batch
         # a whole pass: the next one is the next epoch's order, from its start
         self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0

@@ -29,7 +29,7 @@ from ..data import DataSplits
 from ..data.batch import leading_size
 from ..data.loader import EvalSource, eval_source, make_sources, make_train_source
 from ..data.seeds import DRAWS_NOTE, reseed, seed_rank
-from ..errors import ConfigError, DataError, RunDirError
+from ..errors import DataError, RunDirError
 from ..models import uses_conv
 from ..ranks import hangwatch
 from ..ranks.context import DistContext, on_rank0, settle
@@ -53,7 +53,7 @@ from .optim import (
     user_optimizer,
     user_schedule,
 )
-from .replicas import Replicas, SampleLog, data_context, replica_place
+from .replicas import Replicas, SampleLog, ShareSources, replica_place
 from .selection import from_state, to_state, watches
 from .session import RESUME, Amp, Session, misfit
 from .strategy import prepare, strategy_for
@@ -118,24 +118,15 @@ class Engine:
         if self.place is None:
             self.train_src, self.eval_src = make_sources(splits, cfg, ctx)
         else:
-            self.share_sources = [
-                make_train_source(
-                    splits,
-                    cfg,
-                    data_context(ctx, self.place, g),
-                    self.per_rank_batch // self.accum,
-                    group=self.accum,
-                )
-                for g in range(self.place.count)
-            ]
-            path = self.share_sources[0].path
-            if path not in ("in-memory", "device-resident", "host-staged"):
-                raise ConfigError(
-                    f"--replicas reads the training data held in memory, and this run's path is {path}"
-                    f" (an IterableDataset, or data the DataLoader must read): not yet supported with --replicas"
-                )
-            self.train_src = self.share_sources[self.place.index]
-            self._share_batches: dict[int, tuple] = {}  # group -> (epoch, next micro-batch, its iterator)
+            self.shares = ShareSources(
+                lambda data_ctx: make_train_source(
+                    splits, cfg, data_ctx, self.per_rank_batch // self.accum, group=self.accum
+                ),
+                ctx,
+                self.place,
+                self.accum,
+            )
+            self.train_src = self.shares.own
             # evaluation: the whole split in every group (each is a world of one), so each group's is exact
             self.eval_src = eval_source(splits.test, splits, cfg, ctx, getattr(self.train_src, "on_device", False))
         # The validation split (--val-fraction, val_data): evaluated at epoch ends and every --eval-every-steps,
@@ -377,7 +368,7 @@ class Engine:
                 **replicas,
             )
             if self.replicas is not None and self.cfg.sample_log:
-                self.sample_log = SampleLog(self.cfg.run_dir, self.share_sources, self.accum)
+                self.sample_log = SampleLog(self.cfg.run_dir, self.shares.sources, self.accum)
             with self.session.signal:
                 cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self.stopped_early)
                 if snap is not None and cut_short:
@@ -513,7 +504,7 @@ class Engine:
 
         def compute(share: int) -> list:
             measures = []
-            for batch in self._share(share):
+            for batch in self.shares.batches(share, self.pos.epoch, self.pos.step_in_epoch):
                 with self.autocast:
                     loss, outputs = self.task.loss(self.model, batch)
                 self.scaler.scale(loss * scale).backward()
@@ -535,17 +526,6 @@ class Engine:
         self._epoch_t0 = now - self.timing.epoch_elapsed_s
         self._resumed_interval = None  # the live group's interval: its sums, not this group's
         self._interval_start(now, [0.0] * (2 * len(self.acc.names)))
-
-    def _share(self, group: int) -> list:
-        """The micro-batches of ``group``'s share of the step at this position, read as rank ``group`` of a run
-        of R ranks reads them: its iterator kept while the steps follow on, made again after a jump (a heal)."""
-        epoch, first = self.pos.epoch, self.pos.step_in_epoch * self.accum
-        kept = self._share_batches.get(group)
-        if kept is None or kept[:2] != (epoch, first):
-            kept = (epoch, first, self.share_sources[group].batches(epoch, first))
-        batches = [next(kept[2]) for _ in range(self.accum)]
-        self._share_batches[group] = (epoch, first + self.accum, kept[2])
-        return batches
 
     def _compile_step(self, micro: tuple) -> None:
         """The first step of a compiled run, timed apart: it includes compilation."""

@@ -98,6 +98,34 @@ def shares(present: list[int], count: int, me: int) -> list[int]:
     return [me] + [g for k, g in enumerate(missing) if present[k % len(present)] == me]
 
 
+class ShareSources:
+    """The training data of every share of the global batch, share ``g`` read as rank ``g`` of a DDP run of R
+    ranks reads it (:func:`data_context`): a group reads its own share at every step, and a missing group's at a
+    step it computes that share too. ``make(data_ctx)``: the recipe's training source in that context."""
+
+    def __init__(self, make: Callable[[DistContext], Any], ctx: DistContext, place: Place, accum: int):
+        self.sources = [make(data_context(ctx, place, g)) for g in range(place.count)]
+        path = self.sources[0].path
+        if path not in ("in-memory", "device-resident", "host-staged"):
+            raise ConfigError(
+                f"--replicas reads the training data held in memory, and this run's path is {path}"
+                f" (an IterableDataset, or data the DataLoader must read): not yet supported with --replicas"
+            )
+        self.own, self.accum = self.sources[place.index], accum
+        self._kept: dict[int, tuple] = {}  # group -> (epoch, next micro-batch, its iterator)
+
+    def batches(self, group: int, epoch: int, step_in_epoch: int) -> list:
+        """The ``accum`` micro-batches of ``group``'s share of the step at this position: its iterator kept while
+        the steps follow on, made again after a jump (a heal moves a group to another step or epoch)."""
+        first = step_in_epoch * self.accum
+        kept = self._kept.get(group)
+        if kept is None or kept[:2] != (epoch, first):
+            kept = (epoch, first, self.sources[group].batches(epoch, first))
+        batches = [next(kept[2]) for _ in range(self.accum)]
+        self._kept[group] = (epoch, first + self.accum, kept[2])
+        return batches
+
+
 # How many times --timeout-s a group waits at a quorum for a group that has not asked for it: that group ends itself
 # once the wait has lasted --timeout-s (Replicas._watch), and the lighthouse then forms the quorum without it
 QUORUM_WAIT = 2
