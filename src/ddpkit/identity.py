@@ -196,6 +196,19 @@ def _code(c: types.CodeType) -> list:
     return [c.co_code.hex(), consts, list(c.co_names), c.co_argcount, c.co_kwonlyargcount]
 
 
+def _global_names(c: types.CodeType) -> list[str]:
+    """The global names a code object and its nested functions load (``LOAD_GLOBAL``; ``LOAD_NAME`` in a class
+    body), not the attribute names its ``co_names`` also holds: ``self.save_every`` read the script's global
+    ``save_every`` (set in its ``if __name__ == "__main__":`` block, so only where the script ran as
+    ``__main__``), and a run at 2 processes (spawned: ``__mp_main__``) could not resume at 1 (the porter's seed
+    003)."""
+    out = [op.argval for op in dis.get_instructions(c) if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            out += _global_names(k)
+    return list(dict.fromkeys(out))
+
+
 def _names(c: types.CodeType) -> list[str]:
     """The global and attribute names a code object and its nested functions use."""
     out = list(c.co_names)
@@ -533,11 +546,11 @@ class _Reader:
             label = f"{fn.__qualname__} defaults"
             self.parts[label] = self.value([fn.__defaults__, fn.__kwdefaults__], label, 1)
         scope, names = fn.__globals__, _names(code)
-        for var in names:
+        for var in _global_names(code):
             if var not in scope:
                 continue
             if isinstance(scope[var], types.ModuleType):
-                self.module(scope[var], names)
+                self.module(scope[var], names)  # (the attributes the code names, on a module of yours)
                 continue
             label = f"global {_module_of(fn)}.{var}"
             if label not in self.parts:

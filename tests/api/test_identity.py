@@ -812,3 +812,19 @@ def test_an_attribute_set_on_a_c_module_is_read_and_its_shipped_constants_stay_r
     assert said("model", two, model_fingerprint(MathSet())) == "model MathSet: global math.X41 2.0 -> 3.0"
     shipped = model_fingerprint(MathShipped())
     assert shipped.unproven == () and model_fingerprint(MathShipped()).tag == shipped.tag
+
+
+def test_an_attribute_is_not_read_as_the_global_of_its_name():
+    """Regression (the porter's seed 003): ``self.save_every`` read the script's global ``save_every``, set in its
+    ``if __name__ == "__main__":`` block, so only where the script ran as ``__main__``: a run launched at 2
+    processes (``__mp_main__``) was refused at 1 as other code. A global the code loads is still read."""
+    from ddpkit.identity import code_digest
+
+    source = "def step(self):\n    return self.save_every\n\ndef direct():\n    return save_every\n"
+    bare, scripted = {"__name__": "__mp_main__"}, {"__name__": "__main__", "save_every": 10}
+    exec(source, bare)
+    exec(source, scripted)
+    assert code_digest(bare["step"]) == code_digest(scripted["step"])
+    changed = {"__name__": "__main__", "save_every": 20}
+    exec(source, changed)
+    assert code_digest(scripted["direct"]) != code_digest(changed["direct"])
