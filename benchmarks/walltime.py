@@ -280,11 +280,11 @@ def main(argv=None) -> int:
                 for name, cmd in workloads(args, work, folder).items():
                     if args.only and name not in args.only.split(","):
                         continue
-                    if args.tiny and name == "mnist_epoch":
+                    if args.tiny and name == "mnist_epoch" and (not args.only or "one_step" in args.only):
                         continue  # tiny: the 1-step run, an MNIST epoch too, stands for it (below): one launch less
                     run_dir = work / f"{side}-{name}-{r}"
                     rounds[side][name].append(timed(cmd(run_dir), src, run_dir, summary=name != "toy_plain"))
-                if args.tiny:
+                if args.tiny and rounds[side]["one_step"] and not rounds[side]["mnist_epoch"]:
                     rounds[side]["mnist_epoch"] = rounds[side]["one_step"]
                 loads[side].append(data_load_s(src, folder, 32) if (folder / ".ddpkit-cache").exists() else None)
         figures = {"config": {**vars(args), "json": None}, "sides": {}}

@@ -11,7 +11,13 @@ launch(fn, *args, nproc=2)
 """
 
 from .config import TrainConfig
+from .ranks.failures import stop_exits_with_its_status
 from .version import __version__
+
+# From here on, a ddpkit error a script leaves uncaught ends it as the CLI does: one line, once, and its exit status
+# (2 for bad input, 143 for a stop), not a traceback per rank. Installed at import, not by the first ddpkit call that
+# needs it: a misspelt TrainConfig(epoch=2) comes before any (the porter's seed 003, and the review of it)
+stop_exits_with_its_status()
 
 _LAZY = {
     "Trainer": ".trainer",

@@ -1013,14 +1013,11 @@ def _choose(value: Any, choices: tuple[str, ...]) -> str:
     return f"did you mean {near[0]!r}? ({listed})" if near else listed
 
 
-def keywords_checked(init: Callable | None = None, *, first: Callable[[], None] | None = None) -> Callable:
+def keywords_checked(init: Callable) -> Callable:
     """``init`` (a public class's ``__init__``) raising :class:`ConfigError` for a keyword it does not take, with
     the nearest it does: Python's own TypeError names the keyword alone, with no hint (``Loop(log_evry=10)``),
-    and it was a traceback per rank. ``first``: called before that error is raised (``Loop``'s hook that makes an
-    uncaught ddpkit error one line under torchrun, which ``init`` itself installs first thing). Its signature,
-    for ``help()`` and editors, is ``init``'s. ``@keywords_checked`` or ``@keywords_checked(first=...)``."""
-    if init is None:
-        return functools.partial(keywords_checked, first=first)
+    and it was a traceback per rank (a ddpkit error is one line: ``import ddpkit`` installs the hook that says
+    it). Its signature, for ``help()`` and editors, is ``init``'s."""
     params = list(inspect.signature(init).parameters.values())[1:]  # less self
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     owner = init.__qualname__.rsplit(".", 1)[0]
@@ -1031,8 +1028,6 @@ def keywords_checked(init: Callable | None = None, *, first: Callable[[], None] 
         if unknown:
             near = {k: difflib.get_close_matches(k, names, 1) for k in unknown}
             said = ", ".join(f"{k}= (did you mean {m[0]}=?)" if m else f"{k}=" for k, m in near.items())
-            if first is not None:
-                first()
             raise ConfigError(f"{owner}() takes no keyword {said}: see help(ddpkit.{owner}) for the ones it takes")
         init(self, *args, **kwargs)
 

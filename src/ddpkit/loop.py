@@ -85,7 +85,7 @@ class State(dict):
 class Loop:
     """See the module docstring. Every method that says "every rank" is a collective: call it on all."""
 
-    @keywords_checked(first=stop_exits_with_its_status)
+    @keywords_checked
     def __init__(
         self,
         run_dir: str = "runs/loop",
@@ -515,7 +515,7 @@ class Loop:
         if steps and elapsed > 0:
             record["steps_per_s"] = round(steps / elapsed, 3)
         read = self._samples_read()
-        if read is not None and read > self._samples_at and elapsed > 0:
+        if read > self._samples_at and elapsed > 0:
             # Every rank reads as many samples a step (DistributedSampler's equal shares): this rank's, times the
             # world size, is the job's
             record["samples_per_s"] = round((read - self._samples_at) * self.ctx.world_size / elapsed, 3)
@@ -525,11 +525,9 @@ class Loop:
             self._acc.reset()
         self._t_interval, self._steps_interval = now, 0
 
-    def _samples_read(self) -> int | None:
-        """The samples this rank's ``data()`` loaders have given out (a loader made later starts at 0), or None when
-        one of them cannot count them."""
-        counts = [loader.samples for loader in self._loaders]
-        return None if None in counts else sum(counts)
+    def _samples_read(self) -> int:
+        """The samples this rank's ``data()`` loaders have given out (a loader made later starts at 0)."""
+        return sum(loader.samples for loader in self._loaders)
 
     def _snapshot(self, finished: bool = False) -> dict:
         """What a snapshot of this Loop holds (every rank: what differs by rank is found by one collective)."""

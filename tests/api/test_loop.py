@@ -233,17 +233,23 @@ def test_logged_values_are_reduced_exactly_over_ranks(tmp_path):
     assert len(rates) == 2 and rates == pytest.approx([6.0, 6.0], rel=1e-2)  # (each is rounded to 3 decimals)
 
 
-def test_a_loop_says_no_samples_per_second_for_batches_it_cannot_count(tmp_path):
-    """A collate_fn's own batch type holds no tensor to count samples by: no figure rather than a wrong one."""
-    data = DataLoader(list("abcdefgh"), batch_size=2, collate_fn=lambda items: "".join(items))
-    with ddpkit.Loop(str(tmp_path / "r"), log_every=2) as loop:
-        batches = iter(loop.data(data, to_device=False))
+def test_samples_per_second_counts_each_position_once_whatever_the_batch_holds(tmp_path):
+    """Review and porter findings: the samples were read from the first tensor's first dimension, one sample's
+    size in a tuple(zip(*batch)) collate's batch (or no figure at all for a batch with no tensor); and the
+    tutorial's peek at the loader before each epoch (next(iter(loader))) counted its batch twice. Counted by the
+    sampler's share of each (epoch, batch) position, once: 9 samples in batches of 2, so 1.8 a step."""
+    data = DataLoader(list("abcdefghi"), batch_size=2, collate_fn=lambda items: tuple(zip(*items)))
+    with ddpkit.Loop(str(tmp_path / "r"), log_every=5) as loop:
+        loader = loop.data(data, to_device=False)
         loop.resume()
-        for _ in loop.steps(4):
-            next(batches)
+        for _ in loop.epochs(2):
+            next(iter(loader))  # the tutorial's peek: len(next(iter(self.train_data))[0])
+            for _batch in loader:
+                loop.step()
+    assert [loader.yielded, loader.samples] == [10, 18]
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
-    assert len(steps) == 2 and all("steps_per_s" in r and "samples_per_s" not in r for r in steps)
+    rates = [r["samples_per_s"] / r["steps_per_s"] for r in records if r["event"] == "step"]
+    assert len(rates) == 2 and rates == pytest.approx([1.8, 1.8], rel=1e-2)
 
 
 @pytestmark_mp

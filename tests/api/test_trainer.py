@@ -564,21 +564,27 @@ def test_a_script_without_the_main_guard_gets_one_line_not_a_bootstrap_traceback
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path):
-    """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's)."""
+@pytest.mark.parametrize(
+    "call", ["sys.exit(run_reporting_errors(lambda: launch(buggy, nproc=2)))", "launch(buggy, nproc=2)"]
+)
+def test_a_bug_in_a_worker_is_named_with_its_rank_and_exception(tmp_path, call):
+    """Regression: the last line said only 'worker(s) failed: rank 0 exit code 4' (the survivor's). And a script
+    calling launch() as the porter's seed 003 did, with nothing around it: the launcher's own traceback followed
+    the worker's."""
     code = (
         "import sys; from ddpkit import launch; from ddpkit.cli import run_reporting_errors\n"
         "def buggy(ctx):\n"
         "    import torch\n"
         "    if ctx.rank == 1: raise ValueError('my bug on rank 1')\n"
         "    ctx.all_reduce(torch.ones(1))\n"
-        "if __name__ == '__main__': sys.exit(run_reporting_errors(lambda: launch(buggy, nproc=2)))\n"
+        f"if __name__ == '__main__': {call}\n"
     )
     script = tmp_path / "loop.py"
     script.write_text(code)
     proc = run_python(script)
     assert proc.returncode == 1
     assert "ValueError: my bug on rank 1" in proc.stderr  # the traceback, kept: it is a bug
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr  # the worker's alone
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: error:")]
     assert errors == ["ddpkit: error: rank 1 raised ValueError: my bug on rank 1 (its traceback is above)"], (
         proc.stderr[-2000:]

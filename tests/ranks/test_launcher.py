@@ -20,6 +20,23 @@ from ddpkit.ranks import launcher
 from ddpkit.ranks.failures import signal_failure
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "line,said",
+    [
+        ("ddpkit.launch(print, args=(2,), nprocs=2)", "ddpkit.launch() got args=, nprocs=:"),
+        ("ddpkit.TrainConfig(epoch=2)", "TrainConfig() takes no keyword epoch= (did you mean epochs=?)"),
+    ],
+)
+def test_bad_input_before_any_ddpkit_call_ends_a_script_in_one_line(tmp_path, line, said):
+    """The porter's seed 003 and its review: launch()'s refusal of mp.spawn's keywords, and a misspelt TrainConfig
+    keyword, came before the hook that makes a ddpkit error one line was installed: a traceback and exit 1."""
+    (tmp_path / "s.py").write_text(f"import ddpkit\n{line}\n")
+    proc = run_python("s.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and said in proc.stderr, proc.stderr
+
+
 def test_mp_spawn_words_are_mapped_in_one_line_and_a_context_is_not_a_rank():
     """Regressions (the porter's seed-001 port): launch(main, args=(ws,), nprocs=ws) was a bare TypeError; and a
     ``main(rank, world_size)`` kept under launch compared the DistContext it is given with 0, False on every rank,

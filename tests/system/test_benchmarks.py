@@ -57,7 +57,8 @@ def test_gpu_acceptance_runs_its_cpu_rehearsal(tmp_path):
 
 @pytest.mark.slow
 def test_walltime_harness_runs_in_its_tiny_mode(tmp_path):
-    """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here)."""
+    """benchmarks/walltime.py --tiny: every workload runs and reports (figures are not judged here; the 1-step
+    run, an MNIST epoch too, stands for the MNIST-epoch workload in tiny mode)."""
     out = tmp_path / "walltime.json"
     proc = run_python(
         str(ROOT / "benchmarks" / "walltime.py"),

@@ -39,7 +39,7 @@ from torch.utils.data import (
 
 from ..errors import ConfigError, article
 from ..ranks.context import DistContext
-from .batch import first_tensor, to_device
+from .batch import to_device
 from .draws import KeyedBatches
 from .loader import seeded_loader, unwrapped
 from .seeds import discarded_generator, plain_loader_draw, train_keys
@@ -83,10 +83,11 @@ class ShardedLoader:
         self.batches = KeyedBatches(self.sampler, batch_size, drop_last)
         self.epoch, self.batch = 0, 0
         self._resume_at = 0  # where the next pass starts: a loaded snapshot's batch, once
-        self.yielded = 0  # batches given out by this loader, all passes: a Loop's check that its epochs step
-        # and their samples, read from the batches' shapes (no host sync), for a Loop's samples/s; None once a batch
-        # held no tensor to count them by (a collate_fn's own batch type)
-        self.samples: int | None = 0
+        # The batches read, all passes, and their samples (a Loop's samples/s, and its check that its epochs step):
+        # counted by position, each (epoch, batch) once, so a peek's batch (next(iter(loader))), given again as the
+        # pass's first, counts once; and by the sampler's share, not the batch's shapes (a collate_fn's own batch
+        # type, tuple(zip(*b)), has none to count by)
+        self.yielded, self.samples, self._furthest = 0, 0, (0, 0)
         if num_workers:  # each sample read, and each batch collated, under its own seeds, in whichever worker
             self.loader = seeded_loader(
                 dataset, self.batches, seed, ctx.rank, num_workers, pin_memory, collate_fn, worker_init_fn
@@ -134,6 +135,11 @@ class ShardedLoader:
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def _size_of(self, index: int) -> int:
+        """How many samples batch ``index`` of a pass holds: the batch size, but the last one's of a pass that
+        keeps its short tail."""
+        return self.batch_size if self.drop_last else min(self.batch_size, len(self.sampler) - index * self.batch_size)
+
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler.set_epoch``; the epoch the loader is in already keeps its position."""
         if epoch != self.epoch:
@@ -155,10 +161,10 @@ class ShardedLoader:
         self.batches.key, self.batches.samples = train_keys(self.seed, self.epoch, self.ctx.rank)
         for batch in unwrapped(self.loader):
             self.batch += 1  # before the yield: a snapshot taken in the loop's body counts this batch as read
-            self.yielded += 1
-            if self.samples is not None:
-                first = first_tensor(batch)
-                self.samples = None if first is None else self.samples + (first.shape[0] if first.dim() else 1)
+            if (self.epoch, self.batch) > self._furthest:
+                self._furthest = (self.epoch, self.batch)
+                self.yielded += 1
+                self.samples += self._size_of(self.batch - 1)
             yield to_device(batch, self.ctx.device) if self.to_device else batch
         # a whole pass: the next one is the next epoch's order, from its start
         self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0

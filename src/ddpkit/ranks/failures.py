@@ -573,16 +573,18 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
 def stop_exits_with_its_status() -> None:
     """From now on, a ddpkit error that reaches the top of the user's script uncaught ends it as the CLI
     does: its one line, once, and its exit status (a :class:`Stopped`: 143, 138 for SIGUSR1, 130 for Ctrl-C;
-    a bad config: 2), not a traceback and status 1. Any other exception, and any in an interactive session
-    (which a stop must not end), goes to the hook that was there. Installed once per process, by ``Trainer()``
-    (and its ``fit()``), ``Loop`` and ``launch()``: a stop is how a preempted job is meant to end, and schedulers
-    read its status; from Python the error is raised as it is, for a caller to catch."""
+    a bad config: 2; a failed job, :class:`WorkersFailed`, whose rank printed its traceback: that rank's
+    status), not a traceback and status 1. Any other exception, and any in an interactive session (which a
+    stop must not end), goes to the hook that was there. Installed once per process, at ``import ddpkit`` (and
+    again, to no effect, by ``Trainer()``, ``Loop`` and ``launch()``): a stop is how a preempted job is meant to
+    end, and schedulers read its status; from Python the error is raised as it is, for a caller to catch."""
     if _STOP_HOOK[0]:
         return
     previous = sys.excepthook
 
     def hook(kind, exc, tb):
-        if isinstance(exc, DdpkitError) and not (hasattr(sys, "ps1") or sys.flags.interactive):
+        # (WorkersFailed: a worker's own bug, its traceback printed by its rank; a second one, the launcher's, hid it)
+        if isinstance(exc, (DdpkitError, WorkersFailed)) and not (hasattr(sys, "ps1") or sys.flags.interactive):
             # torch's init_process_group wraps the hook it finds and points sys.stderr at a buffer it prints
             # after the hook returns, which an exit never does: the line goes to the real stderr
             with contextlib.redirect_stderr(sys.__stderr__):

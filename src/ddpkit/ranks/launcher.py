@@ -244,6 +244,7 @@ def launch(
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
+    stop_exits_with_its_status()  # (installed at import ddpkit already; a stop of fn's Loop ends the script with 143)
     if unknown:  # mp.spawn's words (args=, nprocs=, join=) in a port: the mapping, not a bare TypeError
         raise ConfigError(
             f"ddpkit.launch() got {', '.join(f'{k}=' for k in unknown)}: it is launch(fn, *args, nproc=N, "
@@ -253,7 +254,6 @@ def launch(
     _check_call(fn, args)
     check_timeout_s(timeout_s, "timeout_s")  # 1e30 was an OverflowError on every rank
     refuse_if_importing_main()
-    stop_exits_with_its_status()  # a stop of fn's Loop ends the script with 143 and its line
     adopt_slurm_task()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         error = ConfigError(

@@ -40,8 +40,9 @@ NOT_CURVES = frozenset(
     {"event", "time", "epoch", "step", "lr", "samples_per_s", "steps_per_s", "grad_norm", "tflops", "mfu"}
     | {"snapshot_blocked_s", "snapshot_write_s"}
 )
-# The throughput panel's figure, the first any run records: a Trainer's step records give samples/s; a Loop's give
-# steps/s (it does not know what a step reads: a loop may draw from several loaders, or none)
+# The throughput panel's figure, the first any run records: a Trainer's step records give samples/s, and so do a
+# Loop's when its step reads through loop.data(); a Loop's always give steps/s (a loop may read from a loader of its
+# own, or none)
 RATES = (("samples_per_s", "samples/s"), ("steps_per_s", "optimizer steps/s"))
 
 
