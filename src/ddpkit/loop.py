@@ -68,7 +68,7 @@ from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
 from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
-from .train.strategy import strategy_for
+from .train.strategy import refuse_wrapped, strategy_for
 from .train.syncbn import convert_sync_batchnorm, per_rank_batchnorm
 
 STOP_CHECK = 50  # steps between reads of the stop flag when log_every=0 (one all-reduce each)
@@ -158,7 +158,8 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
-                scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)  # the script's own destroy, after it
+            # the script's own destroy_process_group() closes this Loop first (in its with-block too), then the group
+            scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
             self.key = CodeKey(cfg, loop_code(self.ctx, self._maker), LoopConfig.HASHED, cfg.check_code)
@@ -181,11 +182,15 @@ class Loop:
             hangwatch.report_to(cfg.run_dir)
             self.amp = Amp(cfg.amp, self.ctx.device)
         except BaseException:
+            self._exited = True  # never open: the script's destroy_process_group() has nothing of it to close
             self._stack.__exit__(*sys.exc_info())
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if getattr(self, "_exited", False):  # ended inside its with-block already: the script's own destroy closed it
+            return False
+        self._exited = True
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
@@ -279,6 +284,7 @@ class Loop:
         Under ``Loop(strategy="fsdp2")`` it is sharded in place instead (``fully_shard``, train/fsdp2.py):
         ``shard(module)`` says which submodules are units of their own (default: each holding 1M parameters
         or more); build the optimizer after this, over the returned model's parameters."""
+        refuse_wrapped(model, "Loop.wrap()")
         if shard is not None and self.strategy.name != "fsdp2":
             raise ConfigError("Loop.wrap(shard=...) is FSDP2's sharding policy: pass Loop(strategy='fsdp2')")
         if self.strategy.name == "fsdp2" and not broadcast_buffers and any(True for _ in model.buffers()):

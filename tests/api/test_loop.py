@@ -86,6 +86,30 @@ def test_a_misspelt_keyword_is_one_public_error_with_the_nearest_name():
     assert "epochs" in inspect.signature(ddpkit.TrainConfig).parameters
 
 
+def test_a_model_wrapped_already_is_refused_by_wrap(tmp_path):
+    """The porter's seed 003: loop.wrap(DDP(model)), the tutorial's DDP line kept, trained other weights with no
+    word; loop.wrap(loop.wrap(m)) failed in DDP's reducer asking to file an issue."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with ddpkit.Loop(str(tmp_path / "r"), device="cpu") as loop:
+        for model in (DDP(nn.Linear(2, 1)), loop.wrap(nn.Linear(2, 1)), torch.compile(DDP(nn.Linear(2, 1)))):
+            with pytest.raises(ConfigError, match=r"Loop.wrap\(\) got a model wrapped in DistributedDataParallel"):
+                loop.wrap(model)
+
+
+@pytest.mark.multiprocess
+def test_a_destroy_inside_the_with_block_closes_the_loop_first(tmp_path):
+    """The porter's seed 003: the tutorial's destroy_process_group() kept as main's last line, inside the with-block
+    under ddpkit.launch (a group the Loop did not make), left the Loop's end at world 2 without its group: a
+    traceback wall, exit 1, no ``end`` record, and every rerun the same. Now that line closes the Loop first (the
+    final snapshot and record), then destroys the group; the block's end has nothing left to do."""
+    run = tmp_path / "r"
+    assert ddpkit.launch(lw.destroy_inside_the_block, str(run), nproc=2, device="cpu") == [True]
+    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert events[-1] == "end", events
+    assert (run / "checkpoints" / "snapshot-000000003.pt").exists()
+
+
 def test_misuse_is_one_public_error(tmp_path):
     with ddpkit.Loop(str(tmp_path / "a")) as loop:
         with pytest.raises(ConfigError, match="call loop.resume"):

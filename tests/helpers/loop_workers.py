@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import destroy_process_group
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import ddpkit
@@ -268,3 +269,18 @@ def started_then_destroyed(_ctx, run_dir: str) -> int:
     step = loop.state.step
     dist.destroy_process_group()
     return step
+
+
+def destroy_inside_the_block(_ctx, run_dir: str) -> list:
+    """The tutorial's main() ported into a with-block, its destroy_process_group() kept as the block's last line (the
+    tutorial imports it at the top of the script, as this module does)."""
+    with ddpkit.Loop(run_dir, device="cpu") as loop:
+        model = loop.wrap(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loop.resume(model=model, optimizer=opt)
+        for _ in loop.steps(3):
+            model(torch.ones(4, 2)).sum().backward()
+            opt.step()
+        destroy_process_group()
+        gone = not dist.is_initialized()
+    return [gone]

@@ -6,8 +6,9 @@
 
 The owner (a started ``Loop``) gives: ``ctx`` (None once gone), ``close()`` (its end as a success: the final
 snapshot and record, then the group's teardown), ``_teardown(exc)`` (the group's teardown alone, after an
-error), ``world_size`` and ``config.timeout_s``. Its flags ``_started``, ``_closed``, ``_uncaught`` and ``_lost``
-are this module's to set and read.
+error), ``world_size`` and ``config.timeout_s``, and its flag ``_exited`` (set once it has ended, as a ``with``
+block's end ends it). Its flags ``_started``, ``_closed``, ``_uncaught`` and ``_lost`` are this module's to set and
+read. A Loop in a ``with`` block is closed by the script's own ``destroy_process_group()`` inside the block too.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from .env import LAUNCHER_PID, under_launcher
 from .failures import comm_failure, exit_status
 
 # torch's own destroy_process_group, once ddpkit's stands in front of it (closes_at_destroy); the newest owner
-# started on the default group; whether an owner destroyed a group it made (group_gone)
+# open on the default group (started, or in its with-block); whether an owner destroyed a group it made (group_gone)
 _TORCH_DESTROY: list = [None]
-_STARTED: list = [None]
+_OPEN: list = [None]
 _GONE: list = [False]
 
 
@@ -87,15 +88,15 @@ def close_at_exit(owner: Any) -> None:
 
 
 def closes_at_destroy(owner: Any, script: dict) -> None:
-    """A ported script's own ``destroy_process_group()``, the plain script's last line kept under ``Loop.start()``,
-    closes that Loop there, as the script's end would (the final snapshot and the ``end`` record need the group),
-    then the group goes: the Loop's teardown destroys one it made, torch's destroys the script's own. Before, the
-    Loop found the group gone at exit: a traceback per rank and no ``end`` record (the porter's seed-002 port).
-    After a with-block that made the group, the same line has nothing left to do. ``script``: the calling script's
-    globals, where a name bound to torch's function (``from torch.distributed import destroy_process_group``, as
-    the DDP tutorial writes it) is bound to this one too."""
-    if getattr(owner, "_started", False):
-        _STARTED[0] = owner
+    """A ported script's own ``destroy_process_group()``, the plain script's last line kept under ``Loop.start()``
+    or inside a ``with ddpkit.Loop(...)`` block, closes that Loop there, as the script's end (or the block's) would:
+    the final snapshot and the ``end`` record need the group. Then the group goes: the Loop's teardown destroys one
+    it made, torch's destroys the script's own (or ``ddpkit.launch``'s, which its end then leaves alone). Before,
+    the Loop found the group gone at its end: a traceback per rank and no ``end`` record (the porter's seed-002
+    port, and seed 003's in a with-block under launch()). After the Loop's end, the same line destroys what is left,
+    if anything. ``script``: the calling script's globals, where a name bound to torch's function (``from
+    torch.distributed import destroy_process_group``, as the DDP tutorial writes it) is bound to this one too."""
+    _OPEN[0] = owner
     if _TORCH_DESTROY[0] is None:
         _TORCH_DESTROY[0] = dist.destroy_process_group
         dist.destroy_process_group = _destroy
@@ -110,9 +111,9 @@ def group_gone(made_it: bool) -> None:
 
 
 def _destroy(group=None) -> None:
-    owner = _STARTED[0]
+    owner = _OPEN[0]
     if group is None or group is dist.GroupMember.WORLD:
-        if owner is not None and getattr(owner, "_started", False) and not getattr(owner, "_closed", False):
+        if owner is not None and not getattr(owner, "_exited", False) and not getattr(owner, "_closed", False):
             if sys.exc_info()[1] is not None:
                 # In a ``finally:`` an error (or a stop) is on its way up: it is said by the script's excepthook
                 # and the group torn down at exit without a save, as for any error (closed here as a success, the

@@ -107,6 +107,27 @@ def strategy_for(name: str) -> Strategy:
     raise ConfigError(f"strategy {name!r}: choose {', '.join(STRATEGIES)}")
 
 
+def refuse_wrapped(model: nn.Module, where: str) -> None:
+    """Refuse a model a strategy has wrapped already (under torch.compile's wrapper too): DDP's wrapper wrapped
+    again trained silently otherwise (the porter's seed 003 kept the tutorial's ``DDP(model)`` line:
+    ``loop.wrap(DDP(model))`` trained other weights than the tutorial, its snapshot's keys ``module.``-prefixed),
+    and ``loop.wrap(loop.wrap(m))`` failed in DDP's reducer with "please file an issue"."""
+    inner = model
+    while isinstance(inner, nn.Module) and "_orig_mod" in inner._modules:
+        inner = inner._modules["_orig_mod"]
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        what = "wrapped in DistributedDataParallel"
+    elif fsdp is not None and isinstance(inner, getattr(fsdp, "FSDPModule", ())):
+        what = "sharded by fully_shard"
+    else:
+        return
+    raise ConfigError(
+        f"{where} got a model {what} already: pass your plain module (it does the wrapping: remove your own "
+        f"DDP(...)/fully_shard(...) line, or the first wrap)"
+    )
+
+
 class Prepared(NamedTuple):
     """A model as :func:`prepare` made it ready for the engine's step."""
 
