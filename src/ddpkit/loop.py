@@ -38,6 +38,7 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 import sys
 import time
@@ -61,6 +62,7 @@ from .ranks.context import DistContext, adopt, deterministic, distributed, on_ra
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status, stop_exits_with_its_status
 from .run.recorder import MetricLogger
+from .run.rundir import run_lock
 from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
@@ -372,6 +374,14 @@ class Loop:
                 self.strategy.check_optimizer(value, f"Loop.resume({name}=...)")
             elif not hasattr(value, "state_dict"):
                 check_plain(name, value, "Loop.resume()")
+        # One run in a run dir at a time, held by global rank 0 from here (its first read of the run dir) until the
+        # Loop ends: two jobs (or two processes mp.spawn made, each a world of 1 of its own: the porter's seed 003)
+        # trained in one run dir, the second "resuming" what the first had saved
+        on_rank0(
+            self.ctx,
+            lambda: self._stack.enter_context(run_lock(self.config.run_dir, other=_another_run_dir())),
+            "locking the run dir",
+        )
         self.state = State(state)
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         if snap is not None:
@@ -652,6 +662,18 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
+def _another_run_dir() -> str:
+    """How to name another run dir, said where a Loop's is in use; and in a process that multiprocessing started
+    (as mp.spawn starts them), that each such process is a world of its own."""
+    said = "pass another run_dir to Loop"
+    if multiprocessing.parent_process() is not None and not under_launcher():
+        said += (
+            " (this process was started by multiprocessing, as mp.spawn starts them, with no rank of its own: each "
+            "is a world of 1; start the ranks of one job with ddpkit.launch(main, nproc=N) instead)"
+        )
+    return said
+
+
 def environ_note(code: dict) -> list[str]:
     """The environment variables the loop's code reads, in one entry of the start line's ``not_read`` (one per
     variable made the line unreadable: the porter's seed-000 port read four)."""

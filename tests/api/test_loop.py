@@ -110,6 +110,28 @@ def test_a_destroy_inside_the_with_block_closes_the_loop_first(tmp_path):
     assert (run / "checkpoints" / "snapshot-000000003.pt").exists()
 
 
+def test_a_run_dir_in_use_is_refused_at_resume_naming_the_holder(tmp_path, monkeypatch):
+    """The porter's seed 003 kept mp.spawn around a Loop: two processes, each a world of 1, trained in one run dir,
+    the second "resuming" what the first saved, with no word. A Loop holds the run dir's lock from resume() on."""
+    import multiprocessing
+    import os
+
+    from ddpkit.errors import RunDirError
+    from ddpkit.run.rundir import run_lock
+
+    run = tmp_path / "r"
+    with run_lock(run):  # another run holds it
+        monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())  # as in an mp.spawn child
+        with ddpkit.Loop(str(run), device="cpu") as loop:
+            with pytest.raises(RunDirError) as refused:
+                loop.resume()
+    said = str(refused.value)
+    assert f"is in use by another ddpkit run (pid {os.getpid()} on" in said and "pass another run_dir to Loop" in said
+    assert "as mp.spawn starts them" in said and "ddpkit.launch(main, nproc=N)" in said
+    with ddpkit.Loop(str(run), device="cpu") as loop:  # free again
+        loop.resume()
+
+
 def test_misuse_is_one_public_error(tmp_path):
     with ddpkit.Loop(str(tmp_path / "a")) as loop:
         with pytest.raises(ConfigError, match="call loop.resume"):

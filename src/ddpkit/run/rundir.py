@@ -237,11 +237,11 @@ def check_writable(run_dir: Path) -> None:
 
 # ---------------------------------------------------------------------- one run at a time
 @contextmanager
-def run_lock(run_dir: str | Path) -> Iterator[None]:
+def run_lock(run_dir: str | Path, other: str = "pass another --run-dir") -> Iterator[None]:
     """Hold an exclusive lock on ``RUN_DIR/.lock`` for the block; a second run gets a one-line
-    error naming the holder. ``flock`` is released by the kernel when the holder dies, however
-    it dies, so a killed run never leaves a stale lock. On NFS, Linux emulates flock with
-    POSIX locks, which hold across nodes when the server supports locking (NFSv4, or NLM)."""
+    error naming the holder (and ``other``: how to name another run dir). ``flock`` is released by the
+    kernel when the holder dies, however it dies, so a killed run never leaves a stale lock. On NFS, Linux
+    emulates flock with POSIX locks, which hold across nodes when the server supports locking (NFSv4, or NLM)."""
     path = RunFiles(run_dir).lock
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -251,8 +251,7 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             raise RunDirError(
-                f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop "
-                f"it, or pass another --run-dir"
+                f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop it, or {other}"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(
