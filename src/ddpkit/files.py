@@ -50,6 +50,13 @@ def describe_io_error(exc: OSError, path: Path, size: int | None = None, flag: s
         return f"cannot write {path}: the filesystem is read-only; point {flag} at a writable place"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return f"cannot write {path}: permission denied; point {flag} at a directory you can write"
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        # A file where a folder is wanted (the porter's seed 003 passed a script's path as the run dir)
+        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            return (
+                f"cannot write {path}: {file} is a file, not a directory; point {flag} at a directory (or a new path)"
+            )
     return f"cannot write {path}: {exc.strerror or exc}"
 
 

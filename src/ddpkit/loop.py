@@ -379,7 +379,9 @@ class Loop:
         # trained in one run dir, the second "resuming" what the first had saved
         on_rank0(
             self.ctx,
-            lambda: self._stack.enter_context(run_lock(self.config.run_dir, other=_another_run_dir())),
+            lambda: self._stack.enter_context(
+                run_lock(self.config.run_dir, other=_another_run_dir(), flag="Loop(run_dir=...)")
+            ),
             "locking the run dir",
         )
         self.state = State(state)

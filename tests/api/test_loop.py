@@ -130,6 +130,11 @@ def test_a_run_dir_in_use_is_refused_at_resume_naming_the_holder(tmp_path, monke
     assert "as mp.spawn starts them" in said and "ddpkit.launch(main, nproc=N)" in said
     with ddpkit.Loop(str(run), device="cpu") as loop:  # free again
         loop.resume()
+    # A script's path passed as the run dir: "cannot write train.py/loop.json: File exists", with no fix, before
+    (tmp_path / "train.py").write_text("")
+    with ddpkit.Loop(str(tmp_path / "train.py"), device="cpu") as loop:
+        with pytest.raises(RunDirError, match=r"train.py is a file, not a directory; point Loop\(run_dir=...\) at"):
+            loop.resume()
 
 
 def test_misuse_is_one_public_error(tmp_path):

@@ -237,14 +237,18 @@ def check_writable(run_dir: Path) -> None:
 
 # ---------------------------------------------------------------------- one run at a time
 @contextmanager
-def run_lock(run_dir: str | Path, other: str = "pass another --run-dir") -> Iterator[None]:
+def run_lock(run_dir: str | Path, other: str = "pass another --run-dir", flag: str = "--run-dir") -> Iterator[None]:
     """Hold an exclusive lock on ``RUN_DIR/.lock`` for the block; a second run gets a one-line
-    error naming the holder (and ``other``: how to name another run dir). ``flock`` is released by the
-    kernel when the holder dies, however it dies, so a killed run never leaves a stale lock. On NFS, Linux
-    emulates flock with POSIX locks, which hold across nodes when the server supports locking (NFSv4, or NLM)."""
+    error naming the holder (and ``other``: how to name another run dir; ``flag``: what names it).
+    ``flock`` is released by the kernel when the holder dies, however it dies, so a killed run never
+    leaves a stale lock. On NFS, Linux emulates flock with POSIX locks, which hold across nodes when the
+    server supports locking (NFSv4, or NLM)."""
     path = RunFiles(run_dir).lock
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a file in its place, a read-only disk: one line, not a traceback
+        raise RunDirError(describe_io_error(exc, path, flag=flag)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
