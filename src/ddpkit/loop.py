@@ -142,6 +142,7 @@ class Loop:
         self._epoch_sums: dict[str, list[float]] = {}
         self._reset: list[str] = []  # per-rank values an elastic resume left as resume() gave them
         self._said_no_step = False  # an epoch that read batches with no loop.step(): said once
+        self._said_no_loader = False  # an epoch that stepped with no loop.data() loader: said once
         # the last record's means (an epoch record's: the epoch's), the same on every rank
         self.metrics: dict[str, float | None] = {}
 
@@ -485,6 +486,9 @@ class Loop:
                 # alone: said once (the porter's seed-001 port forgot it, and a stop waited for the epoch's end)
                 self._said_no_step = True
                 self.print(report.no_step_line(self.state.epoch, read), file=sys.stderr)
+            if not self._loaders and self.state.step > step and not self._said_no_loader:
+                self._said_no_loader = True
+                self.print(report.no_loader_line(self.state.epoch, self.ctx.world_size), file=sys.stderr)
             self.state.epoch += 1
             self._safe_point(epoch_end=True)
 

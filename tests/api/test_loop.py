@@ -513,6 +513,21 @@ def test_an_epoch_loop_that_never_steps_is_said_once(tmp_path, capsys):
     assert "loop.step()" not in capsys.readouterr().err
 
 
+def test_an_epoch_loop_over_a_loader_of_its_own_is_said_once(tmp_path, capsys):
+    """The porter's seed 003 forgot loop.data(): each rank read the whole dataset (twice the steps at world 2), with
+    no word. An epoch that steps with no loop.data() loader is said once; one through loop.data() is not."""
+    data = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    for name, through in (("own", False), ("through", True)):
+        with ddpkit.Loop(str(tmp_path / name), log_every=100) as loop:
+            loader = loop.data(data) if through else data
+            loop.resume()
+            for _ in loop.epochs(2):
+                for _batch in loader:
+                    loop.step()
+    said = [line for line in capsys.readouterr().err.splitlines() if "loop.data(" in line]
+    assert len(said) == 1 and "epoch 0 stepped with no loader made by loop.data()" in said[0], said
+
+
 def test_an_epoch_record_gives_the_epochs_means_across_its_intervals_and_a_resume(tmp_path):
     """The porter's seed 002: an [epoch] line gave the means of the logs since the last [step] line (there, one
     batch), not the epoch's, which the author's own loop printed. Values 0..7 in one epoch of 8 steps, a record

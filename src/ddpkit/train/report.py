@@ -245,6 +245,21 @@ def no_step_line(epoch: int, batches: int) -> str:
     )
 
 
+def no_loader_line(epoch: int, world_size: int) -> str:
+    """A ``Loop.epochs()`` epoch that stepped with no ``loop.data()`` loader made (the porter's seed 003 forgot it:
+    each rank read the whole dataset, twice the steps, with no word)."""
+    split = (
+        f"at world size {world_size} a DataLoader with no DistributedSampler gives every rank the whole dataset, and "
+        if world_size > 1
+        else ""
+    )
+    return (
+        f"ddpkit: note: epoch {epoch} stepped with no loader made by loop.data(): {split}a loader of your own keeps "
+        f"its position out of the snapshots (a resume mid-epoch starts the epoch over); pass it through "
+        f"loop.data(loader)"
+    )
+
+
 def finished_line(step: int, epoch: int) -> str:
     """A ``Loop`` resumed from the snapshot its run wrote as it finished."""
     return (
