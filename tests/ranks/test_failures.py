@@ -203,3 +203,28 @@ def test_a_timeout_filed_after_the_peer_it_broke_is_not_silenced_by_that_peer(tm
     failures = {rank: types.SimpleNamespace(error_file=str(path), exitcode=4 - rank) for rank, path in files.items()}
     job = launch_failure(failures, 6.0)
     assert isinstance(job, CollectiveTimeout) and job.exit_code == 3, job
+
+
+def test_a_line_is_written_with_its_newline_in_one_write(monkeypatch):
+    """The porter's seed 003 (1 run in 4, under python -u): print() wrote the text and its newline apart, and
+    another rank's line landed between them: ``...snapshots=backgroundddpkit: error: rank 1: ...``."""
+    import sys
+
+    from ddpkit.errors import ConfigError
+    from ddpkit.ranks.failures import exit_status
+    from ddpkit.run.display import Display
+
+    writes = []
+
+    class Recorded:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorded())
+    monkeypatch.setattr(sys, "stdout", Recorded())
+    assert exit_status(ConfigError("Loop.resume() was called twice")) == 2
+    Display(1, progress=False).print("[start] world_size=2")
+    assert writes == ["ddpkit: error: Loop.resume() was called twice\n", "[start] world_size=2\n"], writes

@@ -81,6 +81,14 @@ def rebuilt(kind: str, message: str, exit_code: int, reported: bool, rank: int |
     return exc
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write, its newline with it: print() writes them apart, and a line another rank
+    wrote between them was glued to this one (``...snapshots=backgroundddpkit: error: ...``, the porter's seed 003
+    under ``python -u``)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 # ---------------------------------------------------------------------- in a rank
 def report_failure(exc: BaseException, rank: int) -> None:
     """Say once why this rank fails: its one line (a ddpkit error) or its traceback (a bug), on
@@ -113,7 +121,7 @@ def report_failure(exc: BaseException, rank: int) -> None:
         if printed and not already:
             printed = _first_to_say(exc)
             if printed:
-                print(f"ddpkit: {group_of()}error: {line}", file=sys.stderr, flush=True)
+                say(f"ddpkit: {group_of()}error: {line}")
     else:
         if not already:
             # A bug keeps its traceback: once for the job where every rank meets the very same one (the same text,
@@ -333,7 +341,7 @@ def outside_group_failure(exc: DdpkitError) -> None:
     where = f"rank {env.env_rank()}: " if many else ""
     rank = env.env_rank() if many else None
     write_error_file(f"{where}{exc}", False, exc.exit_code, kind=public_kind(exc), text=str(exc), rank=rank)
-    print(f"ddpkit: {group_of()}error: {where}{exc}", file=sys.stderr, flush=True)
+    say(f"ddpkit: {group_of()}error: {where}{exc}")
 
 
 def outside_group_bug(exc: BaseException) -> None:
@@ -528,7 +536,7 @@ def as_returned(exc: DdpkitError, rank: int) -> Failure:
     return values."""
     printed = (isinstance(exc, Stopped) and rank == 0) or isinstance(exc, AlreadyReported)
     if printed and not isinstance(exc, AlreadyReported):
-        print(f"ddpkit: {group_of()}{exc}", file=sys.stderr, flush=True)
+        say(f"ddpkit: {group_of()}{exc}")
         # for a launcher that is itself shutting down, and so reads no return value (stopped_report)
         write_error_file(str(exc), False, exc.exit_code, kind=public_kind(exc), text=str(exc), printed=True)
     return Failure(str(exc), exc.exit_code, printed, public_kind(exc))
@@ -557,16 +565,13 @@ def exit_status(exc: DdpkitError | WorkersFailed | KeyboardInterrupt) -> int:
             return _report_once(exc)
         return exc.exit_code
     if isinstance(exc, WorkersFailed) and exc.results is not None:  # stopped in the teardown, the work done
-        print(f"ddpkit: {group_of()}{exc}; the job ends as finished", file=sys.stderr)
+        say(f"ddpkit: {group_of()}{exc}; the job ends as finished")
         return 0
     if isinstance(exc, WorkersFailed):
         if not exc.reported:
-            print(
-                f"ddpkit: {group_of()}error: {exc}" + ("" if "above" in str(exc) else "; their output is above"),
-                file=sys.stderr,
-            )
+            say(f"ddpkit: {group_of()}error: {exc}" + ("" if "above" in str(exc) else "; their output is above"))
         return exc.exit_code
-    print("ddpkit: interrupted", file=sys.stderr)  # KeyboardInterrupt
+    say("ddpkit: interrupted")  # KeyboardInterrupt
     return 130
 
 
@@ -651,7 +656,7 @@ def _report_once(exc: DdpkitError) -> int:
             return 130
     where = f"rank {exc.rank}: " if exc.rank is not None else "" if rank == "0" else f"rank {rank}: "
     said = "" if isinstance(exc, Stopped) else "error: "  # a stop that saved its snapshot is no error
-    print(f"ddpkit: {group_of()}{said}{where}{exc}", file=sys.stderr)
+    say(f"ddpkit: {group_of()}{said}{where}{exc}")
     return exc.exit_code
 
 

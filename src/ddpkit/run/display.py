@@ -89,7 +89,8 @@ class Display:
             # markup=False: ddpkit's own "[start]"/"[epoch]" tags are text, not rich markup to swallow
             self.bar.console.print(line, highlight=False, markup=False)
         else:
-            print(line, flush=True)
+            sys.stdout.write(line + "\n")  # one write (see ranks.failures.say): no other line glued to it
+            sys.stdout.flush()
 
     def close(self) -> None:
         if self.bar is not None:
