@@ -95,6 +95,9 @@ def test_a_model_wrapped_already_is_refused_by_wrap(tmp_path):
         for model in (DDP(nn.Linear(2, 1)), loop.wrap(nn.Linear(2, 1)), torch.compile(DDP(nn.Linear(2, 1)))):
             with pytest.raises(ConfigError, match=r"Loop.wrap\(\) got a model wrapped in DistributedDataParallel"):
                 loop.wrap(model)
+    with ddpkit.Loop(str(tmp_path / "f"), device="cpu", strategy="fsdp2") as loop:
+        with pytest.raises(ConfigError, match=r"Loop.wrap\(\) got a model sharded by fully_shard already"):
+            loop.wrap(loop.wrap(nn.Linear(2, 1)))
 
 
 @pytest.mark.multiprocess

@@ -36,6 +36,11 @@ class DDPStrategy:
         return make_ddp(raw, ctx, **options)
 
     @staticmethod
+    def wrapped(model: Any) -> bool:
+        """Whether ``model`` is DDP's wrapper (a model a strategy must not wrap again)."""
+        return isinstance(model, DDP)
+
+    @staticmethod
     def unwrap(model: Any) -> Any:
         # A dict lookup, not hasattr: on a plain module that misses, hasattr goes through Module.__getattr__'s
         # raise (about 3 us, at every step of the engine's clipping)

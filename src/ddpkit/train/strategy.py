@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..models import to_channels_last, uses_conv
 from ..ranks.context import DistContext
 from .ddp import DDPStrategy
-from .fsdp2 import FSDP2Strategy, available
+from .fsdp2 import FSDP2Strategy, available, is_sharded
 from .syncbn import convert_sync_batchnorm, only_batchnorm_buffers
 
 
@@ -113,12 +113,11 @@ def refuse_wrapped(model: nn.Module, where: str) -> None:
     ``loop.wrap(DDP(model))`` trained other weights than the tutorial, its snapshot's keys ``module.``-prefixed),
     and ``loop.wrap(loop.wrap(m))`` failed in DDP's reducer with "please file an issue"."""
     inner = model
-    while isinstance(inner, nn.Module) and "_orig_mod" in inner._modules:
+    while isinstance(inner, nn.Module) and "_orig_mod" in inner._modules:  # torch.compile's wrapper
         inner = inner._modules["_orig_mod"]
-    fsdp = getattr(torch.distributed, "fsdp", None)
-    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+    if DDPStrategy.wrapped(inner):
         what = "wrapped in DistributedDataParallel"
-    elif fsdp is not None and isinstance(inner, getattr(fsdp, "FSDPModule", ())):
+    elif not available() and is_sharded(inner):
         what = "sharded by fully_shard"
     else:
         return
