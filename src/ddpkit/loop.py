@@ -128,6 +128,8 @@ class Loop:
         self._maker = running_code(sys._getframe(2))
         self.ctx: DistContext | None = None
         self._stack = ExitStack()
+        # the run dir's lock (resume() takes it), let go after everything in _stack: a background write ends first
+        self._lock = ExitStack()
         self._owns_group = False
         self.state: State | None = None
         self._models: list[nn.Module] = []
@@ -214,6 +216,7 @@ class Loop:
         except DdpkitError as error:  # the group's teardown names the failure (a lost peer, a timeout)
             exc = raised_here = error
         finally:
+            self._lock.close()
             scriptend.group_gone(self._owns_group)
         if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
@@ -248,7 +251,10 @@ class Loop:
 
     def _teardown(self, exc: BaseException) -> None:
         """The group's teardown alone, after ``exc`` ended a started script (no save after an error)."""
-        self._stack.__exit__(type(exc), exc, exc.__traceback__)
+        try:
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            self._lock.close()
 
     @property
     def rank(self) -> int:
@@ -380,8 +386,8 @@ class Loop:
         # trained in one run dir, the second "resuming" what the first had saved
         on_rank0(
             self.ctx,
-            lambda: self._stack.enter_context(
-                run_lock(self.config.run_dir, other=_another_run_dir(), flag="Loop(run_dir=...)")
+            lambda: self._lock.enter_context(
+                run_lock(self.config.run_dir, other=_another_run_dir(self.ctx.world_size), flag="Loop(run_dir=...)")
             ),
             "locking the run dir",
         )
@@ -486,7 +492,7 @@ class Loop:
                 # alone: said once (the porter's seed-001 port forgot it, and a stop waited for the epoch's end)
                 self._said_no_step = True
                 self.print(report.no_step_line(self.state.epoch, read), file=sys.stderr)
-            if not self._loaders and self.state.step > step and not self._said_no_loader:
+            if not self._loaders and self.state.step > step and self.ctx.world_size > 1 and not self._said_no_loader:
                 self._said_no_loader = True
                 self.print(report.no_loader_line(self.state.epoch, self.ctx.world_size), file=sys.stderr)
             self.state.epoch += 1
@@ -668,11 +674,11 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
-def _another_run_dir() -> str:
-    """How to name another run dir, said where a Loop's is in use; and in a process that multiprocessing started
-    (as mp.spawn starts them), that each such process is a world of its own."""
+def _another_run_dir(world_size: int) -> str:
+    """How to name another run dir, said where a Loop's is in use; and for a world of 1 in a process that
+    multiprocessing started (as mp.spawn starts them), that each such process is a world of its own."""
     said = "pass another run_dir to Loop"
-    if multiprocessing.parent_process() is not None and not under_launcher():
+    if world_size == 1 and multiprocessing.parent_process() is not None and not under_launcher():
         said += (
             " (this process was started by multiprocessing, as mp.spawn starts them, with no rank of its own: each "
             "is a world of 1; start the ranks of one job with ddpkit.launch(main, nproc=N) instead)"

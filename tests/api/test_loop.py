@@ -140,6 +140,66 @@ def test_a_run_dir_in_use_is_refused_at_resume_naming_the_holder(tmp_path, monke
             loop.resume()
 
 
+@pytest.mark.multiprocess
+def test_the_run_dir_lock_ends_with_its_loop_though_its_loader_workers_live_on(tmp_path):
+    """Review finding: the lock was let go by close() alone, and a loader's persistent workers (forked after
+    resume() took it) share its open file: the same process was refused its own run dir by the next Loop."""
+    data = TensorDataset(torch.arange(8.0))
+    kept = []
+    for _ in range(2):
+        with ddpkit.Loop(str(tmp_path / "r"), device="cpu") as loop:
+            loader = loop.data(DataLoader(data, batch_size=2, num_workers=1, persistent_workers=True))
+            loop.resume()
+            next(iter(loader))  # the workers start: forked, holding every open file
+            kept.append(loader)  # kept alive past the block, as a notebook's variable keeps it
+
+
+def test_a_lock_held_by_the_children_of_a_dead_holder_is_awaited(tmp_path):
+    """Review finding: a SIGKILLed rank 0's DataLoader workers hold its lock until their watchdog sees it gone (up
+    to ~5 s), and a restart within that time was refused its own run dir. A holder whose process is gone (on this
+    host) is waited for, a live one refused at once."""
+    import fcntl
+    import socket
+    import threading
+
+    from ddpkit.errors import RunDirError
+    from ddpkit.run.paths import RunFiles
+    from ddpkit.run.rundir import run_lock
+
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+    path = RunFiles(tmp_path).lock
+    path.write_text(f"pid {dead} on {socket.gethostname()}, since 2026-11-29 19:00:00")
+    orphan = os.open(path, os.O_RDWR)  # what a forked worker holds: the dead holder's open file
+    fcntl.flock(orphan, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    threading.Timer(0.5, os.close, args=(orphan,)).start()  # the worker follows its parent out
+    with run_lock(tmp_path):
+        pass
+    path.write_text(f"pid {os.getpid()} on {socket.gethostname()}, since 2026-11-29 19:00:00")  # alive
+    holder = os.open(path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(RunDirError, match="is in use by another ddpkit run"):
+            with run_lock(tmp_path):
+                pass
+    finally:
+        os.close(holder)
+
+
+def test_a_loop_is_not_kept_alive_after_its_block(tmp_path):
+    """Review finding: the with-block's Loop, kept for a destroy_process_group() in its block, stayed referenced
+    for the rest of the process, with its model, optimizer and loaders (on a GPU, their memory)."""
+    import gc
+    import weakref
+
+    with ddpkit.Loop(str(tmp_path / "r"), device="cpu") as loop:
+        model = loop.wrap(nn.Linear(2, 1))
+        loop.resume(model=model)
+    gone = weakref.ref(loop)
+    del loop, model
+    gc.collect()
+    assert gone() is None
+
+
 def test_misuse_is_one_public_error(tmp_path):
     with ddpkit.Loop(str(tmp_path / "a")) as loop:
         with pytest.raises(ConfigError, match="call loop.resume"):
@@ -516,19 +576,17 @@ def test_an_epoch_loop_that_never_steps_is_said_once(tmp_path, capsys):
     assert "loop.step()" not in capsys.readouterr().err
 
 
-def test_an_epoch_loop_over_a_loader_of_its_own_is_said_once(tmp_path, capsys):
+@pytest.mark.multiprocess
+def test_an_epoch_loop_over_a_loader_of_its_own_is_said_once(tmp_path):
     """The porter's seed 003 forgot loop.data(): each rank read the whole dataset (twice the steps at world 2), with
-    no word. An epoch that steps with no loop.data() loader is said once; one through loop.data() is not."""
-    data = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
-    for name, through in (("own", False), ("through", True)):
-        with ddpkit.Loop(str(tmp_path / name), log_every=100) as loop:
-            loader = loop.data(data) if through else data
-            loop.resume()
-            for _ in loop.epochs(2):
-                for _batch in loader:
-                    loop.step()
-    said = [line for line in capsys.readouterr().err.splitlines() if "loop.data(" in line]
-    assert len(said) == 1 and "epoch 0 stepped with no loader made by loop.data()" in said[0], said
+    no word. An epoch that steps at world 2 with no loop.data() loader is said once; one through loop.data() is
+    not (nor one at world 1, where a loop over data held whole, or its own IterableDataset, is common)."""
+    err = "".join(
+        ddpkit.launch(lw.epochs_over, str(tmp_path / name), through, nproc=2, device="cpu")
+        for name, through in (("own", False), ("through", True))
+    )
+    said = [line for line in err.splitlines() if "loop.data(" in line]
+    assert len(said) == 1 and "epoch 0 stepped at world size 2 with no loader made by loop.data()" in said[0], said
 
 
 def test_an_epoch_record_gives_the_epochs_means_across_its_intervals_and_a_resume(tmp_path):

@@ -284,3 +284,20 @@ def destroy_inside_the_block(_ctx, run_dir: str) -> list:
         destroy_process_group()
         gone = not dist.is_initialized()
     return [gone]
+
+
+def epochs_over(_ctx, run_dir: str, through: bool) -> str:
+    """An epoch loop over a DataLoader of its own (the porter's seed 003 forgot loop.data()), or through it; what
+    rank 0 said on stderr."""
+    import contextlib
+    import io
+
+    data = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said), ddpkit.Loop(run_dir, device="cpu", log_every=100) as loop:
+        loader = loop.data(data) if through else data
+        loop.resume()
+        for _ in loop.epochs(2):
+            for _batch in loader:
+                loop.step()
+    return said.getvalue()

@@ -228,3 +228,19 @@ def test_a_line_is_written_with_its_newline_in_one_write(monkeypatch):
     assert exit_status(ConfigError("Loop.resume() was called twice")) == 2
     Display(1, progress=False).print("[start] world_size=2")
     assert writes == ["ddpkit: error: Loop.resume() was called twice\n", "[start] world_size=2\n"], writes
+
+
+def test_a_launch_stopped_in_its_teardown_ends_a_script_with_the_stops_status(monkeypatch):
+    """Review finding: with the hook taking WorkersFailed, a launch() stopped by SIGTERM in the workers' teardown
+    (their work done: the ddpkit command exits 0) ended a script with 0, though its code after launch() never ran."""
+    import sys
+
+    from ddpkit.ranks import failures
+
+    monkeypatch.setattr(failures, "_STOP_HOOK", [False])
+    monkeypatch.setattr(sys, "excepthook", lambda *a: None)
+    failures.stop_exits_with_its_status()
+    stopped = WorkersFailed("the launcher received SIGTERM after every worker had finished", False, 143, {0: None})
+    with pytest.raises(SystemExit) as ended:
+        sys.excepthook(WorkersFailed, stopped, None)
+    assert ended.value.code == 143

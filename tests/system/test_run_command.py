@@ -138,6 +138,31 @@ def test_a_scripts_exception_is_one_line_naming_its_rank(tmp_path, script):
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr
 
 
+STARTED_THEN_A_BLOCK = """\
+import sys, torch, ddpkit
+from torch.distributed import destroy_process_group
+loop = ddpkit.Loop.start(sys.argv[1] + "/main", device="cpu", log_every=0)
+model = loop.wrap(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loop.resume(model=model, opt=opt)
+for s in loop.steps(3):
+    loss = model(torch.ones(8, 4)).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+with ddpkit.Loop(sys.argv[1] + "/side", device="cpu", log_every=0) as side:  # a second, short Loop (a probe)
+    side.resume(m=side.wrap(torch.nn.Linear(4, 1)))
+destroy_process_group()  # the tutorial's last line, kept
+"""
+
+
+@pytest.mark.slow
+def test_a_started_loops_destroy_after_a_with_block_loop_still_closes_the_started_one(tmp_path):
+    """Review finding: the with-block's Loop took the started one's place as the Loop a script's destroy closes;
+    at its end the destroy found it ended and tore down the started Loop's group under it (exit 1, no end record)."""
+    (tmp_path / "s.py").write_text(STARTED_THEN_A_BLOCK)
+    proc = run_cli("run", "--nproc", "2", str(tmp_path / "s.py"), str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_jsonl(tmp_path / "main" / "metrics.jsonl")[-1]["event"] == "end"
+
+
 STARTED_RAISES = """\
 import sys, torch, ddpkit
 loop = ddpkit.Loop.start(sys.argv[1], device="cpu")

@@ -593,7 +593,14 @@ def stop_exits_with_its_status() -> None:
             # torch's init_process_group wraps the hook it finds and points sys.stderr at a buffer it prints
             # after the hook returns, which an exit never does: the line goes to the real stderr
             with contextlib.redirect_stderr(sys.__stderr__):
-                code = exit_status(exc)
+                if isinstance(exc, WorkersFailed) and exc.results is not None:
+                    # Stopped in the workers' teardown, their work done: finished for the CLI (exit_status), but
+                    # the script's own code after launch() never ran, so its status is the stop's, not 0 (a review
+                    # finding: a scheduler would not requeue it)
+                    say(f"ddpkit: {group_of()}{exc}")
+                    code = exc.exit_code
+                else:
+                    code = exit_status(exc)
             sys.exit(code)
         previous(kind, exc, tb)
 

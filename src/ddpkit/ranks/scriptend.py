@@ -17,6 +17,7 @@ import atexit
 import os
 import sys
 import traceback
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -25,10 +26,11 @@ from ..errors import DdpkitError
 from .env import LAUNCHER_PID, under_launcher
 from .failures import comm_failure, exit_status
 
-# torch's own destroy_process_group, once ddpkit's stands in front of it (closes_at_destroy); the newest owner
-# open on the default group (started, or in its with-block); whether an owner destroyed a group it made (group_gone)
+# torch's own destroy_process_group, once ddpkit's stands in front of it (closes_at_destroy); the owners opened on
+# the default group (started, or in a with-block), weakly: an ended one is not kept alive with its model and loaders
+# (a review finding); whether an owner destroyed a group it made (group_gone)
 _TORCH_DESTROY: list = [None]
-_OPEN: list = [None]
+_OPEN: list[weakref.ref] = []
 _GONE: list = [False]
 
 
@@ -96,7 +98,7 @@ def closes_at_destroy(owner: Any, script: dict) -> None:
     port, and seed 003's in a with-block under launch()). After the Loop's end, the same line destroys what is left,
     if anything. ``script``: the calling script's globals, where a name bound to torch's function (``from
     torch.distributed import destroy_process_group``, as the DDP tutorial writes it) is bound to this one too."""
-    _OPEN[0] = owner
+    _OPEN[:] = [ref for ref in _OPEN if ref() is not None and ref() is not owner] + [weakref.ref(owner)]
     if _TORCH_DESTROY[0] is None:
         _TORCH_DESTROY[0] = dist.destroy_process_group
         dist.destroy_process_group = _destroy
@@ -110,10 +112,20 @@ def group_gone(made_it: bool) -> None:
     _GONE[0] = _GONE[0] or made_it
 
 
-def _destroy(group=None) -> None:
-    owner = _OPEN[0]
-    if group is None or group is dist.GroupMember.WORLD:
+def _open_owner() -> Any:
+    """The newest owner still open (not ended, not closed): a with-block's Loop inside a started one's script is
+    ended by its block, and the script's destroy is then the started one's (a review finding)."""
+    for ref in reversed(_OPEN):
+        owner = ref()
         if owner is not None and not getattr(owner, "_exited", False) and not getattr(owner, "_closed", False):
+            return owner
+    return None
+
+
+def _destroy(group=None) -> None:
+    owner = _open_owner()
+    if group is None or group is dist.GroupMember.WORLD:
+        if owner is not None:
             if sys.exc_info()[1] is not None:
                 # In a ``finally:`` an error (or a stop) is on its way up: it is said by the script's excepthook
                 # and the group torn down at exit without a save, as for any error (closed here as a success, the

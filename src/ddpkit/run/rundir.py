@@ -10,6 +10,7 @@ across nodes).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -250,20 +251,53 @@ def run_lock(run_dir: str | Path, other: str = "pass another --run-dir", flag: s
     except OSError as exc:  # a file in its place, a read-only disk: one line, not a traceback
         raise RunDirError(describe_io_error(exc, path, flag=flag)) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise RunDirError(
-                f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop it, or {other}"
-            ) from None
+        waited = time.monotonic() + ORPHAN_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                if _holder_gone(holder) and time.monotonic() < waited:
+                    time.sleep(0.1)  # its forked children still hold it: they follow their parent out (see above)
+                    continue
+                raise RunDirError(
+                    f"{run_dir} is in use by another ddpkit run ({holder}); wait for it to end, stop it, or {other}"
+                ) from None
+            except OSError as exc:  # ENOLCK: a filesystem with no locking (NFS without lockd)
+                raise RunDirError(f"cannot lock {path}: {exc.strerror or exc}; point {flag} at a local disk") from None
         os.ftruncate(fd, 0)
         os.pwrite(
             fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
         )
         yield
     finally:
-        os.close(fd)  # releases the lock; the file stays (removing it would race a waiting run)
+        # Let go first, then close: a child forked meanwhile (DataLoader workers, persistent ones too) shares this
+        # open file and, by close alone, kept the lock for as long as it lived (the review of the seed-003 fixes: the
+        # same process was then refused its own run dir)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)  # the file stays (removing it would race a waiting run)
+
+
+# How long a run waits for a lock whose holder is dead (on this host): the holder's forked children (DataLoader
+# workers) share its lock and end a few seconds after it is killed (their watchdog polls the parent every 5 s);
+# a restart in between (torchrun's, of a SIGKILLed rank 0) was refused its own run dir (seconds)
+ORPHAN_WAIT_S = 15.0
+
+
+def _holder_gone(holder: str) -> bool:
+    """Whether the lock file's holder (``pid N on HOST, since ...``) is a process of this host that has ended."""
+    words = holder.split()
+    if len(words) < 4 or words[0] != "pid" or not words[1].isdigit() or words[3].rstrip(",") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def locked(run_dir: str | Path) -> bool:

@@ -246,17 +246,14 @@ def no_step_line(epoch: int, batches: int) -> str:
 
 
 def no_loader_line(epoch: int, world_size: int) -> str:
-    """A ``Loop.epochs()`` epoch that stepped with no ``loop.data()`` loader made (the porter's seed 003 forgot it:
-    each rank read the whole dataset, twice the steps, with no word)."""
-    split = (
-        f"at world size {world_size} a DataLoader with no DistributedSampler gives every rank the whole dataset, and "
-        if world_size > 1
-        else ""
-    )
+    """A ``Loop.epochs()`` epoch that stepped at world size > 1 with no ``loop.data()`` loader made (the porter's
+    seed 003 forgot it: each rank read the whole dataset, twice the steps, with no word)."""
     return (
-        f"ddpkit: note: epoch {epoch} stepped with no loader made by loop.data(): {split}a loader of your own keeps "
-        f"its position out of the snapshots (a resume mid-epoch starts the epoch over); pass it through "
-        f"loop.data(loader)"
+        f"ddpkit: note: epoch {epoch} stepped at world size {world_size} with no loader made by loop.data(): a "
+        f"DataLoader of your own gives every rank the whole dataset unless its sampler splits it "
+        f"(DistributedSampler), and keeps its position out of the snapshots (a resume mid-epoch starts the epoch "
+        f"over); a map-style dataset's DataLoader goes through loop.data(loader) (an IterableDataset, or data held "
+        f"whole, stays as it is)"
     )
 
 
