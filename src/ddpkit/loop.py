@@ -60,9 +60,9 @@ from .identity import loop_code, running_code
 from .ranks import hangwatch, scriptend
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
-from .ranks.failures import exit_status, stop_exits_with_its_status
+from .ranks.failures import exit_status
 from .run.recorder import MetricLogger
-from .run.rundir import run_lock
+from .run.rundir import rank0_locks
 from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
@@ -120,9 +120,8 @@ class Loop:
             check_code,
             strategy,
         )
-        # First: an uncaught Stopped ends the script with 143, and a bad setting (checked next) with one line and 2,
-        # not a traceback per rank and 1
-        stop_exits_with_its_status()
+        # (An uncaught Stopped ends the script with 143, and a bad setting, checked here, with one line and 2, not a
+        # traceback per rank and 1: import ddpkit installed the hook that says them, ranks.failures)
         self.config.validate()
         # the run identity reads the loop's own code: the frame above keywords_checked's wrapper, which called this
         self._maker = running_code(sys._getframe(2))
@@ -384,13 +383,8 @@ class Loop:
         # One run in a run dir at a time, held by global rank 0 from here (its first read of the run dir) until the
         # Loop ends: two jobs (or two processes mp.spawn made, each a world of 1 of its own: the porter's seed 003)
         # trained in one run dir, the second "resuming" what the first had saved
-        on_rank0(
-            self.ctx,
-            lambda: self._lock.enter_context(
-                run_lock(self.config.run_dir, other=_another_run_dir(self.ctx.world_size), flag="Loop(run_dir=...)")
-            ),
-            "locking the run dir",
-        )
+        how = {"other": _another_run_dir(self.ctx.world_size), "flag": "Loop(run_dir=...)"}
+        self._lock.enter_context(rank0_locks(self.config.run_dir, self.ctx, **how))
         self.state = State(state)
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         if snap is not None:

@@ -57,7 +57,6 @@ from .preflight import (
     task_for,
 )
 from .ranks import env
-from .ranks.failures import stop_exits_with_its_status
 from .ranks.launcher import LaunchSpec, refuse_if_importing_main, refuse_unguarded_main, run_workers
 from .run.checkpoint import read_weights
 from .run.display import format_record, summary_fields
@@ -113,9 +112,8 @@ class Trainer:
         collate_fn: Callable | None = None,
         val_data: Dataset | None = None,
     ):
-        # First: a bad argument met here (a ConfigError) ends an uncaught script in one line and exit 2, as the same
-        # error does in fit(); it was a traceback and 1 (the porter's seed-004 port)
-        stop_exits_with_its_status()
+        # (A bad argument met here, a ConfigError, ends an uncaught script in one line and exit 2, as the same error
+        # does in fit(): import ddpkit installed the hook that says it. The porter's seed-004 port met a traceback)
         if isinstance(model, type):  # the class, not a model: its state_dict() failed deep in the identity's read
             raise ConfigError(
                 f"model= is the class {model.__qualname__}, not a model: pass an instance, {model.__qualname__}(...)"
@@ -188,7 +186,6 @@ class Trainer:
         """Train (resuming from the run dir when it holds a snapshot); afterwards the model object
         passed in holds the trained weights."""
         refuse_if_importing_main()
-        stop_exits_with_its_status()  # an uncaught Stopped ends the user's script with 143, as documented
         # The CLI's launch time belongs to the first run it starts; check and bench start several,
         # and each later one is timed from its own fit() (all were once timed from the CLI's start).
         t0 = float(os.environ.pop(env.T0, time.time()))

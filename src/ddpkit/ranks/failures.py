@@ -580,9 +580,9 @@ def stop_exits_with_its_status() -> None:
     does: its one line, once, and its exit status (a :class:`Stopped`: 143, 138 for SIGUSR1, 130 for Ctrl-C;
     a bad config: 2; a failed job, :class:`WorkersFailed`, whose rank printed its traceback: that rank's
     status), not a traceback and status 1. Any other exception, and any in an interactive session (which a
-    stop must not end), goes to the hook that was there. Installed once per process, at ``import ddpkit`` (and
-    again, to no effect, by ``Trainer()``, ``Loop`` and ``launch()``): a stop is how a preempted job is meant to
-    end, and schedulers read its status; from Python the error is raised as it is, for a caller to catch."""
+    stop must not end), goes to the hook that was there. Installed once per process, at ``import ddpkit``
+    (``Trainer()``, ``Loop`` and ``launch()`` rely on it): a stop is how a preempted job is meant to end, and
+    schedulers read its status; from Python the error is raised as it is, for a caller to catch."""
     if _STOP_HOOK[0]:
         return
     previous = sys.excepthook

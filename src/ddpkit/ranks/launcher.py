@@ -63,7 +63,6 @@ from .failures import (
     launch_failure,
     restart_note,
     returned_failure,
-    stop_exits_with_its_status,
     stopped_report,
 )
 from .netinfo import interface_of, is_local, is_loopback, route_addr, split_endpoint
@@ -244,7 +243,6 @@ def launch(
     ``mp.spawn`` itself does). Under torchrun ``nproc`` is torchrun's, and each process gets its own
     result. ``fn``'s return value must be picklable.
     """
-    stop_exits_with_its_status()  # (installed at import ddpkit already; a stop of fn's Loop ends the script with 143)
     if unknown:  # mp.spawn's words (args=, nprocs=, join=) in a port: the mapping, not a bare TypeError
         raise ConfigError(
             f"ddpkit.launch() got {', '.join(f'{k}=' for k in unknown)}: it is launch(fn, *args, nproc=N, "

@@ -16,9 +16,9 @@ import json
 import os
 import socket
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from torch import nn
 
@@ -30,7 +30,7 @@ from ..identity import READING, data_fingerprint, model_fingerprint, with_code
 from ..importpath import is_import_path, resolve
 from ..models import model_for, own_model
 from ..ranks import env
-from ..ranks.context import DistContext, agree, on_rank0
+from ..ranks.context import DistContext, on_rank0
 from ..ranks.launcher import LaunchSpec
 from .checkpoint import check_weights_fit, read_weights
 from .paths import EXPECTED, RunFiles
@@ -352,20 +352,33 @@ def record_teardown(cfg: TrainConfig, summary: dict) -> dict:
 
 
 @contextmanager
-def rank0_owns(cfg: TrainConfig, ctx: DistContext) -> Iterator[None]:
-    """Global rank 0 takes the lock when no launcher holds it; every rank learns whether it could."""
-    held = launcher_owns(cfg.run_dir)
+def rank0_locks(
+    run_dir: str | Path, ctx: DistContext, then: Callable[[], object] = lambda: None, **how
+) -> Iterator[None]:
+    """Global rank 0 holds :func:`run_lock` (``how``: its wording) for the block, and runs ``then`` once it
+    holds it; every rank learns whether it could (``on_rank0``: one all-reduce). A ``Loop``'s, from its
+    ``resume()``, and a Trainer's workers' where no launcher holds the lock (:func:`rank0_owns`)."""
     with ExitStack() as stack:
-        error = None
-        if ctx.is_main and not held:
-            try:
-                stack.enter_context(run_lock(cfg.run_dir))
-                if env.restart_count() == 0:
-                    RunFiles(cfg.run_dir).fatal.unlink(missing_ok=True)
-            except (RunDirError, OSError) as exc:
-                error = exc if isinstance(exc, RunDirError) else RunDirError(f"cannot lock {cfg.run_dir}: {exc}")
-        agree(ctx, error)
+
+        def take() -> None:
+            stack.enter_context(run_lock(run_dir, **how))
+            then()
+
+        on_rank0(ctx, take, "locking the run dir")
         yield
+
+
+def rank0_owns(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager:
+    """Global rank 0 takes the lock when no launcher holds it (:func:`rank0_locks`); a first attempt forgets the
+    last job's fatal error."""
+    if launcher_owns(cfg.run_dir):
+        return nullcontext()
+
+    def fresh() -> None:
+        if env.restart_count() == 0:
+            RunFiles(cfg.run_dir).fatal.unlink(missing_ok=True)
+
+    return rank0_locks(cfg.run_dir, ctx, fresh)
 
 
 # ---------------------------------------------------------------------- no restarts into deterministic errors
