@@ -37,6 +37,7 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import re
@@ -53,6 +54,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from .config import LoopConfig, keywords_checked
 from .data.batch import leading_size
 from .data.loader import rank_share
+from .data.seeds import reseed
 from .data.shard import ShardedLoader
 from .errors import ConfigError, DdpkitError
 from .files import atomic_write
@@ -61,12 +63,14 @@ from .ranks import hangwatch, scriptend
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status
+from .ranks.replicas import group_dir
 from .run.recorder import MetricLogger
 from .run.rundir import rank0_locks
 from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
 from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
+from .train.replicas import Place, Replicas, data_context, script_place
 from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
@@ -146,6 +150,13 @@ class Loop:
         self._said_no_loader = False  # an epoch that stepped with no loop.data() loader: said once
         # the last record's means (an epoch record's: the epoch's), the same on every rank
         self.metrics: dict[str, float | None] = {}
+        # ddpkit run --replicas R (train/replicas.py): this process is one group, reading share `index` of each step
+        self._place: Place | None = None
+        self._replicas: Replicas | None = None  # torchft's side, started by resume()
+        self._opened = False  # a step's quorum is open (steps()) and its shares not yet read (shares())
+        self._feeds: dict[int, Iterator] = {}  # shares(): each loader's pass in progress, by the loader's id
+        self._shares: dict[tuple[int, int], ShardedLoader] = {}  # (loader id, share): another group's share
+        self._makers: dict[int, Callable[[DistContext], ShardedLoader]] = {}  # loader id -> the loader in a context
 
     # ------------------------------------------------------------------ 1. the process group
     def __enter__(self) -> "Loop":
@@ -162,12 +173,23 @@ class Loop:
                 )
                 torch.set_num_threads(threads)
                 self._owns_group = True
+            self._place = script_place()
+            if self._place is not None:  # one group of ddpkit run --replicas: its own run dir, as ddpkit train's
+                if self.config.strategy == "fsdp2":
+                    raise ConfigError(
+                        "ddpkit run --replicas cannot be combined with Loop(strategy='fsdp2') yet: each group is "
+                        "one process, and all-reduces its whole gradient through torchft (docs/fault-tolerance.md)"
+                    )
+                self.config = dataclasses.replace(
+                    self.config, run_dir=group_dir(self.config.run_dir, self._place.index)
+                )
             # the script's own destroy_process_group() closes this Loop first (in its with-block too), then the group
             scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
             cfg = self.config
             self.key = CodeKey(cfg, loop_code(self.ctx, self._maker), LoopConfig.HASHED, cfg.check_code)
-            self.log_writer = MetricLogger(self.ctx, cfg.run_dir, 0, progress=False, config=self.key.to_dict())
+            quiet = self._place is not None and self._place.index > 0  # the console: group 0's records
+            self.log_writer = MetricLogger(self.ctx, cfg.run_dir, 0, False, quiet, config=self.key.to_dict())
             self._stack.callback(self.log_writer.close)
             self.session = Session(
                 self.ctx,
@@ -257,11 +279,13 @@ class Loop:
 
     @property
     def rank(self) -> int:
-        return self.ctx.rank
+        """This rank's; under ``ddpkit run --replicas R``, the group's index, the rank whose share it reads."""
+        return self.ctx.rank if self._place is None else self._place.index
 
     @property
     def world_size(self) -> int:
-        return self.ctx.world_size
+        """The ranks'; under ``ddpkit run --replicas R``, R: the groups are the ranks a step's batch is read by."""
+        return self.ctx.world_size if self._place is None else self._place.count
 
     @property
     def device(self) -> torch.device:
@@ -269,11 +293,12 @@ class Loop:
 
     @property
     def is_main(self) -> bool:
-        return self.ctx.is_main
+        """Global rank 0 (of replica group 0 under ``--replicas``)."""
+        return self.ctx.is_main and (self._place is None or self._place.index == 0)
 
     def print(self, *args, **kwargs) -> None:
-        """``print`` on global rank 0 only."""
-        if self.ctx.is_main:
+        """``print`` on global rank 0 only (of replica group 0 under ``--replicas``)."""
+        if self.is_main:
             print(*args, **kwargs, flush=True)
 
     # ------------------------------------------------------------------ 2. the model
@@ -349,14 +374,19 @@ class Loop:
         snapshot. A DataLoader keeps its batch size, shuffle, collate_fn, workers and drop_last."""
         if not (isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler)):
             settings.setdefault("seed", self.config.seed)  # DistributedSampler's default is 0, as Loop's
-        if isinstance(data, DataLoader):
-            loader = ShardedLoader.from_dataloader(
-                data, self.ctx, to_device=to_device, **({"batch_size": batch_size} if batch_size else {}), **settings
-            )
-        else:
-            if batch_size is None:
-                raise ConfigError("Loop.data(dataset) needs batch_size= (each rank's), or pass a DataLoader")
-            loader = ShardedLoader(data, self.ctx, batch_size=batch_size, to_device=to_device, **settings)
+        if not isinstance(data, DataLoader) and batch_size is None:
+            raise ConfigError("Loop.data(dataset) needs batch_size= (each rank's), or pass a DataLoader")
+
+        def make(ctx: DistContext) -> ShardedLoader:
+            if isinstance(data, DataLoader):
+                sized = {"batch_size": batch_size} if batch_size else {}
+                return ShardedLoader.from_dataloader(data, ctx, to_device=to_device, **sized, **settings)
+            return ShardedLoader(data, ctx, batch_size=batch_size, to_device=to_device, **settings)
+
+        # Under --replicas, a group reads as rank `index` of a DDP run of R ranks (and a lost group's share as its rank)
+        place = self._place
+        loader = make(self.ctx if place is None else data_context(self.ctx, place, place.index))
+        self._makers[id(loader)] = make
         if loader.num_workers:
             self._said(
                 "DataLoader workers draw per sample, seeded from (seed, epoch, sample), and collate per batch, "
@@ -407,6 +437,7 @@ class Loop:
             reset_per_rank=self._reset or None,  # at another world size: each rank's own values, as given
             changes="; ".join(self._changes) or "none",
             not_read="; ".join(self.key.code.get("unproven", []) + environ_note(self.key.code)) or None,
+            **({"replicas": self._place.count, "replica_group": self._place.index} if self._place else {}),
         )
         self._t_interval, self._steps_interval, self._samples_at = time.perf_counter(), 0, self._samples_read()
         return self.state
@@ -462,9 +493,27 @@ class Loop:
     def steps(self, total: int) -> Iterator[int]:
         """``range(state.step, total)``: between two steps is a safe point (:meth:`step`)."""
         self._require_state()
+        if self._place is not None and self._replicas is None:
+            # This group meets the others from its own resume's step (healed if behind), at its first step: a
+            # script refused before it (its epochs(), say) is said once, by group 0, before the others start
+            self._replicas = Replicas(
+                self._place, self._heal_state, self._load_heal, self.config.timeout_s, self.log_writer.log
+            )
+            self._stack.callback(self._replicas.close)  # first at the end: its watch must not end the unwinding
+            self._replicas.set_step(self.state.step)
         while self.state.step < total:
+            if self._replicas is not None:  # the step's quorum first: a heal there moves the step the body reads
+                self._opened = True
+                self._replicas.open([self.strategy.unwrap(m) for m in self._models], self._at, self._healed)
             at = self.state.step
             yield at
+            if self._opened:
+                raise self._said_by_group_0(
+                    ConfigError(
+                        "under ddpkit run --replicas, each step reads its batches through "
+                        "'for batch in loop.shares(loader)' (once a step): a lost group's share is computed there too"
+                    )
+                )
             if self.state.step != at:
                 raise ConfigError(
                     f"loop.step() was called inside 'for ... in loop.steps({total})', which calls it for you (step "
@@ -472,9 +521,110 @@ class Loop:
                 )
             self.step()
 
+    def shares(self, loader: ShardedLoader) -> Iterator:
+        """This step's batch of ``loader`` (a :meth:`data` loader, read on from pass to pass: each pass is
+        the next epoch's order). Under ``ddpkit run --replicas R``, also the batch of each group that is gone
+        (read as its rank reads it): run your forward and backward on each, and the gradients add up; when
+        the loop asks for the next, the step's gradient is summed over the groups present (each divided by
+        R, as DDP divides by its world size) and committed, or, where a group left in the middle, the step's
+        batches come again for the groups then present (what ``log()`` was given of the attempt dropped).
+        Inside ``for step in loop.steps(n)``, once a step::
+
+            opt.zero_grad()
+            for x, y in loop.shares(loader):
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                loop.log(loss=loss)
+            opt.step()
+        """
+        self._require_state()
+        if not any(loader is mine for mine in self._loaders):
+            raise ConfigError("loop.shares() takes a loader that loop.data() returned")
+        if self._place is None:
+            yield self._next_batch(loader)
+            return
+        if not self._opened:  # (before the groups meet: said by group 0 alone)
+            raise ConfigError(
+                "under ddpkit run --replicas, loop.shares() is read once a step, inside 'for step in loop.steps(n)', "
+                "which opens each step's quorum"
+            )
+        self._opened = False
+        place, (epoch, index) = self._place, loader.next_position()
+        batches: dict[int, Any] = {}  # share -> its batch, the same at every attempt
+        kept = {"acc": None if self._acc is None else self._acc.local()}  # what log() had before the shares
+
+        def restart() -> None:  # at each attempt: log() as it was before the first
+            self._acc = None if kept["acc"] is None else self._acc
+            if self._acc is not None:
+                self._acc.load(kept["acc"])
+
+        for g in self._replicas.shares_of(self._at, self._healed, restart, grad_scale=1.0 / place.count):
+            if g not in batches:
+                batches[g] = (
+                    self._next_batch(loader) if g == place.index else self._share_batch(loader, g, epoch, index)
+                )
+            yield batches[g]
+
+    def _next_batch(self, loader: ShardedLoader) -> Any:
+        """The next batch of ``loader``'s pass in progress, or of the next pass (the next epoch's order)."""
+        for _ in range(2):
+            feed = self._feeds.get(id(loader)) or iter(loader)
+            try:
+                batch = next(feed)
+            except StopIteration:
+                self._feeds.pop(id(loader), None)
+                continue
+            self._feeds[id(loader)] = feed
+            return batch
+        raise ConfigError("loop.shares() got a loader with no batch to give (an empty dataset?)")
+
+    def _share_batch(self, loader: ShardedLoader, share: int, epoch: int, index: int) -> Any:
+        """Batch ``index`` of ``epoch`` of share ``share`` (another group's, gone): as its rank reads it."""
+        key = (id(loader), share)
+        if key not in self._shares:
+            self._shares[key] = self._makers[id(loader)](data_context(self.ctx, self._place, share))
+        return self._shares[key].batch_at(epoch, index)
+
+    def _said_by_group_0(self, error: DdpkitError) -> DdpkitError:
+        """``error``, met alike by every replica group once they have met (the script's own: its step), said by
+        group 0 alone: the others' is filed quiet, and ends them with its status."""
+        error.quiet = self._place is not None and self._place.index > 0
+        return error
+
+    def _at(self) -> int:
+        """The step the loop is at (a heal moves it): the replicas' protocol asks."""
+        return self.state.step
+
+    def _heal_state(self) -> dict:
+        """What a group that is behind receives from this one (torchft's heal): this Loop's snapshot at the start
+        of the step the quorum is about to take, less its own per-rank values and metric sums."""
+        snap = self._snapshot()
+        snap["rank_state"] = None
+        return snap
+
+    def _load_heal(self, saved: dict) -> None:
+        """A live group's :meth:`_heal_state`, loaded as a snapshot is; this group's own values (the per-rank names
+        of resume(), its metric sums) stay its own or start again, and its random streams start afresh from (seed,
+        step, group), as a rank's do after a resume at another world size."""
+        self._load({**saved, "same_world": True, "rank_state": {"state": {}}})
+        reseed(self.config.seed, self.state.step, self._place.index)
+
+    def _healed(self) -> None:
+        """After a heal, at a step's start: the loaders' passes start again from the healed positions, and the log
+        interval from here."""
+        self._feeds.clear()
+        if self._acc is not None:
+            self._acc.reset()
+        self._t_interval, self._steps_interval, self._samples_at = time.perf_counter(), 0, self._samples_read()
+
     def epochs(self, total: int) -> Iterator[int]:
         """``range(state.epoch, total)``, each ``data()`` loader set to that epoch; a snapshot at each end."""
         self._require_state()
+        if self._place is not None:
+            raise ConfigError(
+                "under ddpkit run --replicas, loop over 'for step in loop.steps(n)' and read each step's batches "
+                "with 'for batch in loop.shares(loader)': a group healed from another may land in another epoch"
+            )
         while self.state.epoch < total:
             for loader in self._loaders:
                 loader.set_epoch(self.state.epoch)
@@ -540,7 +690,7 @@ class Loop:
         if read > self._samples_at and elapsed > 0:
             # Every rank reads as many samples a step (DistributedSampler's equal shares): this rank's, times the
             # world size, is the job's
-            record["samples_per_s"] = round((read - self._samples_at) * self.ctx.world_size / elapsed, 3)
+            record["samples_per_s"] = round((read - self._samples_at) * self.world_size / elapsed, 3)
         self._samples_at = read
         self.log_writer.log(event, **record, **self.session.interval_figures())
         if self._acc is not None:

@@ -200,6 +200,29 @@ def test_a_loop_is_not_kept_alive_after_its_block(tmp_path):
     assert gone() is None
 
 
+def test_shares_gives_each_step_the_next_batch_from_pass_to_pass_and_resumes_there(tmp_path):
+    """``loop.shares(loader)`` without ``--replicas``: one batch a step, the loader read on into the next epoch's
+    order, and a rerun from a snapshot carries on at the next batch (tests/system/test_loop_replicas.py: with)."""
+    data = TensorDataset(torch.arange(6.0))  # 3 batches of 2 an epoch, shuffled per epoch
+
+    def run(steps: int) -> list:
+        got = []
+        with ddpkit.Loop(str(tmp_path / "r"), save_every_steps=1) as loop:
+            loader = loop.data(data, batch_size=2)
+            loop.resume(x=0)
+            for _ in loop.steps(steps):
+                got += [b[0].tolist() for b in loop.shares(loader)]
+            with pytest.raises(ConfigError, match="a loader that loop.data"):
+                next(loop.shares(DataLoader(data)))
+        return got
+
+    first, then = run(4), run(8)  # into the second epoch, then resumed at step 4
+    with ddpkit.Loop(str(tmp_path / "plain")) as loop:
+        loader = loop.data(data, batch_size=2)
+        want = [b[0].tolist() for _ in range(3) for b in loader]
+    assert len(first) == 4 and first + then == want[:8], (first, then, want)
+
+
 def test_misuse_is_one_public_error(tmp_path):
     with ddpkit.Loop(str(tmp_path / "a")) as loop:
         with pytest.raises(ConfigError, match="call loop.resume"):

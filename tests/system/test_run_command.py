@@ -305,10 +305,10 @@ def test_a_killed_launcher_leaves_no_worker_running(tmp_path, script):
         (["--nproc", "two", "SCRIPT"], "--nproc must be a positive integer or 'auto', got 'two'"),
         (["--nproc", "2", "missing.py"], "no such script: missing.py"),
         (["--nproc", "2", "."], ". is a directory"),
-        # Regression: taken and silently ignored, the script ran as a plain job with exit 0
-        (["--replicas", "2", "SCRIPT"], "--replicas 2 is not yet supported by ddpkit run"),
+        # Each replica group is one process
+        (["--replicas", "2", "--nproc", "2", "SCRIPT"], "--replicas 2 cannot be combined with --nproc 2"),
     ],
-    ids=["nproc 0", "nproc two", "missing script", "a directory", "replicas"],
+    ids=["nproc 0", "nproc two", "missing script", "a directory", "replicas and nproc"],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, script, args, fragment):
     args = [str(script) if a == "SCRIPT" else a for a in args]

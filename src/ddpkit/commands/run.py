@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..ranks import env
 from .flags import add_config_flags
 
 HELP = "run your own script on every rank, as torchrun does, with ddpkit's one-line errors, stop signals and exits"
@@ -37,7 +38,10 @@ def register(parser) -> None:
                 "from its newest snapshot (default: 0)"
             )
         if action.dest == "replicas":
-            action.help = "ddpkit train's replica groups: not yet for a script under ddpkit run (refused in one line)"
+            action.help = (
+                "replica groups of one process each, which train on while one is lost and heal it when it is back "
+                "(a ddpkit.Loop whose step reads its batches through loop.shares(loader); docs/fault-tolerance.md)"
+            )
         if action.dest == "rdzv_id":
             action.help = (
                 "job id shared by all nodes (default: derived from the script, its arguments and these flags, so "
@@ -54,14 +58,27 @@ def register(parser) -> None:
 def run(args) -> int:
     check_script(args.script)
     launch = {name: value for name, value in vars(args).items() if name in LAUNCH_FIELDS}
-    if launch.get("replicas", 1) > 1:  # a launch flag, so listed here too: before, it was taken and ignored
-        raise ConfigError(
-            f"--replicas {launch['replicas']} is not yet supported by ddpkit run (a ddpkit.Loop's step cannot yet "
-            f"compute a lost group's share): use ddpkit train --replicas, or ddpkit run --max-restarts N, whose "
-            f"Loop resumes from its newest snapshot (docs/fault-tolerance.md)"
+    replicas = launch.get("replicas", 1)
+    # The launch flags checked as `ddpkit train` checks them; a recipe named, so nothing else is resolved (and a
+    # batch the groups divide: the script's own batch is its Loop's to check)
+    TrainConfig(recipe="mnist", batch_size=64 * replicas, **launch).filled()
+    if replicas > 1 and env.replica_group() is None:  # this command again, once per group, and a lighthouse
+        from ..ranks.replicas import start_groups
+
+        argv = args.argv[args.argv.index("run") + 1 :]
+        flags = argv[: len(argv) - 1 - len(args.args)]  # the launch flags, before SCRIPT ARGS (argparse's remainder)
+        # One process a group (argparse takes the last --nproc given); the script's Loop names its run dir
+        unmet = (
+            f"--replicas {replicas}: {args.script} ended without a ddpkit.Loop meeting the other groups (at its "
+            f"first loop.steps()), so it ran once, as a world of its own: replica groups train a Loop whose steps "
+            f"read their batches through loop.shares(loader) (docs/fault-tolerance.md)"
         )
-    # The launch flags checked as `ddpkit train` checks them; a recipe named, so nothing else is resolved
-    TrainConfig(recipe="mnist", **launch).filled()
+        command = lambda g: ["run", *flags, "--nproc", "1", args.script, *args.args]  # noqa: E731
+        return start_groups(replicas, command, None, unmet)
+    if env.replica_group() is not None:  # one group of --replicas: on its cores, and it ends with its launcher
+        from ..ranks.replicas import enter_group
+
+        enter_group()
     from ..ranks.launcher import LaunchSpec, run_script
 
     # A script picks its own device: --nproc N is taken as given, and auto is one rank per visible GPU (1 on CPU)

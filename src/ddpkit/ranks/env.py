@@ -8,7 +8,8 @@ worker leaves its error for the agent), ``TORCHELASTIC_RUN_ID``. Set by ddpkit f
 
 ddpkit's own, set by the launcher for its workers (private: a user never sets them):
 ``DDPKIT_T0``, ``DDPKIT_RUN_LOCKED``, ``DDPKIT_LAUNCHER_PID``, ``DDPKIT_FORKED_WORKER``; and by
-``ddpkit train --replicas R`` for each group's launcher: ``DDPKIT_REPLICA`` (the group's index),
+``ddpkit train --replicas R`` (and ``ddpkit run --replicas R``) for each group's launcher: ``DDPKIT_REPLICA`` (the
+group's index), ``DDPKIT_REPLICAS`` (R),
 ``DDPKIT_LIGHTHOUSE`` (torchft's lighthouse, which holds the groups' quorum), ``DDPKIT_REPLICA_STORE`` (where the
 groups meet before their first step), ``DDPKIT_REPLICA_CORES`` (the group's cores).
 Set by the user: ``DDPKIT_SHARE_GPU=1`` (every CUDA rank of a node on ``cuda:0``, over gloo: for development).
@@ -59,9 +60,10 @@ REPLICA = "DDPKIT_REPLICA"
 LIGHTHOUSE = "DDPKIT_LIGHTHOUSE"
 REPLICA_STORE = "DDPKIT_REPLICA_STORE"  # HOST:PORT of the launcher's store, where the groups meet before step 0
 REPLICA_CORES = "DDPKIT_REPLICA_CORES"  # the cores a group runs on, "0,1": set in the group's own process at its start
+REPLICAS = "DDPKIT_REPLICAS"  # R, the groups of the run: a Loop's (ddpkit run --replicas), whose script has no flag
 # Passed on to the workers: set by the launcher before it launches, or by the user (a forkserver
 # started earlier has the environment of its start, not this one's)
-TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU, REPLICA, LIGHTHOUSE, REPLICA_STORE)
+TO_WORKERS = (T0, RUN_LOCKED, SHARE_GPU, REPLICA, LIGHTHOUSE, REPLICA_STORE, REPLICAS)
 
 # set for the workers where the user has not
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -336,6 +338,11 @@ def replica_group(env: Mapping[str, str] = os.environ) -> tuple[int, str, str] |
         return None
     index = int_var(env, REPLICA, "a replica group's index", "it is ddpkit's own: unset it", low=0)
     return index, env.get(LIGHTHOUSE, ""), env.get(REPLICA_STORE, "")
+
+
+def replica_count(env: Mapping[str, str] = os.environ) -> int:
+    """R, the replica groups of the run, in a group of ``--replicas R`` (1 elsewhere)."""
+    return int_var(env, REPLICAS, "the replica groups' count", "it is ddpkit's own: unset it", low=1, default=1)
 
 
 def process_started_at(pid: int) -> float:

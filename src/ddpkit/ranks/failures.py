@@ -399,6 +399,9 @@ def launch_failure(failures: dict, timeout_s: float, device_type: str = "cuda") 
         return _from_report(
             min(reports, key=lambda r: (r.get("kind") != CollectiveTimeout.__name__, r.get("at", float("inf"))))
         )
+    said = [r for r in worker_reports(failures) if r["quiet"] and not r.get("consequence")]
+    if said:  # said elsewhere, met alike (another replica group's, which says it): its status, and no line here
+        return WorkersFailed(said[0]["message"], True, said[0]["exit_code"])
     return silent_exit(codes)
 
 
@@ -621,7 +624,7 @@ def filed_for_launcher(exc: DdpkitError) -> bool:
     exc.filed_for_launcher = True  # the group's teardown, after, leaves this file as it is (report_failure)
     write_error_file(
         str(exc) if rank is None else f"rank {rank}: {exc}",
-        False,
+        bool(getattr(exc, "quiet", False)),  # said elsewhere (another replica group's, met alike)
         exc.exit_code,
         kind=public_kind(exc),
         text=str(exc),

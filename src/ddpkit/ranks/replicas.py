@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from ..config import TrainConfig
 from ..errors import ConfigError
@@ -59,11 +60,25 @@ def group_dir(run_dir: str, group: int) -> str:
 
 
 def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
-    """Start the lighthouse and the R groups (``argv``: the ``ddpkit train`` arguments as given), wait for every
-    group, and return the job's exit status: 0 when every group ended well, else the first failure's."""
+    """``ddpkit train --replicas R`` (``argv``: its arguments as given): each group is that command again, with
+    one process and its own run dir."""
+    run_dir = str(cfg.resolved().run_dir)  # every group is named from the one config
+
+    def command(g: int) -> list[str]:
+        quiet = ["--quiet"] if g else []  # the console shows group 0's records; each group's are in its run dir
+        # One process a group (--nproc auto would start one per GPU): argparse takes the last --nproc given
+        return ["train", *argv, "--nproc", "1", "--run-dir", group_dir(run_dir, g), *quiet]
+
+    return start_groups(cfg.replicas, command, run_dir)
+
+
+def start_groups(count: int, command: Callable[[int], list[str]], run_dir: str | None, unmet: str = "") -> int:
+    """Start the lighthouse and the ``count`` groups (group ``g``: ``ddpkit COMMAND(g)``), wait for every group, and
+    return the job's exit status: 0 when every group ended well, else the first failure's. ``run_dir``: group 0's,
+    said at the end (None: a script's, which its Loop names). ``unmet``: the error when group 0 ended well without
+    meeting the others (a script with no ddpkit.Loop: it ran as a world of its own), exit 2."""
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(NEEDS_FT)
-    run_dir = str(cfg.resolved().run_dir)  # every group is named from the one config
     # torchft's Rust side logs every quorum (a line per step and group): its errors only
     os.environ.setdefault("RUST_LOG", "error")
     lighthouse = subprocess.Popen(
@@ -83,19 +98,24 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
             raise ConfigError(
                 f"torchft's lighthouse did not start (exit {lighthouse.wait()}): is torchft installed whole?"
             )
-        shares = core_shares(sorted(os.sched_getaffinity(0)), cfg.replicas)
+        shares = core_shares(sorted(os.sched_getaffinity(0)), count)
         import torch
 
-        gpus = gpu_shares(cfg.replicas, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        gpus = gpu_shares(count, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
         with _forwarded(groups) as signals:  # the list as it grows
-            for g in range(cfg.replicas):
+            for g in range(count):
                 if signals.received:  # stopped while the groups start: the ones started stop, no more start
                     break
                 if g == 1 and not _first_met(groups[0], store):
-                    return _status(groups[0].wait())  # its error is the job's, said once, before the others start
+                    code = _status(groups[0].wait())  # its error is the job's, said once, before the others start
+                    if code == 0 and unmet:
+                        print(f"ddpkit: error: {unmet}", file=sys.stderr, flush=True)
+                        return 2
+                    return code
                 child_env = {
                     **os.environ,
                     env.REPLICA: str(g),
+                    env.REPLICAS: str(count),
                     env.LIGHTHOUSE: address,
                     env.REPLICA_STORE: f"127.0.0.1:{store.port}",
                     # Each group on its own cores (its processes inherit them, and size their threads to them):
@@ -105,12 +125,8 @@ def run_groups(cfg: TrainConfig, argv: list[str]) -> int:
                     # and on its own GPU, its cuda:0 (each group is one process: a world of its own)
                     **({"CUDA_VISIBLE_DEVICES": gpus[g]} if gpus[g] is not None else {}),
                 }
-                quiet = ["--quiet"] if g else []  # the console shows group 0's records; each group's are in its run dir
-                # One process a group (--nproc auto would start one per GPU): argparse takes the last --nproc given
-                one = ["--nproc", "1"]
-                command = [sys.executable, "-m", "ddpkit", "train", *argv, *one, "--run-dir", group_dir(run_dir, g)]
-                groups.append(subprocess.Popen([*command, *quiet], env=child_env))
-            return _ended(_wait(groups, cfg.replicas, store, lighthouse, signals), run_dir)
+                groups.append(subprocess.Popen([sys.executable, "-m", "ddpkit", *command(g)], env=child_env))
+            return _ended(_wait(groups, count, store, lighthouse, signals), run_dir)
     finally:
         _stop(groups)
         lighthouse.stdin.close()  # it ends when its input does
@@ -224,7 +240,7 @@ def _wait(
         time.sleep(0.2)
 
 
-def _ended(result: tuple[list[int], list[int]], run_dir: str) -> int:
+def _ended(result: tuple[list[int], list[int]], run_dir: str | None) -> int:
     """The job's exit status from its groups' (``result``: their statuses by group, and the order they ended in):
     0 when a group finished the run, however many were lost on the way (their losses said in one line, with where
     the finished run is); else the first failure's, which its group has said."""
@@ -232,10 +248,11 @@ def _ended(result: tuple[list[int], list[int]], run_dir: str) -> int:
     finished = [g for g, c in enumerate(codes) if c == 0]
     lost = [g for g, c in enumerate(codes) if c != 0]
     if finished and lost:
+        where = group_dir(run_dir, finished[0]) if run_dir else f"replica group {finished[0]}'s run dir"
         print(
             f"ddpkit: replica group{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} ended early "
             f"(exit {', '.join(str(codes[g]) for g in lost)}; its output above says why) and the other"
-            f"{'s' if len(finished) > 1 else ''} trained on: the run finished in {group_dir(run_dir, finished[0])}",
+            f"{'s' if len(finished) > 1 else ''} trained on: the run finished in {where}",
             file=sys.stderr,
             flush=True,
         )

@@ -511,7 +511,7 @@ class Engine:
                 measures.append(self.task.measure(loss, outputs, batch) + self._no_norm)
             return measures
 
-        computed, measures = self.replicas.step(self.raw, self.opt, lambda: self.pos.global_step, compute, self._healed)
+        computed, measures = self.replicas.step(self.raw, lambda: self.pos.global_step, compute, self._healed)
         if self.sample_log is not None:
             self.sample_log.write(self.pos.epoch, self.pos.step_in_epoch, self.pos.global_step, computed)
         for m in measures:  # the committed attempt's only: a step computed again is counted once

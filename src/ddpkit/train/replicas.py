@@ -13,10 +13,12 @@ sample is dropped and none is used twice.
 
     place = replica_place(cfg)                  # None unless this process is one group of --replicas
     group = Replicas(place, engine.heal_state, engine.load_heal, timeout_s, log.log)
-    computed, measures = group.step(model, optimizer, at, compute, healed)   # one step's gradient, committed:
+    computed, measures = group.step(model, at, compute, healed)   # one step's gradient, committed:
     optimizer.step()                            # (the loop's own batches and loss are ``compute(share)``)
 
-where :meth:`Replicas.step` is, attempt after attempt until one commits::
+(a Loop's step is not a function: its ``loop.steps()`` calls :meth:`Replicas.open` before the body, and its
+``loop.shares(loader)`` yields each share's batch from :meth:`Replicas.shares_of`), where a step is, attempt after
+attempt until one commits::
 
     present = group.begin(step)                 # the quorum (a heal loads the state), the groups present
     ...compute(g) for g in shares(present, place.count, place.index): forwards, backwards, each loss / R...
@@ -82,6 +84,16 @@ def replica_place(cfg: TrainConfig) -> Place | None:
     if index >= cfg.replicas:
         raise ConfigError(f"{env.REPLICA}={index} is not below --replicas {cfg.replicas}: it is ddpkit's own, unset it")
     return Place(index, cfg.replicas, lighthouse, store)
+
+
+def script_place() -> Place | None:
+    """This process's group when ``ddpkit run --replicas R`` started it (a script's ``ddpkit.Loop``); None
+    elsewhere."""
+    found = env.replica_group()
+    if found is None:
+        return None
+    index, lighthouse, store = found
+    return Place(index, env.replica_count(), lighthouse, store)
 
 
 def data_context(ctx: DistContext, place: Place, index: int) -> DistContext:
@@ -376,52 +388,67 @@ class Replicas:
             print(f"ddpkit: {group_of()}error: {exc}", file=sys.stderr, flush=True)
         os._exit(exc.exit_code)
 
-    def step(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        at: Callable[[], int],
-        compute: Callable[[int], list],
-        healed: Callable[[], None],
-    ) -> tuple[list[int], list]:
-        """One optimizer step's gradient over the groups, up to (not including) ``optimizer.step()``: the quorum (a
-        group that is behind heals there, and the state it loads is the step's; then ``healed()``), this group's
-        share and those of the groups that are gone (``compute(share)``: its micro-batches' forwards and backwards,
-        each loss scaled by 1/R; it returns what they measured), the gradient summed over the groups present, and
-        again, on the same batches over the groups then present, until every group's all-reduce succeeded.
-        ``at()``: the step the run is at (a heal moves it). Returns the shares the committed attempt computed and
-        its measures (a step computed again is counted once). The loop's own part is the batches and the loss; this
-        is the protocol, whoever's loop it is."""
+    def open(self, modules: list[torch.nn.Module], at: Callable[[], int], healed: Callable[[], None]) -> None:
+        """The start of an optimizer step: its first quorum (a group that is behind heals there, and the state it
+        loads is the step's; then ``healed()``). ``at()``: the step the run is at (a heal moves it). A Loop opens
+        the step before its body runs (``loop.steps()``), so that the body reads the healed step; the shares then
+        come from :meth:`shares_of`."""
         # The trained parameters: a frozen one gets no gradient, so no weight decay or momentum, as under DDP
-        params = [p for p in model.parameters() if p.requires_grad]
-        buffers = list(model.buffers())
-        start = [b.detach().clone() for b in buffers]  # the step's buffers: an attempt that did not commit moved them
-        attempts, t0 = 0, time.perf_counter()
+        self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self._buffers = [b for m in modules for b in m.buffers()]
+        # the step's buffers: an attempt that did not commit moved them
+        self._start = [b.detach().clone() for b in self._buffers]
+        self._attempts, self._t0 = 0, time.perf_counter()
+        self._attempt(at, healed)
+
+    def _attempt(self, at: Callable[[], int], healed: Callable[[], None]) -> None:
+        """One attempt's quorum, and which groups are present at it."""
+        self._attempts += 1
+        # The step's buffers back before the quorum, where this group may serve a heal: an attempt that did not
+        # commit left another group's share 0 statistics, or zeros, in them
+        for b, s0 in zip(self._buffers, self._start):
+            b.copy_(s0)
+        self._present = self.begin(at())
+        if self.healed:  # the step's state is a live group's, just loaded
+            self._start = [b.detach().clone() for b in self._buffers]
+            healed()
+
+    def shares_of(
+        self,
+        at: Callable[[], int],
+        healed: Callable[[], None],
+        restart: Callable[[], None] = lambda: None,
+        grad_scale: float = 1.0,
+    ) -> Iterator[int]:
+        """After :meth:`open`: each share this group computes at this attempt, its own first (the caller runs that
+        share's forwards and backwards, its gradients added to the step's); once they are done, the gradient summed
+        over the groups present, and again, on the same shares' batches over the groups then present, until every
+        group's all-reduce succeeded (``restart()`` at each attempt's start: what the caller measured of an attempt
+        that did not commit is dropped). ``grad_scale``: each gradient's factor before the all-reduce (``1 / R``
+        where each share's loss is its own batch's mean, as DDP divides by its world size; 1 where the caller scaled
+        its losses). Then :attr:`computed` is the committed attempt's shares (a step computed again counts once)."""
+        params, buffers = self._params, self._buffers
         while True:
-            attempts += 1
-            # The step's buffers back before the quorum, where this group may serve a heal: an attempt that did not
-            # commit left another group's share 0 statistics, or zeros, in them
-            for b, s0 in zip(buffers, start):
-                b.copy_(s0)
-            present = self.begin(at())
-            if self.healed:  # the step's state is a live group's, just loaded
-                start = [b.detach().clone() for b in buffers]
-                healed()
-            measures, kept = [], None
-            computed = [] if present is None else shares(present, self.place.count, self.place.index)
-            optimizer.zero_grad(set_to_none=False)
-            if present is not None:
+            restart()
+            computed = [] if self._present is None else shares(self._present, self.place.count, self.place.index)
+            for p in params:  # this attempt's gradients only (set_to_none would leave None to the all-reduce below)
+                if p.grad is not None:
+                    p.grad.zero_()
+            kept = None
+            if self._present is not None:
                 with self.own_work():  # stuck here for --timeout-s, this group ends and the others go on
                     for g in computed:
                         if g == 0:  # share 0's forwards from the step's buffers, as rank 0's are in a DDP run
-                            for b, s0 in zip(buffers, start):
+                            for b, s0 in zip(buffers, self._start):
                                 b.copy_(s0)
-                        measures += compute(g)
+                        yield g
                         if g == 0:
                             kept = [b.detach().clone() for b in buffers]
                 for p in params:  # every group all-reduces every trained parameter's gradient
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
+                    elif grad_scale != 1.0:
+                        p.grad.mul_(grad_scale)
                 self.reduce([p.grad for p in params])
                 # The buffers (BatchNorm's running statistics) after share 0's forwards, as DDP keeps rank 0's: given
                 # by the group that computed share 0, zeros by the others; in float64, where an int64 count is exact
@@ -430,8 +457,27 @@ class Replicas:
                 self.reduce(buffers, torch.float64)
             if self.commit():
                 break
-        self.committed(at(), present, attempts, time.perf_counter() - t0)
-        return computed, measures
+            self._attempt(at, healed)
+        self.computed = computed
+        self.committed(at(), self._present, self._attempts, time.perf_counter() - self._t0)
+
+    def step(
+        self,
+        model: torch.nn.Module,
+        at: Callable[[], int],
+        compute: Callable[[int], list],
+        healed: Callable[[], None],
+    ) -> tuple[list[int], list]:
+        """One optimizer step's gradient over the groups, up to (not including) ``optimizer.step()``
+        (:meth:`open`, then :meth:`shares_of`), for a loop whose step is a function: ``compute(share)`` runs a
+        share's micro-batches' forwards and backwards, each loss scaled by 1/R, and returns what they measured.
+        Returns the shares the committed attempt computed and its measures. The loop's own part is the batches and
+        the loss; this is the protocol, whoever's loop it is."""
+        measures: list = []
+        self.open([model], at, healed)
+        for g in self.shares_of(at, healed, restart=measures.clear):
+            measures += compute(g)
+        return self.computed, measures
 
     def reduce(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """The SUM of every group's ``tensors`` over the groups present, in place: one all-reduce of their
