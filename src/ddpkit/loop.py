@@ -153,7 +153,9 @@ class Loop:
         # ddpkit run --replicas R (train/replicas.py): this process is one group, reading share `index` of each step
         self._place: Place | None = None
         self._replicas: Replicas | None = None  # torchft's side, started by resume()
-        self._opened = False  # a step's quorum is open (steps()) and its shares not yet read (shares())
+        # Under --replicas, where the step is: "opened" (steps() formed its quorum), "reading" (shares() gives its
+        # batches), "" (shares() summed and committed them, or no step is open)
+        self._phase = ""
         self._feeds: dict[int, Iterator] = {}  # shares(): each loader's pass in progress, by the loader's id
         self._shares: dict[tuple[int, int], ShardedLoader] = {}  # (loader id, share): another group's share
         self._makers: dict[int, Callable[[DistContext], ShardedLoader]] = {}  # loader id -> the loader in a context
@@ -503,17 +505,18 @@ class Loop:
             self._replicas.set_step(self.state.step)
         while self.state.step < total:
             if self._replicas is not None:  # the step's quorum first: a heal there moves the step the body reads
-                self._opened = True
+                self._phase = "opened"
                 self._replicas.open([self.strategy.unwrap(m) for m in self._models], self._at, self._healed)
             at = self.state.step
             yield at
-            if self._opened:
-                raise self._said_by_group_0(
-                    ConfigError(
-                        "under ddpkit run --replicas, each step reads its batches through "
-                        "'for batch in loop.shares(loader)' (once a step): a lost group's share is computed there too"
-                    )
-                )
+            if self._phase:
+                said = {
+                    "opened": "each step reads its batches through 'for batch in loop.shares(loader)' (once a "
+                    "step): a lost group's share is computed there too",
+                    "reading": "the step left 'for batch in loop.shares(loader)' before its end (a break?): its "
+                    "gradient is summed over the groups and committed there, after the last batch",
+                }[self._phase]
+                raise self._said_by_group_0(ConfigError(f"under ddpkit run --replicas, {said}"))
             if self.state.step != at:
                 raise ConfigError(
                     f"loop.step() was called inside 'for ... in loop.steps({total})', which calls it for you (step "
@@ -543,12 +546,14 @@ class Loop:
         if self._place is None:
             yield self._next_batch(loader)
             return
-        if not self._opened:  # (before the groups meet: said by group 0 alone)
-            raise ConfigError(
-                "under ddpkit run --replicas, loop.shares() is read once a step, inside 'for step in loop.steps(n)', "
-                "which opens each step's quorum"
+        if self._phase != "opened":
+            raise self._said_by_group_0(
+                ConfigError(
+                    "under ddpkit run --replicas, loop.shares() is read once a step, inside 'for step in "
+                    "loop.steps(n)', which opens each step's quorum"
+                )
             )
-        self._opened = False
+        self._phase = "reading"
         place, (epoch, index) = self._place, loader.next_position()
         batches: dict[int, Any] = {}  # share -> its batch, the same at every attempt
         kept = {"acc": None if self._acc is None else self._acc.local()}  # what log() had before the shares
@@ -564,6 +569,7 @@ class Loop:
                     self._next_batch(loader) if g == place.index else self._share_batch(loader, g, epoch, index)
                 )
             yield batches[g]
+        self._phase = ""
 
     def _next_batch(self, loader: ShardedLoader) -> Any:
         """The next batch of ``loader``'s pass in progress, or of the next pass (the next epoch's order)."""

@@ -93,6 +93,8 @@ NO_SHARES = EPOCHS.replace(
     "    for step in loop.steps(2):\n        for (x,) in loader:\n            pass",
 )
 
+BREAK = NO_SHARES.replace("for (x,) in loader:", "for (x,) in loop.shares(loader):").replace("pass", "break")
+
 
 @pytest.mark.parametrize(
     "code,fragment,met",
@@ -104,8 +106,10 @@ NO_SHARES = EPOCHS.replace(
         # met by both groups once they have met (after the first step's body): group 1's filed quiet, and its
         # launcher ended with its status and no line (it said "exited with code 2 ... and left no message")
         (NO_SHARES, "each step reads its batches through 'for batch in loop.shares(loader)'", True),
+        # the step's gradient is summed and committed after its last batch: the other group would wait for it
+        (BREAK, "the step left 'for batch in loop.shares(loader)' before its end", True),
     ],
-    ids=["no Loop", "epochs", "no shares"],
+    ids=["no Loop", "epochs", "no shares", "break"],
 )
 def test_a_script_replica_groups_cannot_train_is_one_line_from_group_0_alone(tmp_path, code, fragment, met):
     (tmp_path / "train.py").write_text(code)
