@@ -2,6 +2,7 @@
 
     python benchmarks/replicas.py                 # MNIST ConvNet, 2 groups of 1 process, 3 kills of group 1
     python benchmarks/replicas.py --kills 1 --json out.json
+    python benchmarks/replicas.py --loop          # the same on a ddpkit.Loop: examples/live_recovery.py, ddpkit run
 
 (1) Live recovery: ``ddpkit train --replicas 2 --max-restarts K``, one step record per step (``--log-every 1``);
     group 1's worker is SIGKILLed K times (after step --first, then every --every steps of group 0). For each kill:
@@ -13,6 +14,9 @@
 (2) The same run with plain DDP (``--nproc 2 --max-restarts 1``, ``benchmarks/faults.py``'s method): a worker
     SIGKILLed after step --first, and the seconds from the kill to the first step of the restarted job.
 (3) The step without faults: ``--replicas 2`` against ``--nproc 2`` (DDP), steps/s over the run's second half.
+
+``--loop``: (1) and (3) for a user's own loop, ``ddpkit run [--replicas 2 | --nproc 2] examples/live_recovery.py``
+(the same ConvNet, batch and data, a cosine schedule; its step records every step); (2) is ``ddpkit train``'s.
 
 Each group is one process, on its own half of the machine's cores (ranks/replicas.py); the DDP run's 2 ranks
 take one core's threads each.
@@ -72,6 +76,15 @@ def group_launcher(parent: int, group: int) -> int | None:
     return None
 
 
+def command(args, extra: list[str], run_dir: Path) -> list[str]:
+    """The run: ``ddpkit train`` on the MNIST ConvNet, or (``--loop``) examples/live_recovery.py's Loop under
+    ``ddpkit run``; ``extra``: its launch flags."""
+    if args.loop:
+        script = [str(ROOT / "examples" / "live_recovery.py"), "--steps", str(args.steps), "--log-every", "1"]
+        return [sys.executable, "-m", "ddpkit", "run", *extra, *script, "--run-dir", str(run_dir)]
+    return [sys.executable, "-m", "ddpkit", "train", *base_args(args.steps), *extra, "--run-dir", str(run_dir)]
+
+
 def rate(rs: list[dict]) -> float:
     """Steps per second over consecutive step records."""
     return (rs[-1]["step"] - rs[0]["step"]) / (rs[-1]["time"] - rs[0]["time"]) if len(rs) > 1 else float("nan")
@@ -80,8 +93,7 @@ def rate(rs: list[dict]) -> float:
 def live(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-replicas-"))
     run_dir, other = work / "run", work / "run-group-1"
-    cmd = [sys.executable, "-m", "ddpkit", "train", *base_args(args.steps), "--replicas", "2"]
-    cmd += ["--max-restarts", str(args.kills), "--run-dir", str(run_dir)]
+    cmd = command(args, ["--replicas", "2", "--max-restarts", str(args.kills)], run_dir)
     proc = subprocess.Popen(
         cmd, env=src_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -138,7 +150,7 @@ def live(args) -> dict:
                 "steps_alone": len(alone),
             },
             "group_0_starts": len(starts),
-            "group_0_summary": any(r["event"] == "summary" for r in records(run_dir)),
+            "group_0_finished": any(r["event"] in ("summary", "end") for r in records(run_dir)),
             "exit_code": code,  # group 1's loss, said as the job's status (137: SIGKILL)
         }
     finally:
@@ -173,8 +185,7 @@ def steady(args, extra: list[str]) -> float:
     """Steps per second over the second half of an unfaulted run."""
     work = Path(tempfile.mkdtemp(prefix="ddpkit-bench-steady-"))
     try:
-        cmd = [sys.executable, "-m", "ddpkit", "train", *base_args(args.steps), *extra, "--run-dir", str(work / "r")]
-        done = subprocess.run(cmd, env=src_env(), capture_output=True, text=True)
+        done = subprocess.run(command(args, extra, work / "r"), env=src_env(), capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         rs = steps(work / "r")
         return rate(rs[len(rs) // 2 :])
@@ -188,13 +199,17 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=60, help="the first kill after this step")
     parser.add_argument("--every", type=int, default=100, help="steps between kills")
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument(
+        "--loop", action="store_true", help="a ddpkit.Loop under ddpkit run (examples/live_recovery.py)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "date": time.strftime("%Y-%m-%d"),
+        "workload": "examples/live_recovery.py under ddpkit run" if args.loop else "ddpkit train, MNIST ConvNet",
         "live": live(args),
-        "restart": restart(args),
+        "restart": None if args.loop else restart(args),
         "steady_steps_per_s": {
             "replicas 2": round(steady(args, ["--replicas", "2"]), 2),
             "ddp nproc 2": round(steady(args, ["--nproc", "2"]), 2),
