@@ -70,7 +70,7 @@ from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
 from .train.metrics import Accumulator, add_named, as_f64, means, reduce_means
-from .train.replicas import Place, Replicas, data_context, script_place
+from .train.replicas import LoaderShares, Place, Replicas, ShareChecks, script_place
 from .train.selection import Watch
 from .train.session import Amp, Session, check_plain, load_named, named_state
 from .train.signals import StopSignal
@@ -156,9 +156,8 @@ class Loop:
         # Under --replicas, where the step is: "opened" (steps() formed its quorum), "reading" (shares() gives its
         # batches), "" (shares() summed and committed them, or no step is open)
         self._phase = ""
-        self._feeds: dict[int, Iterator] = {}  # shares(): each loader's pass in progress, by the loader's id
-        self._shares: dict[tuple[int, int], ShardedLoader] = {}  # (loader id, share): another group's share
-        self._makers: dict[int, Callable[[DistContext], ShardedLoader]] = {}  # loader id -> the loader in a context
+        self._feeds: LoaderShares | None = None  # shares(): the loaders read a step at a time (made with the ctx)
+        self._checks: ShareChecks | None = None  # --replicas: what a step does with those batches, checked
 
     # ------------------------------------------------------------------ 1. the process group
     def __enter__(self) -> "Loop":
@@ -185,6 +184,7 @@ class Loop:
                 self.config = dataclasses.replace(
                     self.config, run_dir=group_dir(self.config.run_dir, self._place.index)
                 )
+            self._feeds = LoaderShares(self.ctx, self._place)
             # the script's own destroy_process_group() closes this Loop first (in its with-block too), then the group
             scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
@@ -386,9 +386,8 @@ class Loop:
             return ShardedLoader(data, ctx, batch_size=batch_size, to_device=to_device, **settings)
 
         # Under --replicas, a group reads as rank `index` of a DDP run of R ranks (and a lost group's share as its rank)
-        place = self._place
-        loader = make(self.ctx if place is None else data_context(self.ctx, place, place.index))
-        self._makers[id(loader)] = make
+        loader = make(self._feeds.context())
+        self._feeds.add(loader, make)
         if loader.num_workers:
             self._said(
                 "DataLoader workers draw per sample, seeded from (seed, epoch, sample), and collate per batch, "
@@ -503,6 +502,10 @@ class Loop:
             )
             self._stack.callback(self._replicas.close)  # first at the end: its watch must not end the unwinding
             self._replicas.set_step(self.state.step)
+            modules = [self.strategy.unwrap(m) for m in self._models]
+            params = [p for m in modules for p in m.parameters() if p.requires_grad]
+            optimizers = [v for v in self.state.values() if isinstance(v, torch.optim.Optimizer)]
+            self._checks = ShareChecks(params, optimizers, lambda what: self._said_by_group_0(ConfigError(what)))
         while self.state.step < total:
             if self._replicas is not None:  # the step's quorum first: a heal there moves the step the body reads
                 self._phase = "opened"
@@ -544,7 +547,7 @@ class Loop:
         if not any(loader is mine for mine in self._loaders):
             raise ConfigError("loop.shares() takes a loader that loop.data() returned")
         if self._place is None:
-            yield self._next_batch(loader)
+            yield self._feeds.next(loader)
             return
         if self._phase != "opened":
             raise self._said_by_group_0(
@@ -553,43 +556,29 @@ class Loop:
                     "loop.steps(n)', which opens each step's quorum"
                 )
             )
-        self._phase = "reading"
-        place, (epoch, index) = self._place, loader.next_position()
+        self._phase, place, checks = "reading", self._place, self._checks
         batches: dict[int, Any] = {}  # share -> its batch, the same at every attempt
-        kept = {"acc": None if self._acc is None else self._acc.local()}  # what log() had before the shares
+        # what log() had before the shares: its names too (an attempt may log a name for the first time)
+        kept = None if self._acc is None else (self._acc.names, self._acc.local())
 
         def restart() -> None:  # at each attempt: log() as it was before the first
-            self._acc = None if kept["acc"] is None else self._acc
-            if self._acc is not None:
-                self._acc.load(kept["acc"])
+            self._acc = None if kept is None else Accumulator(kept[0], self.ctx.device)
+            if kept is not None:
+                self._acc.load(kept[1])
 
+        checks.reading = True
         for g in self._replicas.shares_of(self._at, self._healed, restart, grad_scale=1.0 / place.count):
             if g not in batches:
-                batches[g] = (
-                    self._next_batch(loader) if g == place.index else self._share_batch(loader, g, epoch, index)
-                )
+                if g == place.index:  # always the first share: the position the others are read at is its
+                    batches[g] = self._feeds.next(loader)
+                    position = (loader.epoch, loader.batch - 1)
+                else:
+                    batches[g] = self._feeds.other(loader, g, *position)
+            count = checks.backwards
             yield batches[g]
+            checks.backward_since(count)
+        checks.reading = False
         self._phase = ""
-
-    def _next_batch(self, loader: ShardedLoader) -> Any:
-        """The next batch of ``loader``'s pass in progress, or of the next pass (the next epoch's order)."""
-        for _ in range(2):
-            feed = self._feeds.get(id(loader)) or iter(loader)
-            try:
-                batch = next(feed)
-            except StopIteration:
-                self._feeds.pop(id(loader), None)
-                continue
-            self._feeds[id(loader)] = feed
-            return batch
-        raise ConfigError("loop.shares() got a loader with no batch to give (an empty dataset?)")
-
-    def _share_batch(self, loader: ShardedLoader, share: int, epoch: int, index: int) -> Any:
-        """Batch ``index`` of ``epoch`` of share ``share`` (another group's, gone): as its rank reads it."""
-        key = (id(loader), share)
-        if key not in self._shares:
-            self._shares[key] = self._makers[id(loader)](data_context(self.ctx, self._place, share))
-        return self._shares[key].batch_at(epoch, index)
 
     def _said_by_group_0(self, error: DdpkitError) -> DdpkitError:
         """``error``, met alike by every replica group once they have met (the script's own: its step), said by
@@ -603,22 +592,22 @@ class Loop:
 
     def _heal_state(self) -> dict:
         """What a group that is behind receives from this one (torchft's heal): this Loop's snapshot at the start
-        of the step the quorum is about to take, less its own per-rank values and metric sums."""
+        of the step the quorum is about to take, less its metric sums."""
         snap = self._snapshot()
         snap["rank_state"] = None
         return snap
 
     def _load_heal(self, saved: dict) -> None:
-        """A live group's :meth:`_heal_state`, loaded as a snapshot is; this group's own values (the per-rank names
-        of resume(), its metric sums) stay its own or start again, and its random streams start afresh from (seed,
-        step, group), as a rank's do after a resume at another world size."""
+        """A live group's :meth:`_heal_state`, loaded as a snapshot is (each group is a world of 1: every value
+        resume() names is the live group's); its metric sums start again, and its random streams start afresh from
+        (seed, step, group), as a rank's do after a resume at another world size."""
         self._load({**saved, "same_world": True, "rank_state": {"state": {}}})
         reseed(self.config.seed, self.state.step, self._place.index)
 
     def _healed(self) -> None:
         """After a heal, at a step's start: the loaders' passes start again from the healed positions, and the log
         interval from here."""
-        self._feeds.clear()
+        self._feeds.restart()
         if self._acc is not None:
             self._acc.reset()
         self._t_interval, self._steps_interval, self._samples_at = time.perf_counter(), 0, self._samples_read()

@@ -169,10 +169,6 @@ class ShardedLoader:
         # a whole pass: the next one is the next epoch's order, from its start
         self.epoch, self.batch, self._resume_at = self.epoch + 1, 0, 0
 
-    def next_position(self) -> tuple[int, int]:
-        """(epoch, batch) of the batch this loader gives next, read from one pass to the next."""
-        return (self.epoch + 1, 0) if self.batch >= len(self) else (self.epoch, self.batch)
-
     def batch_at(self, epoch: int, index: int) -> Any:
         """Batch ``index`` of ``epoch``'s pass, read apart from this loader's position and counts, and without a
         pass's draw from the rank's generator (a replica group reading the share of a group that is gone)."""

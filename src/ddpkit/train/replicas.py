@@ -138,6 +138,89 @@ class ShareSources:
         return batches
 
 
+class LoaderShares:
+    """A Loop's ``data()`` loaders read a step at a time (``loop.shares``): each loader's pass in progress, read on
+    from pass to pass (each pass is the next epoch's order); and, under ``--replicas``, the batch of a group that is
+    gone, read as its rank reads it, from a loader of that rank's own (``make(ctx)``, the Loop's recipe for the
+    loader, in the context of that rank of R: :func:`data_context`)."""
+
+    def __init__(self, ctx: DistContext, place: Place | None):
+        self.ctx, self.place = ctx, place
+        self._feeds: dict[int, Iterator] = {}  # loader id -> its pass in progress
+        self._makers: dict[int, Callable[[DistContext], Any]] = {}  # loader id -> the loader in another context
+        self._others: dict[tuple[int, int], Any] = {}  # (loader id, share) -> that share's loader
+
+    def context(self, share: int | None = None) -> DistContext:
+        """The context a loader reads in: this rank's, or under --replicas rank ``share`` (default: this group's)
+        of R."""
+        if self.place is None:
+            return self.ctx
+        return data_context(self.ctx, self.place, self.place.index if share is None else share)
+
+    def add(self, loader: Any, make: Callable[[DistContext], Any]) -> None:
+        self._makers[id(loader)] = make
+
+    def next(self, loader: Any) -> Any:
+        """The next batch of ``loader``'s pass in progress, or of the next pass."""
+        for _ in range(2):
+            feed = self._feeds.get(id(loader)) or iter(loader)
+            try:
+                batch = next(feed)
+            except StopIteration:
+                self._feeds.pop(id(loader), None)
+                continue
+            self._feeds[id(loader)] = feed
+            return batch
+        raise ConfigError("loop.shares() got a loader with no batch to give (an empty dataset?)")
+
+    def other(self, loader: Any, share: int, epoch: int, index: int) -> Any:
+        """Batch ``index`` of ``epoch`` of share ``share`` (a group that is gone), as its rank reads it. Its
+        sampler's order is that rank's; random draws of the dataset's own (``num_workers=0``) come from this
+        group's generators, which no rank of a DDP run would use."""
+        key = (id(loader), share)
+        if key not in self._others:
+            self._others[key] = self._makers[id(loader)](self.context(share))
+        return self._others[key].batch_at(epoch, index)
+
+    def restart(self) -> None:
+        """After a heal moved the loaders' positions: each pass starts again from its loader's position."""
+        self._feeds.clear()
+
+
+class ShareChecks:
+    """What a step must do with the batches ``loop.shares()`` gives under ``--replicas``, checked as it runs: a
+    backward on each before the next is asked for (the gradient is summed over the groups after the last), and no
+    optimizer step while they are given (it would step on this group's own gradient alone). ``refuse(what)``: the
+    error to raise."""
+
+    def __init__(self, params: list[torch.Tensor], optimizers: list, refuse: Callable[[str], Exception]):
+        self.backwards = 0  # gradients accumulated into a trained parameter, ever
+        self.reading = False  # between the first batch and the commit
+        self.refuse = refuse
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._count)
+        for opt in optimizers:
+            opt.register_step_pre_hook(self._no_step)
+
+    def _count(self, _param: torch.Tensor) -> None:
+        self.backwards += 1
+
+    def _no_step(self, _opt, _args, _kwargs) -> None:
+        if self.reading:
+            raise self.refuse(
+                "an optimizer stepped inside 'for batch in loop.shares(loader)': step after that loop ends, where "
+                "the step's gradient is summed over the groups"
+            )
+
+    def backward_since(self, count: int) -> None:
+        """After a batch was given at ``count`` backwards: refuse unless a backward reached a trained parameter."""
+        if self.backwards == count:
+            raise self.refuse(
+                "a batch that loop.shares() gave had no backward before the next was asked for: run each batch's "
+                "forward and backward inside the loop (the gradient is summed over the groups after the last)"
+            )
+
+
 # How many times --timeout-s a group waits at a quorum for a group that has not asked for it: that group ends itself
 # once the wait has lasted --timeout-s (Replicas._watch), and the lighthouse then forms the quorum without it
 QUORUM_WAIT = 2
