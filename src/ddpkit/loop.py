@@ -38,6 +38,7 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import multiprocessing
 import re
@@ -49,6 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .config import LoopConfig, keywords_checked
@@ -156,6 +158,7 @@ class Loop:
         # Under --replicas, where the step is: "opened" (steps() formed its quorum), "reading" (shares() gives its
         # batches), "" (shares() summed and committed them, or no step is open)
         self._phase = ""
+        self._opt_steps = 0  # optimizer steps of the optimizers resume() names (a break after one counts the step)
         self._feeds: LoaderShares | None = None  # shares(): the loaders read a step at a time (made with the ctx)
         self._checks: ShareChecks | None = None  # --replicas: what a step does with those batches, checked
 
@@ -185,6 +188,7 @@ class Loop:
                     self.config, run_dir=group_dir(self.config.run_dir, self._place.index)
                 )
             self._feeds = LoaderShares(self.ctx, self._place)
+            self._stack.callback(self._feeds.close)  # its passes in progress, ended while their modules are alive
             # the script's own destroy_process_group() closes this Loop first (in its with-block too), then the group
             scriptend.closes_at_destroy(self, sys._getframe(1).f_globals)
             stop = self._stack.enter_context(StopSignal())  # first: a signal while the rest is set up waits for it
@@ -417,6 +421,10 @@ class Loop:
         how = {"other": _another_run_dir(self.ctx.world_size), "flag": "Loop(run_dir=...)"}
         self._lock.enter_context(rank0_locks(self.config.run_dir, self.ctx, **how))
         self.state = State(state)
+        self._unnamed_schedules()
+        optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        for opt in optimizers:  # a break after the step's optimizer.step() still counts the step (steps())
+            opt.register_step_post_hook(self._stepped)
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         if snap is not None:
             before = ((snap.get("config") or {}).get("code") or {}).get("environ") or {}
@@ -442,6 +450,32 @@ class Loop:
         )
         self._t_interval, self._steps_interval, self._samples_at = time.perf_counter(), 0, self._samples_read()
         return self.state
+
+    def _unnamed_schedules(self) -> None:
+        """A learning-rate schedule of a named optimizer that resume() was not given: a resume starts its count
+        again (the porter's finding: under --replicas, a healed group's schedule was its own, and the groups
+        drifted apart with no word). One line; under --replicas, an error."""
+        named = {id(v) for v in self.state.values()}
+        optimizers = {id(v): k for k, v in self.state.items() if isinstance(v, torch.optim.Optimizer)}
+        found = [  # (a scan of the objects the collector tracks, once: a schedule holds its optimizer, not back)
+            (type(o).__name__, optimizers[id(o.optimizer)])
+            for o in gc.get_objects()
+            if issubclass(type(o), LRScheduler) and id(getattr(o, "optimizer", None)) in optimizers and id(o) not in named
+        ]
+        if not found:
+            return
+        kind, name = found[0]
+        said = (
+            f"a {kind} schedules the optimizer resume() names {name!r} but is not named itself: a "
+            f"{'heal' if self._place is not None else 'resume'} would start its count again; name it: "
+            f"loop.resume(..., scheduler=your_{kind.lower()})"
+        )
+        if self._place is not None:
+            raise ConfigError(f"under ddpkit run --replicas, {said}")
+        self.print(f"ddpkit: warning: {said}", file=sys.stderr)
+
+    def _stepped(self, *_args) -> None:
+        self._opt_steps += 1
 
     def _load(self, saved: dict) -> None:
         """A snapshot's state into what resume() named (``Session.resume`` restores the RNG streams after)."""
@@ -510,8 +544,14 @@ class Loop:
             if self._replicas is not None:  # the step's quorum first: a heal there moves the step the body reads
                 self._phase = "opened"
                 self._replicas.open([self.strategy.unwrap(m) for m in self._models], self._at, self._healed)
-            at = self.state.step
-            yield at
+            at, stepped = self.state.step, self._opt_steps
+            try:
+                yield at
+            except GeneratorExit:  # a break: after the body's optimizer step, the step is done (the final snapshot's)
+                if self._opt_steps > stepped and self.state.step == at and not self._phase:
+                    self.state.step += 1
+                    self._steps_interval += 1
+                raise
             if self._phase:
                 said = {
                     "opened": "each step reads its batches through 'for batch in loop.shares(loader)' (once a "
@@ -567,18 +607,20 @@ class Loop:
                 self._acc.load(kept[1])
 
         checks.reading = True
-        for g in self._replicas.shares_of(self._at, self._healed, restart, grad_scale=1.0 / place.count):
-            if g not in batches:
-                if g == place.index:  # always the first share: the position the others are read at is its
-                    batches[g] = self._feeds.next(loader)
-                    position = (loader.epoch, loader.batch - 1)
-                else:
-                    batches[g] = self._feeds.other(loader, g, *position)
-            count = checks.backwards
-            yield batches[g]
-            checks.backward_since(count)
-        checks.reading = False
-        self._phase = ""
+        try:
+            for g in self._replicas.shares_of(self._at, self._healed, restart, grad_scale=1.0 / place.count):
+                if g not in batches:
+                    if g == place.index:  # always the first share: the position the others are read at is its
+                        batches[g] = self._feeds.next(loader)
+                        position = (loader.epoch, loader.batch - 1)
+                    else:
+                        batches[g] = self._feeds.other(loader, g, *position)
+                count = checks.backwards
+                yield batches[g]
+                checks.backward_since(count)
+            self._phase = ""
+        finally:  # (a break closes this generator: steps() then says so, not an optimizer step after the loop)
+            checks.reading = False
 
     def _said_by_group_0(self, error: DdpkitError) -> DdpkitError:
         """``error``, met alike by every replica group once they have met (the script's own: its step), said by
@@ -740,6 +782,11 @@ class Loop:
     def reduce(self, **values: Any) -> dict[str, float]:
         """Now, over every rank (one all-reduce and a host copy): each value's mean, a ``(sum, count)``
         pair's sum/count. Every rank, with the same names."""
+        if self._place is not None:  # the groups' collectives are torchft's, inside a step's quorum only
+            raise ConfigError(
+                "loop.reduce() under ddpkit run --replicas: not yet (it would be this group's alone, and a decision "
+                "made on it could differ between the groups); log it with loop.log, whose records are the group's"
+            )
         reduced = reduce_means(self.ctx, values)
         if reduced is None:
             raise ConfigError(

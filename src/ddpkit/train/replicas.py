@@ -184,6 +184,13 @@ class LoaderShares:
 
     def restart(self) -> None:
         """After a heal moved the loaders' positions: each pass starts again from its loader's position."""
+        self.close()
+
+    def close(self) -> None:
+        """End the passes in progress now (a generator left for the interpreter's exit is finalised after the
+        modules it names are gone: a line of "Exception ignored" for each, the porter's finding)."""
+        for feed in self._feeds.values():
+            feed.close()
         self._feeds.clear()
 
 
@@ -586,8 +593,9 @@ class Replicas:
         if attempts > 1:
             self.record("replicas", change="redone", step=step, attempts=attempts, seconds=round(seconds, 4))
         if present != self.present:
-            if self.present:
-                gone, back = sorted(set(self.present) - set(present)), sorted(set(present) - set(self.present))
+            if self.present or len(present) < self.place.count:  # a change, or groups missing from the start
+                before = self.present or list(range(self.place.count))  # (a group restarted alone: all were there)
+                gone, back = sorted(set(before) - set(present)), sorted(set(present) - set(before))
                 self.record(
                     "replicas",
                     change="groups",
