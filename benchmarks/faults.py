@@ -71,7 +71,7 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
 
 def worker_pids(launcher: int) -> list[int]:
     """The workers: children of the launcher's forkserver, or children of the launcher, spawned
-    (spawn_main) or forked (the launcher's own command line and name). A forkserver says so in its
+    (spawn_main), a ``ddpkit run`` script's (script_child) or forked (the launcher's own command line and name). A forkserver says so in its
     command line, or, forked rather than exec'd (the tests' warm interpreter: tests/helpers/zygote.py),
     in its name."""
 
@@ -94,7 +94,7 @@ def worker_pids(launcher: int) -> list[int]:
     for pid, (cmd, name) in kids(launcher):
         if b"forkserver" in cmd or name == "forkserver":
             found += [child for child, _ in kids(pid)]
-        elif b"spawn_main" in cmd or (cmd, name) == own:
+        elif b"spawn_main" in cmd or b"script_child" in cmd or (cmd, name) == own:
             found.append(pid)
     return sorted(found)
 
