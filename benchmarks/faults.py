@@ -71,7 +71,8 @@ def snapshot_save_s(model_name: str, shape: tuple[int, int, int], repeats: int) 
 
 def worker_pids(launcher: int) -> list[int]:
     """The workers: children of the launcher's forkserver, or children of the launcher, spawned
-    (spawn_main), a ``ddpkit run`` script's (script_child) or forked (the launcher's own command line and name). A forkserver says so in its
+    (spawn_main), a ``ddpkit run`` script's (script_child) or forked (the launcher's own command line and
+    name). A forkserver says so in its
     command line, or, forked rather than exec'd (the tests' warm interpreter: tests/helpers/zygote.py),
     in its name."""
 

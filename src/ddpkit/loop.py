@@ -38,7 +38,6 @@ given; what ddpkit changes when asked (SyncBatchNorm, autocast) is said on the `
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import multiprocessing
 import re
@@ -159,6 +158,7 @@ class Loop:
         # batches), "" (shares() summed and committed them, or no step is open)
         self._phase = ""
         self._opt_steps = 0  # optimizer steps of the optimizers resume() names (a break after one counts the step)
+        self._yielded = (-1, 0)  # (the step steps() gave last, _opt_steps then)
         self._feeds: LoaderShares | None = None  # shares(): the loaders read a step at a time (made with the ctx)
         self._checks: ShareChecks | None = None  # --replicas: what a step does with those batches, checked
 
@@ -226,6 +226,7 @@ class Loop:
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
+                self._count_broken_step()  # (an iterator of steps() held by the script is closed after this)
                 if self.session.last_saved != self.state.step:
                     self.session.save(self._snapshot(finished=True), self.state.step)  # a rerun resumes here
                 self.session.finish()  # whole on disk before the "end" record says so
@@ -369,7 +370,10 @@ class Loop:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; through the GradScaler under ``amp="fp16"``."""
+        stepped = self._opt_steps
         self.amp.step(optimizer)
+        if self._opt_steps == stepped:  # skipped on an inf gradient: the loop's step is done all the same
+            self._opt_steps += 1
 
     # ------------------------------------------------------------------ 3. the data
     def data(
@@ -424,7 +428,7 @@ class Loop:
         self._unnamed_schedules()
         optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
         for opt in optimizers:  # a break after the step's optimizer.step() still counts the step (steps())
-            opt.register_step_post_hook(self._stepped)
+            self._stack.callback(opt.register_step_post_hook(self._stepped).remove)  # the optimizer outlives us
         snap = self.session.resume(self._load, self.config.seed, warn=self.print)
         if snap is not None:
             before = ((snap.get("config") or {}).get("code") or {}).get("environ") or {}
@@ -452,30 +456,36 @@ class Loop:
         return self.state
 
     def _unnamed_schedules(self) -> None:
-        """A learning-rate schedule of a named optimizer that resume() was not given: a resume starts its count
-        again (the porter's finding: under --replicas, a healed group's schedule was its own, and the groups
-        drifted apart with no word). One line; under --replicas, an error."""
-        named = {id(v) for v in self.state.values()}
-        optimizers = {id(v): k for k, v in self.state.items() if isinstance(v, torch.optim.Optimizer)}
-        found = [  # (a scan of the objects the collector tracks, once: a schedule holds its optimizer, not back)
-            (type(o).__name__, optimizers[id(o.optimizer)])
-            for o in gc.get_objects()
-            if issubclass(type(o), LRScheduler) and id(getattr(o, "optimizer", None)) in optimizers and id(o) not in named
-        ]
-        if not found:
+        """A learning-rate schedule attached to a named optimizer (torch marks the optimizer's ``step`` it wraps)
+        while no schedule of that optimizer is named: a resume starts its count again (the porter's finding: under
+        --replicas, a healed group's schedule was its own, and the groups drifted apart with no word). One line;
+        under --replicas, an error."""
+        schedules = [v for v in self.state.values() if isinstance(v, LRScheduler)]
+        for name, opt in self.state.items():
+            if not isinstance(opt, torch.optim.Optimizer) or not hasattr(opt.step, "_wrapped_by_lr_sched"):
+                continue
+            if any(getattr(s, "optimizer", None) is opt for s in schedules):
+                continue
+            said = (
+                f"a learning-rate schedule steps the optimizer resume() names {name!r} but resume() names no "
+                f"schedule of it: a {'heal' if self._place is not None else 'resume'} would start its count "
+                f"again; name it: loop.resume(..., scheduler=your_schedule)"
+            )
+            if self._place is not None:
+                raise ConfigError(f"under ddpkit run --replicas, {said}")
+            self.print(f"ddpkit: warning: {said}", file=sys.stderr)
             return
-        kind, name = found[0]
-        said = (
-            f"a {kind} schedules the optimizer resume() names {name!r} but is not named itself: a "
-            f"{'heal' if self._place is not None else 'resume'} would start its count again; name it: "
-            f"loop.resume(..., scheduler=your_{kind.lower()})"
-        )
-        if self._place is not None:
-            raise ConfigError(f"under ddpkit run --replicas, {said}")
-        self.print(f"ddpkit: warning: {said}", file=sys.stderr)
 
     def _stepped(self, *_args) -> None:
         self._opt_steps += 1
+
+    def _count_broken_step(self) -> None:
+        """A ``steps()`` loop left by a break after its body's optimizer step: that step is done (the final
+        snapshot's; before, a rerun trained its batch again). Once: the step count moves on."""
+        at, stepped = self._yielded
+        if self._opt_steps > stepped and self.state.step == at and not self._phase:
+            self.state.step += 1
+            self._steps_interval += 1
 
     def _load(self, saved: dict) -> None:
         """A snapshot's state into what resume() named (``Session.resume`` restores the RNG streams after)."""
@@ -540,17 +550,17 @@ class Loop:
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
             optimizers = [v for v in self.state.values() if isinstance(v, torch.optim.Optimizer)]
             self._checks = ShareChecks(params, optimizers, lambda what: self._said_by_group_0(ConfigError(what)))
+            self._stack.callback(self._checks.remove)
         while self.state.step < total:
             if self._replicas is not None:  # the step's quorum first: a heal there moves the step the body reads
                 self._phase = "opened"
                 self._replicas.open([self.strategy.unwrap(m) for m in self._models], self._at, self._healed)
-            at, stepped = self.state.step, self._opt_steps
+            self._yielded = (self.state.step, self._opt_steps)
+            at = self.state.step
             try:
                 yield at
-            except GeneratorExit:  # a break: after the body's optimizer step, the step is done (the final snapshot's)
-                if self._opt_steps > stepped and self.state.step == at and not self._phase:
-                    self.state.step += 1
-                    self._steps_interval += 1
+            except GeneratorExit:  # a break (the Loop's end counts it too, for an iterator held past the end)
+                self._count_broken_step()
                 raise
             if self._phase:
                 said = {
@@ -623,9 +633,11 @@ class Loop:
             checks.reading = False
 
     def _said_by_group_0(self, error: DdpkitError) -> DdpkitError:
-        """``error``, met alike by every replica group once they have met (the script's own: its step), said by
-        group 0 alone: the others' is filed quiet, and ends them with its status."""
-        error.quiet = self._place is not None and self._place.index > 0
+        """``error``, met by this replica group in the script's own code (its step), said once: group 0 says it,
+        and another group whose error group 0 said too files its own quiet (it ends with its status). One that
+        group 0 did not meet (a decision on a group's own metrics) is said by the group that met it."""
+        if self._replicas is not None:
+            error.quiet = self._replicas.said_by_group_0(str(error))
         return error
 
     def _at(self) -> int:
@@ -783,9 +795,11 @@ class Loop:
         """Now, over every rank (one all-reduce and a host copy): each value's mean, a ``(sum, count)``
         pair's sum/count. Every rank, with the same names."""
         if self._place is not None:  # the groups' collectives are torchft's, inside a step's quorum only
-            raise ConfigError(
-                "loop.reduce() under ddpkit run --replicas: not yet (it would be this group's alone, and a decision "
-                "made on it could differ between the groups); log it with loop.log, whose records are the group's"
+            raise self._said_by_group_0(
+                ConfigError(
+                    "loop.reduce() under ddpkit run --replicas: not yet (it would be this group's alone, and a "
+                    "decision made on it could differ between the groups); log it with loop.log"
+                )
             )
         reduced = reduce_means(self.ctx, values)
         if reduced is None:

@@ -118,3 +118,17 @@ def test_a_script_replica_groups_cannot_train_is_one_line_from_group_0_alone(tmp
     assert done.returncode == 2 and len(said) == 1 and fragment in said[0], done.stderr
     assert "Traceback" not in done.stderr and done.stdout.count("trained") <= 1, done.stdout + done.stderr
     assert (tmp_path / "run-group-1").exists() == met  # group 1 started only once group 0 met the others
+
+
+def test_a_misuse_one_group_alone_meets_is_said_by_that_group(tmp_path):
+    # The final read's finding: group 1 alone broke out of shares() (a decision on its own metrics, say), filed it
+    # quiet as if group 0 had said it, and the job ended 0 with "its output above says why" and nothing above
+    body = "            model(x).sum().backward()\n            if loop.rank == 1:\n                break"
+    (tmp_path / "train.py").write_text(
+        BREAK.replace("            break", body).replace("loop.steps(2)", "loop.steps(4)")
+    )
+    done = run_cli("run", "--replicas", "2", "train.py", cwd=tmp_path)
+    said = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(said) == 1 and said[0].startswith("ddpkit: replica group 1: error:"), done.stderr
+    assert "left 'for batch in loop.shares(loader)' before its end" in said[0]
+    assert done.returncode == 0 and "replica group 1 ended early (exit 2" in done.stderr  # group 0 finished

@@ -204,10 +204,13 @@ class ShareChecks:
         self.backwards = 0  # gradients accumulated into a trained parameter, ever
         self.reading = False  # between the first batch and the commit
         self.refuse = refuse
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._count)
-        for opt in optimizers:
-            opt.register_step_pre_hook(self._no_step)
+        self.handles = [p.register_post_accumulate_grad_hook(self._count) for p in params]
+        self.handles += [opt.register_step_pre_hook(self._no_step) for opt in optimizers]
+
+    def remove(self) -> None:
+        """The hooks off the user's parameters and optimizers, which outlive the Loop."""
+        for handle in self.handles:
+            handle.remove()
 
     def _count(self, _param: torch.Tensor) -> None:
         self.backwards += 1
@@ -430,6 +433,24 @@ class Replicas:
             if word == "asked" and at >= next_step and min(since, mine) >= self.timeout_s
         ]
         return late[0] if late else None
+
+    def said_by_group_0(self, text: str, wait_s: float = 10.0) -> bool:
+        """An error of the script's own (a misuse every group may meet at the same step): group 0 notes it in the
+        launcher's store and says it (False); another group waits up to ``wait_s`` for group 0's note and is quiet
+        (True) only where group 0 met the same one."""
+        key = "ddpkit/replicas/said"
+        try:
+            if self.place.index == 0:
+                self._meeting.set(key, text)
+                return False
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self._meeting.check([key]):
+                    return self._meeting.get(key).decode() == text
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the launcher's store gone: said here, as if alone
+            pass
+        return False
 
     def _say(self, word: str, step: int) -> None:
         """Where this group is with the quorums (``quorum_key``), in the launcher's store."""
