@@ -608,13 +608,11 @@ class Loop:
             )
         self._phase, place, checks = "reading", self._place, self._checks
         batches: dict[int, Any] = {}  # share -> its batch, the same at every attempt
-        # what log() had before the shares: its names too (an attempt may log a name for the first time)
-        kept = None if self._acc is None else (self._acc.names, self._acc.local())
+        # what log() had before the shares, names too (an attempt may log a name for the first time); on the device
+        kept = None if self._acc is None else self._acc.copy()
 
         def restart() -> None:  # at each attempt: log() as it was before the first
-            self._acc = None if kept is None else Accumulator(kept[0], self.ctx.device)
-            if kept is not None:
-                self._acc.load(kept[1])
+            self._acc = None if kept is None else kept.copy()
 
         checks.reading = True
         try:

@@ -73,8 +73,7 @@ def run(args) -> int:
             f"first loop.steps()), so it ran once, as a world of its own: replica groups train a Loop whose steps "
             f"read their batches through loop.shares(loader) (docs/fault-tolerance.md)"
         )
-        command = lambda g: ["run", *flags, "--nproc", "1", args.script, *args.args]  # noqa: E731
-        return start_groups(replicas, command, None, unmet)
+        return start_groups(replicas, lambda g: ["run", *flags, "--nproc", "1", args.script, *args.args], None, unmet)
     if env.replica_group() is not None:  # one group of --replicas: on its cores, and it ends with its launcher
         from ..ranks.replicas import enter_group
 

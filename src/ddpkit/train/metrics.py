@@ -77,6 +77,15 @@ class Accumulator:
         host = torch.tensor(self.host_sums + self.host_counts, dtype=torch.float64).to(self.device)
         return torch.cat([self.sums, self.counts]) + host
 
+    def copy(self) -> "Accumulator":
+        """Another with these names and sums, on the device (no host copy): what a step computed again under
+        --replicas goes back to."""
+        other = Accumulator(self.names, self.device)
+        other.sums.copy_(self.sums)
+        other.counts.copy_(self.counts)
+        other.host_sums, other.host_counts = list(self.host_sums), list(self.host_counts)
+        return other
+
     def reset(self) -> None:
         self.sums.zero_()
         self.counts.zero_()
