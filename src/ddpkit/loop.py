@@ -817,8 +817,11 @@ class Loop:
     ) -> dict[str, float | None]:
         """Exact means over the whole of ``data``: each rank reads every world_size-th sample (no padded
         repeats, no shuffle), ``fn(model, batch)`` returns {name: (sum, count)} or {name: batch mean}, and
-        one all-reduce adds them up. ``model`` runs unwrapped, in eval mode. Every rank."""
+        one all-reduce adds them up. ``model`` runs unwrapped, in eval mode, with rank 0's buffers (BatchNorm's
+        statistics) on every rank where its wrapper broadcasts them (``broadcast_buffers``). Every rank."""
         dev = self.ctx.device
+        raw = self.strategy.unwrap(model)
+        wrapper = next((m for m in self._models if self.strategy.unwrap(m) is raw), model)
 
         def measure(model, batch):
             out, n = fn(model, batch), leading_size(batch)
@@ -826,7 +829,9 @@ class Loop:
 
         batches = rank_share(data, self.ctx, batch_size)
         with self.strategy.evaluating(model):  # FSDP2: the whole weights gathered once, for any count of batches
-            names, totals, _ = evaluate_split(self.strategy.unwrap(model), batches, measure, self.ctx, self.amp)
+            names, totals, _ = evaluate_split(
+                raw, batches, measure, self.ctx, self.amp, rank0_buffers=self.strategy.shares_buffers(wrapper)
+            )
         return means(names, totals[:-1])
 
     def best(self, metric: str, value: float, mode: str = "min") -> bool:

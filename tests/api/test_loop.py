@@ -594,6 +594,7 @@ def test_evaluate_counts_every_sample_once(tmp_path):
     result = ddpkit.launch(lw.exact_evaluation, str(tmp_path / "r"), 7, nproc=2, device="cpu")
     assert result["x"] == pytest.approx(np.mean(range(7)), abs=0)  # 7 samples, 2 ranks, batches of 2
     assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-6)
+    assert result["bn_loss"] == pytest.approx(result["bn_expected_loss"], rel=1e-6)  # rank 0's statistics, everywhere
 
 
 @pytest.mark.slow

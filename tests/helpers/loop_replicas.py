@@ -2,13 +2,15 @@
 (tests/system/test_loop_replicas.py). In float64, a small MLP with momentum, on 512 samples that carry their own
 index; 16 samples a rank (a group) a step.
 
-    python loop_replicas.py RUN_DIR STEPS [KILL_AT [PAUSE_S]]
+    python loop_replicas.py RUN_DIR STEPS [KILL_AT[,KILL_AFTER...] [PAUSE_S]]
 
 KILL_AT: replica group 1's first attempt SIGKILLs itself in the forward of that step's first share (mid-step: the
-other group is then in that step's all-reduce or about to be). Each step's sample indices, as this process read them
-through ``loop.shares`` (an attempt computed again reads the same again), go to RUN_DIR's samples.jsonl, a line a
-step; the final weights to final.pt. PAUSE_S: seconds each share's forward waits (a run long enough for the lost
-group to come back while the other trains on). (RUN_DIR: the group's own run dir, ``loop.config.run_dir``.)
+other group is then in that step's all-reduce or about to be); KILL_AFTER: its next attempt does so that many steps
+after the step it healed at. Each step's sample indices, as this process read them through ``loop.shares`` (an
+attempt computed again reads the same again), go to the group's samples.jsonl, a line a step; the final weights to
+final.pt. PAUSE_S: seconds each share's forward waits until group 1 has healed once per kill, ten times as long in
+the last 8 steps (so that group 0 cannot end the run before group 1 is back, however loaded the machine). (The
+group's own run dir: ``loop.config.run_dir``.)
 """
 
 import json
@@ -25,9 +27,20 @@ import ddpkit
 
 torch.set_default_dtype(torch.float64)
 run_dir, steps = sys.argv[1], int(sys.argv[2])
-kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+kills = [int(k) for k in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
 pause_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def heals() -> int:
+    """Group 1's heals so far, by its records."""
+    try:
+        with open(f"{run_dir}-group-1/metrics.jsonl") as f:
+            return sum('"change": "healed"' in line for line in f)
+    except FileNotFoundError:
+        return 0
+
+
 g = torch.Generator().manual_seed(0)
 x = torch.randn(512, 8, generator=g)
 data = TensorDataset(x, (x.sum(1) > 0).long(), torch.arange(512))
@@ -39,13 +52,16 @@ with ddpkit.Loop(run_dir, device="cpu", log_every=8, save_every_steps=16) as loo
     loader = loop.data(data, batch_size=16)
     loop.resume(model=model, optimizer=opt)
     with open(os.path.join(loop.config.run_dir, "samples.jsonl"), "a") as log:
+        first = None
         for step in loop.steps(steps):
+            first = step if first is None else first  # the attempt's first: its heal's, after a restart
             used = set()
             opt.zero_grad()
             for xb, yb, ib in loop.shares(loader):
-                if step == kill_at and loop.rank == 1 and first_attempt:
+                if loop.rank == 1 and attempt < len(kills) and step - (first if attempt else 0) == kills[attempt]:
                     os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(pause_s)
+                if heals() < len(kills):  # the last 8 steps 10x slower: a restart on a loaded machine took 20 s
+                    time.sleep(pause_s * (10 if step >= steps - 8 else 1))
                 loss = nn.functional.cross_entropy(model(xb), yb)
                 loss.backward()
                 loop.log(loss=loss)

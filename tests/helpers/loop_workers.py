@@ -90,6 +90,19 @@ def exact_evaluation(_ctx, run_dir: str, n: int) -> dict:
         with torch.no_grad():
             x, y = data.tensors
             result["expected_loss"] = F.cross_entropy(model.module(x), y).item()
+        # A BatchNorm model after a training forward on each rank's own batch: DDP broadcast rank 0's running
+        # statistics before it, and each rank's forward moved its own. The evaluation is of rank 0's model (what a
+        # snapshot and best.pt hold), on every rank's slice alike (before: each rank's slice by its own statistics)
+        torch.manual_seed(1)
+        bn = loop.wrap(nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)))
+        bn(torch.randn(5, 1) * (1 + loop.rank) + loop.rank).sum().backward()
+        with torch.no_grad():
+            bn.module.eval()
+            result["bn_expected_loss"] = F.cross_entropy(bn.module(x), y).item()  # rank 0's model, the whole split
+            bn.module.train()
+        result["bn_loss"] = loop.evaluate(
+            bn, data, lambda m, b: {"loss": F.cross_entropy(m(b[0]), b[1])}, batch_size=2
+        )["loss"]
         return result
 
 

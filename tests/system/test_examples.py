@@ -158,10 +158,11 @@ def test_gan_sigkilled_mid_run_then_rerun_ends_with_the_uninterrupted_weights_bi
 
 @pytest.mark.slow
 def test_live_recovery_trains_as_replica_groups_to_what_plain_ddp_trains(tmp_path):
-    """examples/live_recovery.py under ``ddpkit run --replicas 2`` and ``--nproc 2``: the same test accuracy, to a
-    test image (tests/system/test_loop_replicas.py kills a group and compares weights bitwise). Not to the digit:
-    under DDP rank 1's BatchNorm statistics are its own after the last step's forward (DDP broadcasts rank 0's at
-    the start of each), and it evaluates its half of the test set with them; each replica group holds share 0's."""
+    """examples/live_recovery.py under ``ddpkit run --replicas 2`` and ``--nproc 2``: the same test accuracy
+    (tests/system/test_loop_replicas.py kills a group and compares weights bitwise). To the digit: under DDP rank 1's
+    BatchNorm statistics are its own after the last step's forward (DDP broadcasts rank 0's at the start of each),
+    and ``loop.evaluate`` evaluates with rank 0's on every rank, as each replica group holds share 0's (regression:
+    rank 1 evaluated its half of the test set with its own, and the accuracies were held only within 2e-4)."""
     script = [str(ROOT / "examples" / "live_recovery.py"), "--steps", "40"]
     said = []
     for launch in (["--replicas", "2"], ["--nproc", "2"]):
@@ -170,4 +171,4 @@ def test_live_recovery_trains_as_replica_groups_to_what_plain_ddp_trains(tmp_pat
         done = run_cli("run", *launch, *script, cwd=where)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
         said.append(re.search(r"step 40: test accuracy ([\d.]+)", done.stdout).group(1))
-    assert abs(float(said[0]) - float(said[1])) <= 2e-4 and float(said[0]) > 0.8, said  # 10,000 test images
+    assert said[0] == said[1] and float(said[0]) > 0.8, said  # 10,000 test images

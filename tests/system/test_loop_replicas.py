@@ -39,23 +39,26 @@ def ddp(tmp_path_factory) -> dict:
     return final(once(tmp_path_factory, "loop-replicas-ddp", make) / "run")
 
 
-def test_a_loop_group_killed_mid_step_is_healed_while_the_other_trains_on_and_no_sample_is_lost(tmp_path, ddp):
+def test_a_loop_group_killed_mid_step_twice_is_healed_while_the_other_trains_on_and_no_sample_is_lost(tmp_path, ddp):
     # group 1 SIGKILLs itself in its step 11's forward; its agent restarts it (no snapshot yet: from step 0), and it
-    # heals from group 0 at the step group 0 is at then. Each share's forward waits 0.1 s, so group 0 is still
-    # training when group 1 is back (~5 s later)
+    # heals from group 0 at the step group 0 is at then; that attempt kills itself 5 steps later, and the next heals
+    # too. Each share's forward waits 0.1 s until both heals, so group 0 is still training when group 1 is back
     run_dir = tmp_path / "run"
-    done = run_cli("run", "--replicas", "2", "--max-restarts", "1", SCRIPT, str(run_dir), str(STEPS), "11", "0.1")
+    done = run_cli("run", "--replicas", "2", "--max-restarts", "2", SCRIPT, str(run_dir), str(STEPS), "11,5", "0.1")
     assert done.returncode == 0, done.stderr
-    assert done.stderr.count("replica group 1: rank 0 was killed (SIGKILL)") == 1, done.stderr
+    assert done.stderr.count("replica group 1: rank 0 was killed (SIGKILL)") == 2, done.stderr
     groups = [run_dir, Path(f"{run_dir}-group-1")]
     a, b = (read_jsonl(g / "metrics.jsonl") for g in groups)
-    # group 0 never stopped: one attempt, and the killed step computed again with group 1's share
+    # group 0 never stopped: one attempt, and each killed step computed again with group 1's share
     assert [r["event"] for r in a].count("start") == 1
     said = [(r["change"], r["step"]) for r in a if r["event"] == "replicas"]
     assert said[:2] == [("redone", 11), ("groups", 11)], said
+    redone = [step for change, step in said if change == "redone"]
     back = [r["step"] for r in a if r["event"] == "replicas" and r.get("back") == "1"]
-    healed = [r for r in b if r["event"] == "replicas" and r["change"] == "healed"]
-    assert len(back) == 1 and len(healed) == 1 and healed[0]["step"] == back[0] < STEPS, (back, healed)
+    healed = [r["step"] for r in b if r["event"] == "replicas" and r["change"] == "healed"]
+    assert [r["restart_count"] for r in b if r["event"] == "start"] == [0, 1, 2], b
+    assert len(back) == len(healed) == len(redone) == 2 and healed == back and healed[1] < STEPS, (back, healed)
+    assert redone[1] == healed[0] + 5, (redone, healed)  # the second attempt's 5th step after its heal
     assert "[replicas] change=redone step=11" in done.stdout  # group 0's console; group 1's records are quiet
     # The groups end bitwise equal, and equal to the DDP run (see the module docstring)
     first, second = final(groups[0]), final(groups[1])

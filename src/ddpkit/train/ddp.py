@@ -88,6 +88,10 @@ class DDPStrategy:
         # An optimizer's state is hashed: a user may step a rank's own one.
         return isinstance(obj, DDP) and bool(obj.broadcast_buffers)
 
+    @staticmethod
+    def shares_buffers(model: nn.Module) -> bool:
+        return isinstance(model, DDP) and bool(model.broadcast_buffers)
+
     def model_state(self, model: nn.Module) -> dict:
         return self.unwrap(model).state_dict()  # every rank holds the whole model
 

@@ -661,10 +661,8 @@ class Engine:
     def _evaluate(self, source: EvalSource | None = None, prefix: str = "test_") -> tuple[dict, torch.Tensor]:
         hangwatch.idle()  # no steps until the next epoch's first: its collectives are still watched
         model = self.ema.module if self.ema is not None else self.raw
-        # Other ranks' buffers (BN running stats) are their own: DDP's per-forward broadcast is off
-        # for BatchNorm-only models, and with it the last step still updates them locally. Evaluate
-        # what model.pt (rank 0's) will hold.
-        self.ctx.broadcast_many(list(model.buffers()))
+        # (with rank 0's buffers, as model.pt holds them: DDP's per-forward broadcast is off for BatchNorm-only
+        # models, so the engine's ranks' differ until an evaluation: evaluate_split)
         with self.strategy.evaluating(model):  # FSDP2: the whole weights gathered once, for any count of batches
             return evaluate(model, source or self.eval_src, self.task, self.cfg, self.ctx, prefix)
 

@@ -32,11 +32,20 @@ def evaluate_split(
     ctx: DistContext,
     amp: Amp,
     names: tuple[str, ...] | None = None,
+    rank0_buffers: bool = True,
 ) -> tuple[tuple[str, ...], list[float], torch.Tensor]:
     """``(names, totals, local)``: ``totals`` [sums..., counts..., samples] over every rank, ``local`` this
     rank's own on the device. ``measure(model, batch)`` gives {name: (sum, count)} under ``amp``'s
     autocast, with ``names`` (or the first batch's, sorted) at every batch. ``model`` runs in eval mode
-    and unwrapped (DDP's forward hooks are for training only). Every rank."""
+    and unwrapped (DDP's forward hooks are for training only). Every rank.
+
+    ``rank0_buffers``: every rank evaluates with rank 0's buffers (BatchNorm's running statistics), broadcast
+    into the model first: the model a snapshot, ``model.pt`` and ``best.pt`` hold. DDP broadcasts them before
+    each training forward, and each rank's forward then moves its own, so after the last step they differ by
+    rank; the next training forward broadcasts rank 0's again, so training is unchanged. False: a model whose
+    ranks keep their own buffers by choice (``Loop.wrap(broadcast_buffers=False)``) is evaluated as each has it."""
+    if rank0_buffers:
+        ctx.broadcast_many(list(model.buffers()))
     was_training = model.training
     model.eval()
     acc = Accumulator(names, ctx.device) if names is not None else None

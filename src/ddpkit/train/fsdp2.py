@@ -211,6 +211,9 @@ class FSDP2Strategy:
             return sharded_params(obj)
         return is_sharded(self.unwrap(obj))
 
+    def shares_buffers(self, model: nn.Module) -> bool:
+        return id(self.unwrap(model)) in self._buffers  # wrapped with a BufferSync
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer, where: str) -> None:
         """An optimizer built before the wrap holds the whole parameters that ``fully_shard`` replaced: it
         would step tensors the model no longer uses. Refused, saying to build it after; and one over the

@@ -99,7 +99,6 @@ def start_fields(e: Engine, snap: dict | None) -> dict:
         resumed_from_world=snap["world_size"] if snap else None,
         # What the run identity could not read of what was passed in: a resume matched on all but these
         not_read="; ".join(unproven(e.identity or {})) or None,
-        restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far
         cuda_graph=str(e.graph_decision),
         # DDP's search for unused parameters: asked, or found by preflight's trial step (said there)
         find_unused_parameters=bool(e.find_unused) if e.ddp is not None else None,

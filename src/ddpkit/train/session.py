@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import ConfigError, NonFiniteLoss, RunDirError, Stopped
 from ..files import atomic_write, torch_bytes
+from ..ranks import env
 from ..ranks.context import DistContext, on_rank0
 from ..ranks.endnotes import note_run_end
 from ..run import shards
@@ -216,6 +217,7 @@ class Session:
             backend=ctx.backend,
             device=str(ctx.device),
             **start,
+            restart_count=env.restart_count(),  # the elastic agent's restarts of this job so far (either face's)
             strategy=self.strategy.name,
             param_mb_per_rank=round(
                 sum(t.numel() * t.element_size() for m in models for t in self.strategy.local_parameters(m)) / 2**20, 3

@@ -61,6 +61,10 @@ class Strategy(Protocol):
         """Whether the snapshot state of ``obj`` (a model, an optimizer) is equal on every rank by construction
         (not hashed at a snapshot)."""
 
+    def shares_buffers(self, model: nn.Module) -> bool:
+        """Whether ``model``'s wrapper makes rank 0's buffers every rank's at each training forward (DDP's
+        ``broadcast_buffers``): an evaluation then uses rank 0's too (``evaluate.evaluate_split``)."""
+
     def model_state(self, model: nn.Module) -> dict:
         """The model's whole ``state_dict`` for ``model.pt`` and ``best.pt`` (every rank calls it:
         it may be a collective, after which only global rank 0 holds the values)."""
