@@ -126,14 +126,23 @@ def live(args) -> dict:
         code = proc.wait(timeout=1200)
         a, b = steps(run_dir), steps(other)
         out = []
+        b_all = records(other)
         for killed_at in kills:
             back = min(r["time"] for r in b if r["time"] > killed_at)
+            # where the way back went: the new attempt's start record (the agent's restart, the imports, the script
+            # to its resume()), and its heal from group 0 (the quorum it met, the state received)
+            start = min((r["time"] for r in b_all if r["event"] == "start" and r["time"] > killed_at), default=None)
+            heal = min(
+                (r["time"] for r in b_all if r.get("change") == "healed" and r["time"] > killed_at), default=None
+            )
             before = [r for r in a if r["time"] <= killed_at]
             after = min(r["time"] for r in a if r["time"] > killed_at)
             out.append(
                 {
                     "killed_after_step": before[-1]["step"],
                     "back_committing_s": round(back - killed_at, 3),
+                    "start_record_s": None if start is None else round(start - killed_at, 3),
+                    "healed_s": None if heal is None else round(heal - killed_at, 3),
                     "group_0_stall_s": round(after - killed_at, 3),
                     "group_0_step_s_before": round(1 / rate(before[-(args.every // 2) :]), 4),
                 }

@@ -444,6 +444,7 @@ class Loop:
             self.state.epoch,
             lambda: on_rank0(self.ctx, self._write_config, "writing loop.json"),
             self._models,
+            replica=self._place is not None,
             run_dir=self.config.run_dir,
             resumed_at_step=self.state.step if snap is not None else None,
             resumed_from_world=resumed_from,
@@ -542,7 +543,8 @@ class Loop:
             # This group meets the others from its own resume's step (healed if behind), at its first step: a
             # script refused before it (its epochs(), say) is said once, by group 0, before the others start
             self._replicas = Replicas(
-                self._place, self._heal_state, self._load_heal, self.config.timeout_s, self.log_writer.log
+                *(self._place, self._heal_state, self._load_heal, self.config.timeout_s, self.log_writer.log),
+                first=lambda: self.session.first_quorum(self.state.step, self.state.epoch),
             )
             self._stack.callback(self._replicas.close)  # first at the end: its watch must not end the unwinding
             self._replicas.set_step(self.state.step)

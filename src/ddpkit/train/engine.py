@@ -350,7 +350,10 @@ class Engine:
                 self.graph = GraphedSteps(self)
             replicas = {}
             if self.place is not None:  # this group meets the others from its own resume's step (healed if behind)
-                self.replicas = Replicas(self.place, self.heal_state, self.load_heal, self.cfg.timeout_s, self.log.log)
+                self.replicas = Replicas(
+                    *(self.place, self.heal_state, self.load_heal, self.cfg.timeout_s, self.log.log),
+                    first=lambda: self.session.first_quorum(self.pos.global_step, self.pos.epoch),
+                )
                 self.replicas.set_step(self.pos.global_step)
                 replicas = {
                     "replicas": self.place.count,
@@ -364,6 +367,7 @@ class Engine:
                 self.pos.epoch,
                 lambda: write_config(self.cfg, self.ctx, self.identity),
                 [self.raw],
+                replica=self.replicas is not None,
                 **report.start_fields(self, snap),
                 **replicas,
             )

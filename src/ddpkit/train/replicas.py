@@ -266,6 +266,7 @@ class Replicas:
         load: Callable[[dict], None],
         timeout_s: float,
         record: Callable[..., None],
+        first: Callable[[], None] = lambda: None,
     ):
         try:
             from torchft import Manager
@@ -280,6 +281,7 @@ class Replicas:
         # a heal's tensors are read from torchft's received bytes, and copied into the model as they load
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         self.place, self.record = place, record
+        self._first = first  # called once, after the attempt's first quorum (a heal included): Session.first_quorum
         # The group's own store (one process: nothing else to meet); torchft keeps its manager's address there
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         limit = timedelta(seconds=timeout_s)
@@ -523,6 +525,8 @@ class Replicas:
         if self.healed:  # the step's state is a live group's, just loaded
             self._start = [b.detach().clone() for b in self._buffers]
             healed()
+        first, self._first = self._first, lambda: None
+        first()
 
     def shares_of(
         self,

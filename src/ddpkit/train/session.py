@@ -199,13 +199,24 @@ class Session:
 
     # ------------------------------------------------------------------ the run record
     def begin(
-        self, step: int, epoch: int, write_record: Callable[[], None], models: list[nn.Module] = (), **start: Any
+        self,
+        step: int,
+        epoch: int,
+        write_record: Callable[[], None],
+        models: list[nn.Module] = (),
+        replica: bool = False,
+        **start: Any,
     ) -> None:
         """The start of an attempt: the records of the steps that run again dropped (rank 0), the run's
         config written (``write_record``, which writes on rank 0 itself), and the ``start`` record, which
         names the strategy and the parameter bytes each rank holds of ``models`` (its shards under FSDP2;
-        the gradients take as many again, and the optimizer state its own multiple: Adam's two moments)."""
-        on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
+        the gradients take as many again, and the optimizer state its own multiple: Adam's two moments).
+
+        ``replica``: a replica group (``--replicas``), whose records are dropped at :meth:`first_quorum`
+        instead: a group restarted from its own snapshot heals there to the step the others are at, and the
+        steps it committed between that snapshot and its loss are the run's, not steps run again (before,
+        they were dropped, and the group's records had a hole from its snapshot to its heal)."""
+        on_rank0(self.ctx, lambda: self.log.begin(step, epoch, rewind=not replica))
         write_record()
         ctx = self.ctx
         # How snapshots are written: in the background (copied aside at the step, then written by a thread on
@@ -224,6 +235,11 @@ class Session:
             ),
             snapshots=snapshots,
         )
+
+    def first_quorum(self, step: int, epoch: int) -> None:
+        """A replica group's first quorum has formed, a heal included: it trains from ``step`` on, and the
+        records of later steps (from an earlier attempt that got further alone) run again."""
+        on_rank0(self.ctx, lambda: self.log.rewind(step, epoch))
 
     # ------------------------------------------------------------------ best.pt
     def keep_best(self, watch: Watch, result: dict, step: int, modules: dict[str, nn.Module]) -> bool:
