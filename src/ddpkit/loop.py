@@ -57,16 +57,17 @@ from .data.batch import leading_size
 from .data.loader import rank_share
 from .data.seeds import reseed
 from .data.shard import ShardedLoader
-from .errors import ConfigError, DdpkitError
+from .errors import AlreadyReported, ConfigError, DataError, DdpkitError
 from .files import atomic_write
 from .identity import loop_code, running_code
-from .ranks import hangwatch, scriptend
+from .ranks import env, hangwatch, scriptend
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status
 from .ranks.replicas import group_dir
+from .run.paths import RunFiles
 from .run.recorder import MetricLogger
-from .run.rundir import rank0_locks
+from .run.rundir import rank0_locks, read_fatal, record_fatal
 from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
@@ -125,9 +126,17 @@ class Loop:
             check_code,
             strategy,
         )
+        # An error a restart would only meet again, noted by the attempt that met it (_note_for_restarts): a restart
+        # stops here, before anything, instead of training into it again and saying it again
+        self._note_dir = _note_dir(str(run_dir))
+        _refuse_a_restart_into(self._note_dir)
         # (An uncaught Stopped ends the script with 143, and a bad setting, checked here, with one line and 2, not a
         # traceback per rank and 1: import ddpkit installed the hook that says them, ranks.failures)
-        self.config.validate()
+        try:
+            self.config.validate()
+        except ConfigError as error:
+            _note_for_restarts(self._note_dir, error)
+            raise
         # the run identity reads the loop's own code: the frame above keywords_checked's wrapper, which called this
         self._maker = running_code(sys._getframe(2))
         self.ctx: DistContext | None = None
@@ -223,6 +232,7 @@ class Loop:
         if getattr(self, "_exited", False):  # ended inside its with-block already: the script's own destroy closed it
             return False
         self._exited = True
+        _note_for_restarts(self._note_dir, exc)
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
@@ -230,6 +240,7 @@ class Loop:
                 if self.session.last_saved != self.state.step:
                     self.session.save(self._snapshot(finished=True), self.state.step)  # a rerun resumes here
                 self.session.finish()  # whole on disk before the "end" record says so
+                self.session.first_quorum(self.state.step, self.state.epoch)  # (--replicas: none if no step was left)
                 self.log_writer.log(
                     "end", step=self.state.step, epoch=self.state.epoch, **self.session.snapshot_figures()
                 )
@@ -279,6 +290,7 @@ class Loop:
 
     def _teardown(self, exc: BaseException) -> None:
         """The group's teardown alone, after ``exc`` ended a started script (no save after an error)."""
+        _note_for_restarts(self._note_dir, exc)
         try:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
         finally:
@@ -879,6 +891,41 @@ class Loop:
 
 
 # ---------------------------------------------------------------------- module helpers
+def _note_dir(run_dir: str) -> str:
+    """Where this process's Loop notes an error for its job's restarts: its run dir (a replica group's own)."""
+    place = script_place()
+    return group_dir(run_dir, place.index) if place is not None else run_dir
+
+
+def _refuse_a_restart_into(note_dir: str) -> None:
+    """A restarted attempt (torchrun's ``--max-restarts``, ``ddpkit run``'s) whose last attempt met an error a
+    restart cannot fix stops at once, quiet (the launcher said it then): as ``Trainer``'s workers do
+    (``train/workers.py``). A first attempt forgets the last job's note."""
+    if env.restart_count() == 0:
+        if env.env_rank() == 0:
+            try:
+                RunFiles(note_dir).fatal.unlink(missing_ok=True)
+            except OSError:  # a run dir it cannot write: said where the Loop first writes there
+                pass
+        return
+    fatal = read_fatal(note_dir)
+    if fatal is not None:
+        raise AlreadyReported(fatal["message"], fatal["exit_code"])
+
+
+def _note_for_restarts(note_dir: str, error: BaseException | None) -> None:
+    """Note ``error`` for the job's restarts where a restart would only meet it again: bad settings or code
+    (``ConfigError``, a ``TaskError`` among them) and bad data (``DataError``). Before, ``ddpkit run
+    --max-restarts 2`` ran a script into its own ConfigError three times, and said it three times."""
+    if (
+        isinstance(error, (ConfigError, DataError))
+        and not isinstance(error, AlreadyReported)
+        and under_launcher()
+        and env.restarts_left()
+    ):
+        record_fatal(note_dir, error)
+
+
 def _another_run_dir(world_size: int) -> str:
     """How to name another run dir, said where a Loop's is in use; and for a world of 1 in a process that
     multiprocessing started (as mp.spawn starts them), that each such process is a world of its own."""

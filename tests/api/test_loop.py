@@ -230,7 +230,7 @@ class PlannedReplicas:
 
     plans: list = []  # per step: [the shares of attempt 1, of attempt 2, ...]
 
-    def __init__(self, place, state, load, timeout_s, record):
+    def __init__(self, place, state, load, timeout_s, record, first=lambda: None):
         self.steps = iter(self.plans)
 
     def set_step(self, step):

@@ -624,7 +624,8 @@ def filed_for_launcher(exc: DdpkitError) -> bool:
     exc.filed_for_launcher = True  # the group's teardown, after, leaves this file as it is (report_failure)
     write_error_file(
         str(exc) if rank is None else f"rank {rank}: {exc}",
-        bool(getattr(exc, "quiet", False)),  # said elsewhere (another replica group's, met alike)
+        # said elsewhere (another replica group's, met alike), or by the attempt that met it (a restart's note of it)
+        bool(getattr(exc, "quiet", False)) or isinstance(exc, AlreadyReported),
         exc.exit_code,
         kind=public_kind(exc),
         text=str(exc),

@@ -45,14 +45,12 @@ class MetricLogger:
         self.sinks: list = []
         self.display = Display(total_steps, progress, quiet) if self.main else None
 
-    def begin(self, global_step: int, epoch: int, rewind: bool = True) -> None:
-        """Rank 0, before the first record of an attempt: drop the records of steps that run again
-        (:meth:`rewind`; ``rewind=False``: later, once the attempt knows where it trains from), then open
-        the loggers, which start from there too."""
+    def begin(self, global_step: int, epoch: int) -> None:
+        """Rank 0, before the first record of an attempt's steps: drop the records of steps that run again
+        (:meth:`rewind`), then open the loggers, which start from there too."""
         if not self.main:
             return
-        if rewind:
-            self.rewind(global_step, epoch)
+        self.rewind(global_step, epoch)
         self.sinks = open_loggers(
             self.loggers, self.run_dir, self.config, global_step, self.metric_names, warn=self.print
         )

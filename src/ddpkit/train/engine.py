@@ -376,6 +376,7 @@ class Engine:
             with self.session.signal:
                 cut_short = self.pos.step_in_epoch and (self.pos.global_step >= self.total_steps or self.stopped_early)
                 if snap is not None and cut_short:
+                    self.session.first_quorum(self.pos.global_step, self.pos.epoch)  # (--replicas: no step to meet)
                     self._end_cut_epoch()  # killed after the snapshot of a cut-short epoch, before that epoch's end
                 while (
                     self.pos.epoch < self.cfg.epochs
@@ -384,6 +385,7 @@ class Engine:
                 ):
                     self._run_epoch()
             self.session.finish()  # the last snapshot whole before model.pt and summary.json say the run ended
+            self.session.first_quorum(self.pos.global_step, self.pos.epoch)  # (--replicas: none if no step was left)
             summary = self._finish()
             ok = True
             return summary

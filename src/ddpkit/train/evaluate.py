@@ -42,10 +42,14 @@ def evaluate_split(
     ``rank0_buffers``: every rank evaluates with rank 0's buffers (BatchNorm's running statistics), broadcast
     into the model first: the model a snapshot, ``model.pt`` and ``best.pt`` hold. DDP broadcasts them before
     each training forward, and each rank's forward then moves its own, so after the last step they differ by
-    rank; the next training forward broadcasts rank 0's again, so training is unchanged. False: a model whose
-    ranks keep their own buffers by choice (``Loop.wrap(broadcast_buffers=False)``) is evaluated as each has it."""
+    rank; DDP's next synced forward broadcasts rank 0's again (one after a ``no_sync`` micro-step does not: an
+    evaluation in the middle of an accumulation leaves rank 0's where the rank's own would have gone on). The
+    buffers DDP was told to ignore (``_ddp_params_and_buffers_to_ignore``) stay each rank's own. False: a model
+    whose ranks keep their own buffers by choice (``Loop.wrap(broadcast_buffers=False)``) is evaluated as each
+    has it."""
     if rank0_buffers:
-        ctx.broadcast_many(list(model.buffers()))
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        ctx.broadcast_many([b for name, b in model.named_buffers() if name not in ignored])
     was_training = model.training
     model.eval()
     acc = Accumulator(names, ctx.device) if names is not None else None

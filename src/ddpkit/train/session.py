@@ -84,6 +84,7 @@ class Session:
         self.last_saved = -1  # the step of the newest snapshot this rank saved or resumed from
         self.blocked_s: list[float] = []  # per snapshot, the seconds it held this rank's step (state, checks, save)
         self._told = (0, 0)  # how many held times (above) and write times (the checkpointer's) records gave
+        self._pending: tuple[int, int] | None = None  # a replica group's begin, until its first quorum (begin)
 
     # ------------------------------------------------------------------ snapshots
     def snapshot_due(self, step: int, epoch_end: bool = False) -> bool:
@@ -212,11 +213,13 @@ class Session:
         names the strategy and the parameter bytes each rank holds of ``models`` (its shards under FSDP2;
         the gradients take as many again, and the optimizer state its own multiple: Adam's two moments).
 
-        ``replica``: a replica group (``--replicas``), whose records are dropped at :meth:`first_quorum`
-        instead: a group restarted from its own snapshot heals there to the step the others are at, and the
-        steps it committed between that snapshot and its loss are the run's, not steps run again (before,
-        they were dropped, and the group's records had a hole from its snapshot to its heal)."""
-        on_rank0(self.ctx, lambda: self.log.begin(step, epoch, rewind=not replica))
+        ``replica``: a replica group (``--replicas``), whose records are dropped, and loggers opened, at
+        :meth:`first_quorum` instead: a group restarted from its own snapshot heals there to the step the
+        others are at, and the steps it committed between that snapshot and its loss are the run's, not steps
+        run again (before, they were dropped, and the group's records had a hole from its snapshot to its heal)."""
+        self._pending = (step, epoch) if replica else None
+        if not replica:
+            on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
         write_record()
         ctx = self.ctx
         # How snapshots are written: in the background (copied aside at the step, then written by a thread on
@@ -237,9 +240,14 @@ class Session:
         )
 
     def first_quorum(self, step: int, epoch: int) -> None:
-        """A replica group's first quorum has formed, a heal included: it trains from ``step`` on, and the
-        records of later steps (from an earlier attempt that got further alone) run again."""
-        on_rank0(self.ctx, lambda: self.log.rewind(step, epoch))
+        """A replica group's first quorum has formed, a heal included: it trains from ``step`` on. The records
+        of later steps run again (dropped), and its loggers start there. Called too by a face about to write
+        records with no quorum before them (an attempt with no step left: a cut-short epoch's end, the run's);
+        once an attempt, after :meth:`begin` said ``replica``."""
+        if self._pending is None:
+            return
+        self._pending = None
+        on_rank0(self.ctx, lambda: self.log.begin(step, epoch))
 
     # ------------------------------------------------------------------ best.pt
     def keep_best(self, watch: Watch, result: dict, step: int, modules: dict[str, nn.Module]) -> bool:
