@@ -57,7 +57,7 @@ from .data.batch import leading_size
 from .data.loader import rank_share
 from .data.seeds import reseed
 from .data.shard import ShardedLoader
-from .errors import AlreadyReported, ConfigError, DataError, DdpkitError
+from .errors import ConfigError, DdpkitError
 from .files import atomic_write
 from .identity import loop_code, running_code
 from .ranks import env, hangwatch, scriptend
@@ -67,7 +67,7 @@ from .ranks.failures import exit_status
 from .ranks.replicas import group_dir
 from .run.paths import RunFiles
 from .run.recorder import MetricLogger
-from .run.rundir import rank0_locks, read_fatal, record_fatal
+from .run.rundir import note_for_restarts, rank0_locks, refuse_a_restart_into
 from .run.runkey import CodeKey
 from .train import report
 from .train.evaluate import evaluate_split
@@ -126,16 +126,17 @@ class Loop:
             check_code,
             strategy,
         )
-        # An error a restart would only meet again, noted by the attempt that met it (_note_for_restarts): a restart
+        # An error a restart would only meet again, noted by the attempt that met it (run/rundir.py): a restart
         # stops here, before anything, instead of training into it again and saying it again
         self._note_dir = _note_dir(str(run_dir))
-        _refuse_a_restart_into(self._note_dir)
+        _forget_the_last_jobs_note(self._note_dir)
+        refuse_a_restart_into(self._note_dir)
         # (An uncaught Stopped ends the script with 143, and a bad setting, checked here, with one line and 2, not a
         # traceback per rank and 1: import ddpkit installed the hook that says them, ranks.failures)
         try:
             self.config.validate()
         except ConfigError as error:
-            _note_for_restarts(self._note_dir, error)
+            note_for_restarts(self._note_dir, error)
             raise
         # the run identity reads the loop's own code: the frame above keywords_checked's wrapper, which called this
         self._maker = running_code(sys._getframe(2))
@@ -232,7 +233,7 @@ class Loop:
         if getattr(self, "_exited", False):  # ended inside its with-block already: the script's own destroy closed it
             return False
         self._exited = True
-        _note_for_restarts(self._note_dir, exc)
+        note_for_restarts(self._note_dir, exc)
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
@@ -290,7 +291,7 @@ class Loop:
 
     def _teardown(self, exc: BaseException) -> None:
         """The group's teardown alone, after ``exc`` ended a started script (no save after an error)."""
-        _note_for_restarts(self._note_dir, exc)
+        note_for_restarts(self._note_dir, exc)
         try:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
         finally:
@@ -897,33 +898,13 @@ def _note_dir(run_dir: str) -> str:
     return group_dir(run_dir, place.index) if place is not None else run_dir
 
 
-def _refuse_a_restart_into(note_dir: str) -> None:
-    """A restarted attempt (torchrun's ``--max-restarts``, ``ddpkit run``'s) whose last attempt met an error a
-    restart cannot fix stops at once, quiet (the launcher said it then): as ``Trainer``'s workers do
-    (``train/workers.py``). A first attempt forgets the last job's note."""
-    if env.restart_count() == 0:
-        if env.env_rank() == 0:
-            try:
-                RunFiles(note_dir).fatal.unlink(missing_ok=True)
-            except OSError:  # a run dir it cannot write: said where the Loop first writes there
-                pass
-        return
-    fatal = read_fatal(note_dir)
-    if fatal is not None:
-        raise AlreadyReported(fatal["message"], fatal["exit_code"])
-
-
-def _note_for_restarts(note_dir: str, error: BaseException | None) -> None:
-    """Note ``error`` for the job's restarts where a restart would only meet it again: bad settings or code
-    (``ConfigError``, a ``TaskError`` among them) and bad data (``DataError``). Before, ``ddpkit run
-    --max-restarts 2`` ran a script into its own ConfigError three times, and said it three times."""
-    if (
-        isinstance(error, (ConfigError, DataError))
-        and not isinstance(error, AlreadyReported)
-        and under_launcher()
-        and env.restarts_left()
-    ):
-        record_fatal(note_dir, error)
+def _forget_the_last_jobs_note(note_dir: str) -> None:
+    """A job's first attempt (env rank 0) forgets the note of an error the last job met (``.fatal.json``)."""
+    if env.restart_count() == 0 and env.env_rank() == 0:
+        try:
+            RunFiles(note_dir).fatal.unlink(missing_ok=True)
+        except OSError:  # a run dir it cannot write: said where the Loop first writes there
+            pass
 
 
 def _another_run_dir(world_size: int) -> str:

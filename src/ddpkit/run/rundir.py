@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import POWERSGD_NO_RESUME, TrainConfig
 from ..data.types import Meta
-from ..errors import ConfigError, DdpkitError, RunDirError
+from ..errors import AlreadyReported, ConfigError, DataError, DdpkitError, RunDirError
 from ..files import atomic_write, describe_io_error, torch_bytes
 from ..identity import READING, data_fingerprint, model_fingerprint, with_code
 from ..importpath import is_import_path, resolve
@@ -397,6 +397,28 @@ def read_fatal(run_dir: str | Path) -> dict | None:
         return json.loads(RunFiles(run_dir).fatal.read_text())
     except (OSError, ValueError):
         return None
+
+
+def refuse_a_restart_into(run_dir: str | Path) -> None:
+    """A restarted attempt (``--max-restarts``) whose last attempt met an error a restart cannot fix stops at
+    once, quiet (it was said then): ``AlreadyReported``, on every rank. Both faces, before anything else."""
+    fatal = read_fatal(run_dir) if env.restart_count() > 0 else None
+    if fatal is not None:
+        raise AlreadyReported(fatal["message"], fatal["exit_code"])
+
+
+def note_for_restarts(run_dir: str | Path, error: BaseException | None) -> None:
+    """Note ``error`` for the job's restarts where a restart would only meet it again: bad settings or code
+    (``ConfigError``, ``TaskError`` among them) and bad data (``DataError``), under a launcher with restarts
+    left (:func:`refuse_a_restart_into` reads it). Before, for a ``ddpkit.Loop`` script, ``ddpkit run
+    --max-restarts 2`` ran into its own ConfigError three times and said it three times."""
+    if (
+        isinstance(error, (ConfigError, DataError))
+        and not isinstance(error, AlreadyReported)
+        and env.under_launcher()
+        and env.restarts_left()
+    ):
+        record_fatal(run_dir, error)
 
 
 # ---------------------------------------------------------------------- writers

@@ -19,11 +19,10 @@ from ..config import TrainConfig
 from ..data import DataSplits, load_dataset
 from ..data.loader import EvalSource, Preprocess
 from ..data.seeds import seed_weights
-from ..errors import AlreadyReported, ConfigError, DataError, TaskError
+from ..errors import ConfigError
 from ..models import model_for
-from ..ranks import env
 from ..ranks.context import DistContext, distributed
-from ..run.rundir import load_trained_model, rank0_owns, read_fatal, record_fatal
+from ..run.rundir import load_trained_model, note_for_restarts, rank0_owns, refuse_a_restart_into
 from .engine import Engine
 from .evaluate import evaluate
 from .task import Task
@@ -52,14 +51,11 @@ def train_worker(job: Job) -> dict:
     with distributed(cfg.device, cfg.timeout_s, cfg.deterministic) as ctx:
         same_identity(cfg, ctx)  # before anything uses the run dir, which the identity may name
         with rank0_owns(cfg, ctx):
-            fatal = read_fatal(cfg.run_dir) if env.restart_count() > 0 else None
-            if fatal is not None:  # the last attempt met an error a restart cannot fix; it was reported then
-                raise AlreadyReported(fatal["message"], fatal["exit_code"])
+            refuse_a_restart_into(cfg.run_dir)  # the last attempt met an error a restart cannot fix
             try:
                 return _train(job, ctx)
-            except (DataError, TaskError) as exc:  # deterministic: every restart would meet it again
-                if env.restarts_left():
-                    record_fatal(cfg.run_dir, exc)
+            except Exception as exc:  # deterministic ones (bad data, a task mismatch): every restart would meet them
+                note_for_restarts(cfg.run_dir, exc)
                 raise
 
 
