@@ -60,12 +60,11 @@ from .data.shard import ShardedLoader
 from .errors import ConfigError, DdpkitError
 from .files import atomic_write
 from .identity import loop_code, running_code
-from .ranks import env, hangwatch, scriptend
+from .ranks import hangwatch, scriptend
 from .ranks.context import DistContext, adopt, deterministic, distributed, on_rank0
 from .ranks.env import under_launcher
 from .ranks.failures import exit_status
 from .ranks.replicas import group_dir
-from .run.paths import RunFiles
 from .run.recorder import MetricLogger
 from .run.rundir import note_for_restarts, rank0_locks, refuse_a_restart_into
 from .run.runkey import CodeKey
@@ -126,18 +125,13 @@ class Loop:
             check_code,
             strategy,
         )
-        # An error a restart would only meet again, noted by the attempt that met it (run/rundir.py): a restart
-        # stops here, before anything, instead of training into it again and saying it again
+        # An error a restart would only meet again, noted by this job's attempt that met it (run/rundir.py): a
+        # restart stops here, before anything, instead of training into it again and saying it again
         self._note_dir = _note_dir(str(run_dir))
-        _forget_the_last_jobs_note(self._note_dir)
         refuse_a_restart_into(self._note_dir)
         # (An uncaught Stopped ends the script with 143, and a bad setting, checked here, with one line and 2, not a
         # traceback per rank and 1: import ddpkit installed the hook that says them, ranks.failures)
-        try:
-            self.config.validate()
-        except ConfigError as error:
-            note_for_restarts(self._note_dir, error)
-            raise
+        self.config.validate()
         # the run identity reads the loop's own code: the frame above keywords_checked's wrapper, which called this
         self._maker = running_code(sys._getframe(2))
         self.ctx: DistContext | None = None
@@ -233,7 +227,6 @@ class Loop:
         if getattr(self, "_exited", False):  # ended inside its with-block already: the script's own destroy closed it
             return False
         self._exited = True
-        note_for_restarts(self._note_dir, exc)
         raised_here = None  # an error of the final save or of the teardown, raised instead of nothing
         if exc_type is None and self.state is not None:
             try:
@@ -260,7 +253,9 @@ class Loop:
             scriptend.group_gone(self._owns_group)
         if isinstance(exc, DdpkitError) and self._owns_group and under_launcher():
             # A script under torchrun (or srun), where nothing above catches it: one line, once, and its exit
-            # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is.
+            # status (143 on a stop), not one traceback per rank. Elsewhere the error is raised as it is. Only an
+            # error that ends the process is noted for the job's restarts (one a script catches is not)
+            note_for_restarts(self._note_dir, exc)
             raise SystemExit(exit_status(exc)) from None
         if raised_here is not None:
             raise raised_here
@@ -290,7 +285,8 @@ class Loop:
             self.__exit__(None, None, None)
 
     def _teardown(self, exc: BaseException) -> None:
-        """The group's teardown alone, after ``exc`` ended a started script (no save after an error)."""
+        """The group's teardown alone, after ``exc`` ended a started script (no save after an error), noted for the
+        job's restarts where a restart would meet it again."""
         note_for_restarts(self._note_dir, exc)
         try:
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
@@ -896,15 +892,6 @@ def _note_dir(run_dir: str) -> str:
     """Where this process's Loop notes an error for its job's restarts: its run dir (a replica group's own)."""
     place = script_place()
     return group_dir(run_dir, place.index) if place is not None else run_dir
-
-
-def _forget_the_last_jobs_note(note_dir: str) -> None:
-    """A job's first attempt (env rank 0) forgets the note of an error the last job met (``.fatal.json``)."""
-    if env.restart_count() == 0 and env.env_rank() == 0:
-        try:
-            RunFiles(note_dir).fatal.unlink(missing_ok=True)
-        except OSError:  # a run dir it cannot write: said where the Loop first writes there
-            pass
 
 
 def _another_run_dir(world_size: int) -> str:

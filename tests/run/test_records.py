@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -223,3 +224,30 @@ def test_plot_write_errors_name_plots_own_flag(tmp_path, monkeypatch, capsys):
     assert main(["plot", str(tmp_path / "run")]) != 0
     err = capsys.readouterr().err
     assert "no space left" in err and "--out" in err and "--run-dir" not in err, err
+
+
+def test_a_restart_stops_on_its_own_jobs_note_alone_and_no_earlier_jobs(tmp_path, monkeypatch):
+    """A note of an error a restart cannot fix (.fatal.json) stops a restarted attempt of the job that wrote it;
+    an earlier job's, in a run dir used again, does not (before: a job whose first attempt failed for another
+    reason, before its Loop, had its restarts stopped by the last job's note, and the job ended with no line)."""
+    from ddpkit.errors import AlreadyReported, ConfigError, Stopped
+    from ddpkit.ranks import env
+    from ddpkit.run.paths import RunFiles
+    from ddpkit.run.rundir import note_for_restarts, refuse_a_restart_into
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # a worker of a launcher (this process, started before the notes below) at its first restart of 2
+    monkeypatch.setenv(env.LAUNCHER_PID, str(os.getpid()))
+    monkeypatch.setenv(env.RESTART_COUNT, "1")
+    monkeypatch.setenv(env.MAX_RESTARTS, "2")
+    for var in env.LAUNCH_VARS:
+        monkeypatch.setenv(var, os.environ.get(var, "0"))
+    RunFiles(run).fatal.write_text(json.dumps({"message": "the last job's", "exit_code": 2, "at": 1.0}))
+    refuse_a_restart_into(run)  # an earlier job's: no refusal
+    note_for_restarts(run, Stopped("a stop, which a restart resumes"))  # not one a restart cannot fix: not noted
+    refuse_a_restart_into(run)
+    note_for_restarts(run, ConfigError("this job's: fix the setting"))
+    with pytest.raises(AlreadyReported, match="this job's: fix the setting"):
+        refuse_a_restart_into(run)
+    assert [p.name for p in run.iterdir()] == [".fatal.json"]  # no temporary file left

@@ -384,11 +384,19 @@ def rank0_owns(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager:
 # ---------------------------------------------------------------------- no restarts into deterministic errors
 def record_fatal(run_dir: str | Path, exc: DdpkitError) -> bool:
     """Note an error a restart would only meet again (bad data, a task mismatch), for the restarted
-    workers to report instead of training into it. Returns whether it was written."""
+    workers to report instead of training into it, with the time it was noted (:func:`refuse_a_restart_into`
+    honours a note of this job's alone). Every rank that met it writes it, each through a temporary file of
+    its own (atomic_write's one name would let two ranks remove each other's). Returns whether it was written."""
+    path = RunFiles(run_dir).fatal
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    note = {"message": str(exc), "exit_code": exc.exit_code, "at": time.time()}
     try:
-        atomic_write(RunFiles(run_dir).fatal, json.dumps({"message": str(exc), "exit_code": exc.exit_code}).encode())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(note))
+        os.replace(tmp, path)
         return True
-    except RunDirError:
+    except OSError:
+        tmp.unlink(missing_ok=True)
         return False
 
 
@@ -400,10 +408,17 @@ def read_fatal(run_dir: str | Path) -> dict | None:
 
 
 def refuse_a_restart_into(run_dir: str | Path) -> None:
-    """A restarted attempt (``--max-restarts``) whose last attempt met an error a restart cannot fix stops at
-    once, quiet (it was said then): ``AlreadyReported``, on every rank. Both faces, before anything else."""
+    """A restarted attempt (``--max-restarts``) whose job's last attempt met an error a restart cannot fix
+    stops at once, quiet (it was said then): ``AlreadyReported``, on every rank. Both faces, before anything
+    else. A note is this job's when it was written after the process that restarts the workers started
+    (ddpkit's launcher, or torchrun's agent: the worker's parent); an older one, an earlier job's, is not
+    (a review's find: a job whose first attempt failed for another reason, before its Loop, was stopped by the
+    last job's note, quiet)."""
     fatal = read_fatal(run_dir) if env.restart_count() > 0 else None
-    if fatal is not None:
+    if fatal is None:
+        return
+    launcher = int(os.environ.get(env.LAUNCHER_PID) or os.getppid())
+    if float(fatal.get("at", 0.0)) >= env.process_started_at(launcher):
         raise AlreadyReported(fatal["message"], fatal["exit_code"])
 
 
