@@ -86,10 +86,10 @@ class DDPStrategy:
     def replicated(self, obj: Any) -> bool:
         # Gradients all-reduced from the same start, and buffers broadcast from rank 0 at every forward.
         # An optimizer's state is hashed: a user may step a rank's own one.
-        return isinstance(obj, DDP) and bool(obj.broadcast_buffers)
+        return self.shares_buffers(obj)
 
     @staticmethod
-    def shares_buffers(model: nn.Module) -> bool:
+    def shares_buffers(model: Any) -> bool:
         return isinstance(model, DDP) and bool(model.broadcast_buffers)
 
     def model_state(self, model: nn.Module) -> dict:
